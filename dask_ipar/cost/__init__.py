@@ -1,0 +1,92 @@
+"""Analytic alpha-beta cost model and grid planner (Gholami et al., SPAA 2018).
+
+Pure Python: importing this package never imports dask, so planning is
+instant and needs no cluster.
+
+The engine's per-layer, per-phase predictions (engine convention, default):
+
+>>> from dask_ipar.cost import FC, Machine, dense_layer_phases
+>>> phases = dense_layer_phases(FC(784, 100), 2, 3, 64, Machine(), first_layer=True)
+>>> [(p.phase, p.total_bytes) for p in phases]
+[('fwd_gather', 25600), ('dw_reduce', 628000), ('w_gather', 628000)]
+"""
+
+from dask_ipar.cost.collectives import (
+    ZERO_COST,
+    CommCost,
+    allgather_cost,
+    allreduce_cost,
+    alltoall_cost,
+    log2_ceil,
+    point_to_point_cost,
+    reduce_scatter_cost,
+)
+from dask_ipar.cost.layers import FC, Conv2d, LayerSpec, Pool2d, as_layer_spec
+from dask_ipar.cost.machine import PAPER_MACHINE, Machine, load_machine, parse_bandwidth, parse_bytes, save_machine
+from dask_ipar.cost.model import (
+    CONVENTIONS,
+    PHASE_BUCKET,
+    MemoryBreakdown,
+    PhaseCost,
+    batch_layer_phases,
+    conv_model_phases,
+    dense_layer_phases,
+    domain_layer_phases,
+    layer_memory_bytes,
+    network_phases,
+    redistribute_phase,
+)
+from dask_ipar.cost.networks import NETWORKS, alexnet, count_params, get_network, mlp, resnet50, vgg16
+from dask_ipar.cost.planner import MODES, GridPlan, PlanResult, evaluate_grid, factorizations, network_flops, plan
+
+__all__ = [
+    # machine
+    "Machine",
+    "PAPER_MACHINE",
+    "parse_bytes",
+    "parse_bandwidth",
+    "load_machine",
+    "save_machine",
+    # collectives
+    "CommCost",
+    "ZERO_COST",
+    "log2_ceil",
+    "allgather_cost",
+    "reduce_scatter_cost",
+    "allreduce_cost",
+    "alltoall_cost",
+    "point_to_point_cost",
+    # layers and networks
+    "FC",
+    "Conv2d",
+    "Pool2d",
+    "LayerSpec",
+    "as_layer_spec",
+    "alexnet",
+    "vgg16",
+    "resnet50",
+    "mlp",
+    "get_network",
+    "count_params",
+    "NETWORKS",
+    # per-phase costs and memory
+    "CONVENTIONS",
+    "PHASE_BUCKET",
+    "PhaseCost",
+    "dense_layer_phases",
+    "conv_model_phases",
+    "domain_layer_phases",
+    "batch_layer_phases",
+    "redistribute_phase",
+    "network_phases",
+    "MemoryBreakdown",
+    "layer_memory_bytes",
+    # planner
+    "MODES",
+    "GridPlan",
+    "PlanResult",
+    "factorizations",
+    "evaluate_grid",
+    "plan",
+    "network_flops",
+]

@@ -1,0 +1,216 @@
+"""Machine model: latency, bandwidth, word size and compute rate.
+
+The alpha-beta model of Gholami et al. (SPAA 2018) charges ``alpha`` seconds
+per message and ``beta`` seconds per word.  Here bandwidth is given in bytes
+per second, so ``beta = word_bytes / bandwidth_Bps`` seconds per word.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = [
+    "Machine",
+    "PAPER_MACHINE",
+    "parse_bytes",
+    "parse_bandwidth",
+    "load_machine",
+    "save_machine",
+]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    # bits
+    "bit": 1 / 8,
+    "kbit": 10**3 / 8,
+    "mbit": 10**6 / 8,
+    "gbit": 10**9 / 8,
+    "tbit": 10**12 / 8,
+    "kibit": 2**10 / 8,
+    "mibit": 2**20 / 8,
+    "gibit": 2**30 / 8,
+}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(value: str | float | int, *, name: str = "value") -> float:
+    """Parse a byte count such as ``"6GiB"``, ``"125MB"``, ``"1Gbit"`` or ``4e9``.
+
+    Parameters
+    ----------
+    value : str, float or int
+        A number of bytes, optionally with a decimal (kB, MB, GB, TB), binary
+        (KiB, MiB, GiB, TiB) or bit (bit, kbit, Mbit, Gbit) suffix.  Units are
+        case-insensitive; ``"b"`` alone means bytes.
+    name : str
+        Argument name used in error messages.
+
+    Returns
+    -------
+    float
+        Number of bytes (may be fractional for bit units).
+
+    Examples
+    --------
+    >>> parse_bytes("6GiB")
+    6442450944.0
+    >>> parse_bytes("1Gbit")
+    125000000.0
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: got {value!r}; expected a byte count such as 6GiB or 125MB")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        text = str(value).strip()
+        if text.lower().endswith("/s"):
+            text = text[:-2]
+        match = _NUMBER_UNIT.match(text)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name}: could not parse {value!r}; expected a number with an optional unit "
+                "such as 6GiB, 125MB, 1Gbit or 6.4e9 (units: B, kB, MB, GB, TB, KiB, MiB, "
+                "GiB, TiB, bit, kbit, Mbit, Gbit)"
+            )
+        number = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name}: got {value!r}; expected a finite non-negative byte count")
+    return number
+
+
+def parse_bandwidth(value: str | float | int, *, name: str = "bandwidth") -> float:
+    """Parse a bandwidth in bytes per second (``"6GiB"``, ``"6GiB/s"``, ``"10Gbit"``).
+
+    Raises ``ValueError`` when the bandwidth is not strictly positive.
+    """
+    number = parse_bytes(value, name=name)
+    if number <= 0:
+        raise ValueError(f"{name}: got {value!r}; expected a positive bandwidth such as 6GiB")
+    return number
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Alpha-beta machine description.
+
+    Parameters
+    ----------
+    alpha_s : float
+        Latency per message, seconds (the paper's alpha).
+    bandwidth_Bps : float
+        Point-to-point bandwidth, bytes per second (``1/beta`` times the word size).
+    word_bytes : int
+        Bytes per word (4 for float32, as in the paper).
+    compute_s_per_iter : float, optional
+        Measured compute time of one iteration (the paper's convention: measured
+        once and reused for every grid of the same P and B).
+    flops_per_s : float, optional
+        Sustained flop rate of one process; used when ``compute_s_per_iter``
+        is not given: compute = flops / (P * flops_per_s).
+    """
+
+    alpha_s: float = 2e-6
+    bandwidth_Bps: float = 6 * 2**30
+    word_bytes: int = 4
+    compute_s_per_iter: float | None = None
+    flops_per_s: float | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
+            raise ValueError(f"alpha_s: got {self.alpha_s!r}; expected a non-negative latency in seconds, e.g. 2e-6")
+        if not (isinstance(self.bandwidth_Bps, (int, float)) and self.bandwidth_Bps > 0 and math.isfinite(self.bandwidth_Bps)):
+            raise ValueError(
+                f"bandwidth_Bps: got {self.bandwidth_Bps!r}; expected a positive number of bytes/s, "
+                "e.g. parse_bandwidth('6GiB')"
+            )
+        if isinstance(self.word_bytes, bool) or not isinstance(self.word_bytes, int) or self.word_bytes < 1:
+            raise ValueError(f"word_bytes: got {self.word_bytes!r}; expected a positive integer such as 4 (float32)")
+        for field in ("compute_s_per_iter", "flops_per_s"):
+            v = getattr(self, field)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
+        if self.flops_per_s == 0:
+            raise ValueError("flops_per_s: got 0; expected a positive flop rate or None")
+
+    @property
+    def beta_s_per_byte(self) -> float:
+        """Seconds per byte, ``1 / bandwidth_Bps``."""
+        return 1.0 / self.bandwidth_Bps
+
+    @property
+    def beta_s_per_word(self) -> float:
+        """The paper's beta: seconds per word, ``word_bytes / bandwidth_Bps``."""
+        return self.word_bytes / self.bandwidth_Bps
+
+    def compute_s(self, flops: float, procs: int) -> float:
+        """Compute time of one iteration on ``procs`` processes.
+
+        ``compute_s_per_iter`` when given (the paper's measured constant), else
+        ``flops / (procs * flops_per_s)``, else 0 (communication only).
+        """
+        if self.compute_s_per_iter is not None:
+            return float(self.compute_s_per_iter)
+        if self.flops_per_s is not None:
+            return flops / (procs * self.flops_per_s)
+        return 0.0
+
+    def replace(self, **changes) -> "Machine":
+        """Return a copy with some fields changed."""
+        data = asdict(self)
+        data.update(changes)
+        return Machine(**data)
+
+
+PAPER_MACHINE = Machine(alpha_s=2e-6, bandwidth_Bps=6 * 2**30, word_bytes=4)
+"""The simulated machine of the paper: alpha = 2 us, 1/beta = 6 GiB/s, 4-byte words."""
+
+_MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compute_s_per_iter")
+
+
+def load_machine(path: str | Path) -> Machine:
+    """Load a YAML machine file.
+
+    Keys: ``alpha_s``, ``bandwidth_Bps`` (a number or a string such as
+    ``"6GiB"``), ``word_bytes``, ``flops_per_s``, ``compute_s_per_iter``.
+    Missing keys take the paper machine's values.
+    """
+    import yaml  # lazy: only needed for machine files
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"machine file: cannot read {str(path)!r} ({exc.strerror}); give an existing YAML file") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"machine file: {str(path)!r} is not valid YAML ({exc}); fix the syntax") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"machine file: {str(path)!r} holds a {type(data).__name__}; expected a mapping of {', '.join(_MACHINE_KEYS)}")
+    unknown = sorted(set(data) - set(_MACHINE_KEYS))
+    if unknown:
+        raise ValueError(f"machine file: unknown keys {unknown} in {str(path)!r}; allowed keys are {', '.join(_MACHINE_KEYS)}")
+    if "bandwidth_Bps" in data and isinstance(data["bandwidth_Bps"], str):
+        data["bandwidth_Bps"] = parse_bandwidth(data["bandwidth_Bps"], name="bandwidth_Bps")
+    return Machine(**data)
+
+
+def save_machine(machine: Machine, path: str | Path) -> None:
+    """Write ``machine`` as a YAML machine file readable by :func:`load_machine`."""
+    import yaml
+
+    data = {k: getattr(machine, k) for k in _MACHINE_KEYS if getattr(machine, k) is not None}
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

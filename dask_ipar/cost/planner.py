@@ -1,0 +1,299 @@
+"""Grid planner: which Pr x Pc grid and which per-layer scheme minimise the
+time per iteration (Gholami et al., SPAA 2018, Eqs. 3-9).
+
+For every factorization ``P = Pr * Pc`` the planner prices each layer with
+:mod:`dask_ipar.cost.model` and adds layout changes (Eq. 6) between layers.
+Conv-layer modes:
+
+- ``"model"``: one grid for all layers; conv layers as matmuls (Eq. 8).
+- ``"batch"``: conv layers pure batch over all P (needs P <= B); the grid
+  applies to the FC layers only (the paper's second scenario).
+- ``"domain"``: conv layers domain-parallel on the grid (Eq. 9), which keeps
+  scaling past P = B with Pc <= B.
+- ``"auto"``: per conv layer the cheapest of model, domain and batch, chosen
+  by dynamic programming over activation layouts; the result is the cheapest
+  of that and the three fixed modes, so it is never worse than any of them.
+
+FC layers always use the grid (Eq. 8); with ``Pr = 1`` that is pure batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dask_ipar.cost.layers import Conv2d, LayerSpec, Pool2d, as_layer_spec
+from dask_ipar.cost.machine import Machine
+from dask_ipar.cost.model import (
+    CONVENTIONS,
+    PhaseCost,
+    _matmul_phases,
+    batch_layer_phases,
+    domain_layer_phases,
+    layer_memory_bytes,
+    redistribute_phase,
+)
+
+__all__ = ["MODES", "GridPlan", "PlanResult", "factorizations", "evaluate_grid", "plan", "network_flops"]
+
+MODES = ("batch", "model", "domain", "auto")
+_LAYOUT = {"model": "rep", "batch": "batch", "domain": "domain"}
+_BACKWARD_SHARE = 2.0 / 3.0  # two of the three matmuls per layer are backward
+
+
+def factorizations(procs: int) -> list[tuple[int, int]]:
+    """All grids ``(Pr, Pc)`` with ``Pr * Pc = procs``, by increasing Pr (not only powers of two)."""
+    if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+        raise ValueError(f"procs: got {procs!r}; expected a positive integer number of processes")
+    small = [d for d in range(1, math.isqrt(procs) + 1) if procs % d == 0]
+    divisors = sorted(set(small) | {procs // d for d in small})
+    return [(pr, procs // pr) for pr in divisors]
+
+
+def network_flops(layers, batch: int) -> int:
+    """Flops of one training iteration: 3 matmuls (Y, dX, dW) of 2*macs*B each."""
+    return 6 * batch * sum(as_layer_spec(layer).macs for layer in layers)
+
+
+@dataclass(frozen=True)
+class GridPlan:
+    """Cost of one grid.  Times are per iteration (or per epoch once scaled);
+    ``compute_s + batch_comm_s + model_comm_s + domain_comm_s == total_s``.
+    With overlap, ``batch_comm_s`` is the part not hidden behind backward compute."""
+
+    pr: int
+    pc: int
+    feasible: bool
+    reason: str = ""
+    compute_s: float = math.inf
+    batch_comm_s: float = math.inf
+    model_comm_s: float = math.inf
+    domain_comm_s: float = math.inf
+    total_s: float = math.inf
+    mem_bytes: int = 0
+    schemes: tuple[tuple[str, str], ...] = ()
+    phases: tuple[PhaseCost, ...] = field(default=(), repr=False)
+
+    @property
+    def comm_s(self) -> float:
+        return self.batch_comm_s + self.model_comm_s + self.domain_comm_s
+
+    def scaled(self, factor: float) -> "GridPlan":
+        return GridPlan(
+            self.pr, self.pc, self.feasible, self.reason, self.compute_s * factor, self.batch_comm_s * factor,
+            self.model_comm_s * factor, self.domain_comm_s * factor, self.total_s * factor, self.mem_bytes,
+            self.schemes, self.phases,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "pr": self.pr, "pc": self.pc, "compute_s": self.compute_s, "batch_comm_s": self.batch_comm_s,
+            "model_comm_s": self.model_comm_s, "domain_comm_s": self.domain_comm_s, "total_s": self.total_s,
+            "mem_bytes": self.mem_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """All grids of one planning run, the best one and the pure-batch baseline."""
+
+    procs: int
+    batch: int
+    conv: str
+    unit: str
+    grids: tuple[GridPlan, ...]
+    best: GridPlan | None
+    baseline: GridPlan | None
+
+    @property
+    def feasible(self) -> list[GridPlan]:
+        return [g for g in self.grids if g.feasible]
+
+    @property
+    def speedup_vs_batch(self) -> float | None:
+        if self.best is None or self.baseline is None or not self.baseline.feasible:
+            return None
+        return self.baseline.total_s / self.best.total_s if self.best.total_s > 0 else None
+
+    @property
+    def comm_speedup_vs_batch(self) -> float | None:
+        if self.best is None or self.baseline is None or not self.baseline.feasible:
+            return None
+        return self.baseline.comm_s / self.best.comm_s if self.best.comm_s > 0 else math.inf
+
+    def to_dict(self) -> dict:
+        best = None
+        if self.best is not None:
+            comm = self.comm_speedup_vs_batch
+            best = {
+                "pr": self.best.pr, "pc": self.best.pc, "speedup_vs_batch": self.speedup_vs_batch,
+                "comm_speedup_vs_batch": None if comm is None or math.isinf(comm) else comm,
+            }
+        return {"unit": self.unit, "grids": [g.to_dict() for g in self.feasible], "best": best}
+
+
+def _options(layer, mode: str, pr: int, pc: int, batch: int) -> list[str]:
+    if isinstance(layer, Conv2d):
+        wanted = ("model", "domain", "batch") if mode == "auto" else (mode,)
+        ok = []
+        for s in wanted:
+            if s == "batch" and pr * pc > batch:
+                continue
+            if s == "domain" and pr > min(layer.out_h, layer.in_h):
+                continue
+            ok.append(s)
+        return ok
+    return ["model"]
+
+
+def _layer_phases(layer, scheme, name, pr, pc, batch, machine, first, convention, dx_size):
+    if scheme == "model":
+        return _matmul_phases(layer, name, pr, pc, batch, machine, first, convention, dx_size)
+    if scheme == "domain":
+        return domain_layer_phases(layer, pr, pc, batch, machine, convention=convention, name=name)
+    return batch_layer_phases(layer, pr * pc, machine, convention=convention, name=name)
+
+
+def _transition(state, need, d, pr, pc, batch, machine, convention, name):
+    """Eq. 6: cost of giving a layer with input size ``d`` its layout ``need``."""
+    if state in ("input", "rep") or state == need:
+        return []  # replicated data (or the input) can be sliced locally
+    kind = "allgather" if need == "rep" else "alltoall"
+    return [redistribute_phase(d, pr, pc, batch, machine, convention=convention, name=name, kind=kind)]
+
+
+def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size):
+    """Dynamic programme over layouts; returns (comm_seconds, schemes, phases, mem) or None."""
+    frontier = {"input": (0.0, (), ())}
+    first = True
+    for idx, layer in enumerate(layers):
+        name = layer.name or str(idx)
+        if isinstance(layer, Pool2d):
+            continue  # pooling keeps the layout and sends nothing
+        new = {}
+        for state, (cost, schemes, phases) in frontier.items():
+            for s in allowed[idx]:
+                need = _LAYOUT[s]
+                extra = _transition(state, need, layer.d_in, pr, pc, batch, machine, convention, name)
+                extra += _layer_phases(layer, s, name, pr, pc, batch, machine, first, convention, dx_size)
+                c = cost + sum(p.seconds for p in extra)
+                if need not in new or c < new[need][0]:
+                    new[need] = (c, schemes + ((name, s),), phases + tuple(extra))
+        if not new:
+            return None
+        frontier = new
+        first = False
+    return min(frontier.values(), key=lambda v: v[0])
+
+
+def _memory(layers, schemes, pr, pc, batch, machine, convention) -> int:
+    chosen = dict(schemes)
+    w = machine.word_bytes
+    first = next((as_layer_spec(x) for x in layers), None)
+    total = -(-batch // pc) * first.d_in * w if first is not None else 0  # the network input
+    current = "model"
+    for idx, layer in enumerate(layers):
+        name = layer.name or str(idx)
+        scheme = chosen.get(name, current)
+        current = scheme
+        total += layer_memory_bytes(layer, scheme, pr, pc, batch, machine, convention=convention).total
+    return total
+
+
+def _finish(layers, pr, pc, batch, machine, found, overlap, convention) -> GridPlan:
+    _, schemes, phases = found
+    buckets = {"batch": 0.0, "model": 0.0, "domain": 0.0}
+    for p in phases:
+        buckets[p.bucket] += p.seconds
+    compute = machine.compute_s(network_flops(layers, batch), pr * pc)
+    if overlap:  # perfect overlap of the weight-gradient all-reduce with backward compute
+        buckets["batch"] = max(0.0, buckets["batch"] - _BACKWARD_SHARE * compute)
+    total = compute + buckets["batch"] + buckets["model"] + buckets["domain"]
+    mem = _memory(layers, schemes, pr, pc, batch, machine, convention)
+    return GridPlan(pr, pc, True, "", compute, buckets["batch"], buckets["model"], buckets["domain"], total, mem,
+                    schemes, phases)
+
+
+def evaluate_grid(
+    layers, pr: int, pc: int, batch: int, machine: Machine, *, conv: str = "auto", overlap: bool = False,
+    mem_limit_bytes: float | None = None, convention: str = "engine", dx_size: str = "paper",
+) -> GridPlan:
+    """Price one ``Pr x Pc`` grid for a network (Eqs. 3-9).
+
+    Returns an infeasible :class:`GridPlan` (with ``reason``) when the grid
+    cannot run the requested mode: ``Pc > B``, conv layers pure batch with
+    ``P > B``, a domain split finer than the image height, or every candidate
+    over ``mem_limit_bytes``.
+    """
+    if conv not in MODES:
+        raise ValueError(f"conv: got {conv!r}; expected one of {', '.join(MODES)}")
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention: got {convention!r}; expected one of {', '.join(CONVENTIONS)}")
+    layers = [as_layer_spec(x) for x in layers]
+    if pc > batch:
+        return GridPlan(pr, pc, False, f"Pc={pc} > batch {batch}: a grid column would get no samples")
+    modes = ("auto", "batch", "model", "domain") if conv == "auto" else (conv,)
+    candidates, reasons = [], []
+    for mode in modes:
+        allowed = [_options(x, mode, pr, pc, batch) for x in layers]
+        found = _search(layers, allowed, pr, pc, batch, machine, convention, dx_size)
+        if found is None:
+            reasons.append("conv layers pure batch need P <= B" if mode == "batch" else
+                           f"{mode}: Pr={pr} exceeds a conv layer's height")
+            continue
+        plan_ = _finish(layers, pr, pc, batch, machine, found, overlap, convention)
+        if mem_limit_bytes is not None and plan_.mem_bytes > mem_limit_bytes:
+            reasons.append(f"needs {plan_.mem_bytes} bytes per process > limit {int(mem_limit_bytes)}")
+            continue
+        candidates.append(plan_)
+    if not candidates:
+        return GridPlan(pr, pc, False, "; ".join(dict.fromkeys(reasons)))
+    return min(candidates, key=lambda g: g.total_s)
+
+
+def plan(
+    layers, procs: int, batch: int, machine: Machine, *, conv: str = "auto", overlap: bool = False,
+    mem_limit_bytes: float | None = None, convention: str = "engine", samples: int | None = None,
+    dx_size: str = "paper",
+) -> PlanResult:
+    """Evaluate every factorization of ``procs`` and pick the fastest grid.
+
+    Parameters
+    ----------
+    layers : sequence of layer specs (see :func:`dask_ipar.cost.get_network`)
+    procs : int
+        P.
+    batch : int
+        Mini-batch size B.
+    machine : Machine
+    conv : {"batch", "model", "domain", "auto"}
+    overlap : bool
+        Hide the weight-gradient all-reduce behind the backward compute
+        (2/3 of the iteration's compute); only the excess is charged.
+    mem_limit_bytes : float, optional
+        Grids needing more bytes per process are excluded.
+    convention : {"engine", "paper"}
+    samples : int, optional
+        N; when given, times are per epoch (N/B iterations).
+    """
+    for nm, v in (("batch", batch),):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{nm}: got {v!r}; expected a positive integer")
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
+        raise ValueError(f"samples: got {samples!r}; expected a positive integer number of training samples")
+    if mem_limit_bytes is not None and not mem_limit_bytes > 0:
+        raise ValueError(f"mem_limit_bytes: got {mem_limit_bytes!r}; expected a positive byte count")
+    layers = [as_layer_spec(x) for x in layers]
+    grids = [
+        evaluate_grid(layers, pr, pc, batch, machine, conv=conv, overlap=overlap, mem_limit_bytes=mem_limit_bytes,
+                      convention=convention, dx_size=dx_size)
+        for pr, pc in factorizations(procs)
+    ]
+    unit = "iteration"
+    if samples is not None:
+        unit = "epoch"
+        grids = [g.scaled(samples / batch) if g.feasible else g for g in grids]
+    feasible = [g for g in grids if g.feasible]
+    best = min(feasible, key=lambda g: (g.total_s, g.pr)) if feasible else None
+    baseline = grids[0]  # Pr = 1, Pc = P: pure batch (Eq. 4)
+    return PlanResult(procs, batch, conv, unit, tuple(grids), best, baseline)

@@ -1,0 +1,317 @@
+"""Task graphs of the 1.5D dense layers (Gholami et al., Eq. 8) on a bound grid.
+
+Layout of layer ``l`` with ``n`` inputs and ``m`` outputs on a ``Pr x Pc`` grid:
+
+* The master weight ``W_l`` (``m x (n+1)``, the last column the bias) is a
+  ``Pr x Pc`` blocked array: block ``(i, j)`` (rows ``i`` over ``Pr``, columns
+  ``j`` over ``Pc``) lives on cell ``(i, j)`` beside its momentum slice.
+* Activations ``A_l`` (``m x B``) are blocked the same way: rows over ``Pr``,
+  samples over ``Pc``.
+
+One training step, read as "communicate, compute locally, communicate":
+
+=========== ================================================ =====================
+phase       tasks on cell (i, j)                             collective
+=========== ================================================ =====================
+w_gather    ``W(i, :) = concat_j' W(i, j')``                 all-gather over Pc
+forward     ``A(i, j) = f(W(i, :) X(:, j))``                 local
+fwd_gather  ``X_next(:, j) = concat_i' A(i', j)``            all-gather over Pr
+dx_reduce   pieces ``W(i, k)^T dZ(i, j)`` go to cell (k, j)  reduce-scatter over Pr
+dw_reduce   pieces ``dZ(i, j) X(j', j)^T`` go to (i, j')     reduce-scatter over Pc
+update      momentum SGD on the owned slice ``W(i, j')``     local
+=========== ================================================ =====================
+
+The dW reduce-scatter followed by the next step's weight all-gather is the
+ring all-reduce of Eq. 8 with balanced traffic: every cell sends and receives
+``(Pc-1)/Pc * |W|/Pr`` words in each half; no cell is a home for the whole
+row. dX uses a reduce-scatter (not the paper's all-reduce) because each cell
+only needs its own row block of the previous layer's gradient; it moves half
+the paper's dX volume. Pure batch (``Pr = 1``) and pure model (``Pc = 1``)
+run through the same code; collectives over a group of one are skipped.
+
+Every key is ``("<layer>.<task>-<uid>-s<step>", *cell)``, so the dashboard
+groups tasks by layer and phase, and transfer logs attribute bytes to them
+(:func:`phase_of_key`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dask._task_spec import Task, TaskRef
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+from dask_ipar import kernels as K
+from dask_ipar.grid import GridBinding
+from dask_ipar.partition import split_bounds
+
+__all__ = ["LayerLayout", "StepGraph", "Engine", "phase_of_key", "TASK_PHASE"]
+
+#: Which collective moves the blocks of each task name between workers.
+TASK_PHASE = {
+    "act": "fwd_gather",
+    "dxp": "dx_reduce",
+    "dwp": "dw_reduce",
+    "w": "w_gather",
+}
+
+
+def phase_of_key(key) -> tuple[str, str] | None:
+    """``(layer, phase)`` of a transferred key, or None for keys not of a layer phase.
+
+    >>> phase_of_key(("dense1.dwp-0a1b2c3d-s7", 0, 1, 0))
+    ('dense1', 'dw_reduce')
+    """
+    name = key[0] if isinstance(key, tuple) else key
+    if not isinstance(name, str) or "." not in name:
+        return None
+    layer, _, rest = name.partition(".")
+    task = rest.split("-", 1)[0]
+    phase = TASK_PHASE.get(task)
+    return None if phase is None else (layer, phase)
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Sizes and block bounds of one dense layer on a grid."""
+
+    index: int
+    name: str
+    n_in: int
+    n_out: int
+    bias: bool
+    activation: str
+    rows: tuple[tuple[int, int], ...]  # output rows over Pr
+    in_rows: tuple[tuple[int, int], ...]  # input rows over Pr (previous layer's rows)
+    wcols: tuple[tuple[int, int], ...]  # weight columns (bias included) over Pc
+
+    @property
+    def n_cols(self) -> int:
+        return self.n_in + int(self.bias)
+
+    def n_decay(self, j: int) -> int:
+        """Number of non-bias columns in weight slice ``j`` (weight decay applies to them)."""
+        c0, c1 = self.wcols[j]
+        return max(0, min(c1, self.n_in) - c0)
+
+    @classmethod
+    def build(cls, index, n_in, layer, pr, pc):
+        n_cols = n_in + int(layer.bias)
+        return cls(
+            index=index,
+            name=f"dense{index}",
+            n_in=n_in,
+            n_out=layer.units,
+            bias=layer.bias,
+            activation=layer.activation,
+            rows=split_bounds(layer.units, pr),
+            in_rows=split_bounds(n_in, pr),
+            wcols=split_bounds(n_cols, pc),
+        )
+
+
+@dataclass
+class StepGraph:
+    """A graph under construction: tasks and the worker each one is pinned to."""
+
+    dsk: dict = field(default_factory=dict)
+    place: dict = field(default_factory=dict)
+
+    def add(self, key, worker, func, *args):
+        """Add task ``key = func(*args)`` pinned to ``worker``; dependencies are ``TaskRef``."""
+        self.dsk[key] = Task(key, func, *args)
+        self.place[key] = worker
+
+    def to_hlg(self, name: str) -> HighLevelGraph:
+        """One graph layer whose annotation pins every task (``allow_other_workers=False``).
+
+        The annotation is a ``dict.get``: total over the layer's keys, and keys it
+        does not know (none here) would get no restriction.
+        """
+        layer = MaterializedLayer(
+            self.dsk,
+            annotations={"workers": self.place.get, "allow_other_workers": False},
+        )
+        return HighLevelGraph({name: layer}, {name: set()})
+
+
+class Engine:
+    """Builds the per-step task graphs of a dense network on a bound grid.
+
+    Parameters
+    ----------
+    binding : GridBinding
+        Grid cells bound to worker addresses.
+    layouts : list of LayerLayout
+        One per dense layer, in order.
+    uid : str
+        Hex token unique to the model, part of every key.
+    """
+
+    def __init__(self, binding: GridBinding, layouts: list[LayerLayout], uid: str):
+        self.binding = binding
+        self.layouts = layouts
+        self.uid = uid
+
+    # ------------------------------------------------------------------ names
+    def name(self, owner: str, task: str, step: int) -> str:
+        return f"{owner}.{task}-{self.uid}-s{step}"
+
+    @property
+    def grid(self):
+        return self.binding.grid
+
+    # ---------------------------------------------------------------- phases
+    def _weight_rows(self, g: StepGraph, lay: LayerLayout, w_name: str, step: int):
+        """All-gather of the weight slices over each grid row (phase w_gather)."""
+        pr, pc = self.grid.pr, self.grid.pc
+        if pc == 1:
+            return {(i, 0): TaskRef((w_name, i, 0)) for i in range(pr)}
+        wg = self.name(lay.name, "wrow", step)
+        out = {}
+        for i in range(pr):
+            for j in range(pc):
+                g.add((wg, i, j), self.binding.worker(i, j), K.concat_cols,
+                      *[TaskRef((w_name, i, jj)) for jj in range(pc)])
+                out[(i, j)] = TaskRef((wg, i, j))
+        return out
+
+    def _forward(self, g: StepGraph, x_in: dict, w_names: list[str], step: int):
+        """Forward of every layer; returns per-layer inputs, outputs, weight rows, logits."""
+        pr, pc = self.grid.pr, self.grid.pc
+        inputs, acts, wrows = [], [], []
+        for lay, w_name in zip(self.layouts, w_names):
+            wrow = self._weight_rows(g, lay, w_name, step)
+            act = self.name(lay.name, "act", step)
+            for i in range(pr):
+                for j in range(pc):
+                    g.add((act, i, j), self.binding.worker(i, j), K.dense_forward,
+                          wrow[(i, j)], x_in[(i, j)], lay.n_in, lay.activation)
+            inputs.append(x_in)
+            acts.append(act)
+            wrows.append(wrow)
+            # forward all-gather over the Pr cells of each column (phase fwd_gather)
+            if pr == 1:
+                x_in = {(0, j): TaskRef((act, 0, j)) for j in range(pc)}
+            else:
+                xg = self.name(lay.name, "xgather", step)
+                x_in = {}
+                for i in range(pr):
+                    for j in range(pc):
+                        g.add((xg, i, j), self.binding.worker(i, j), K.concat_rows,
+                              *[TaskRef((act, k, j)) for k in range(pr)])
+                        x_in[(i, j)] = TaskRef((xg, i, j))
+        return inputs, acts, wrows, x_in
+
+    def _loss(self, g: StepGraph, logits: dict, y_keys: dict, batch: int, step: int):
+        """Loss gradient rows on every cell and per-column loss statistics on row 0."""
+        pr, pc = self.grid.pr, self.grid.pc
+        last = self.layouts[-1]
+        dz = self.name(last.name, "dz", step)
+        for i in range(pr):
+            r0, r1 = last.rows[i]
+            for j in range(pc):
+                g.add((dz, i, j), self.binding.worker(i, j), K.softmax_xent_grad,
+                      logits[(i, j)], y_keys[(i, j)], r0, r1, batch)
+        return dz, self._stats(g, logits, y_keys, step)
+
+    def _stats(self, g: StepGraph, logits: dict, y_keys: dict, step: int) -> list:
+        st = self.name("loss", "stats", step)
+        for j in range(self.grid.pc):
+            g.add((st, j), self.binding.worker(0, j), K.softmax_xent_stats,
+                  logits[(0, j)], y_keys[(0, j)])
+        return [(st, j) for j in range(self.grid.pc)]
+
+    def _backward(self, g, inputs, acts, wrows, dz, step, reduce_fn):
+        """Backward of every layer; ``reduce_fn(g, lay, l, pieces)`` consumes dW pieces."""
+        pr, pc = self.grid.pr, self.grid.pc
+        for l in range(len(self.layouts) - 1, -1, -1):
+            lay = self.layouts[l]
+            # dW pieces, reduce-scattered over the row onto the slice owners
+            dwp = self.name(lay.name, "dwp", step)
+            for i in range(pr):
+                for j in range(pc):
+                    for jj in range(pc):
+                        c0, c1 = lay.wcols[jj]
+                        g.add((dwp, i, j, jj), self.binding.worker(i, j), K.dw_piece,
+                              TaskRef((dz, i, j)), inputs[l][(i, j)], c0, c1, lay.n_in)
+            reduce_fn(g, lay, l, dwp)
+            if l == 0:
+                break
+            # dX pieces, reduce-scattered over the column onto the row owners
+            prev = self.layouts[l - 1]
+            dxp = self.name(lay.name, "dxp", step)
+            for i in range(pr):
+                for k in range(pr):
+                    c0, c1 = lay.in_rows[k]
+                    for j in range(pc):
+                        g.add((dxp, i, k, j), self.binding.worker(i, j), K.dx_piece,
+                              wrows[l][(i, j)], TaskRef((dz, i, j)), c0, c1)
+            dz_prev = self.name(prev.name, "dz", step)
+            for k in range(pr):
+                for j in range(pc):
+                    g.add((dz_prev, k, j), self.binding.worker(k, j), K.dz_from_pieces,
+                          TaskRef((acts[l - 1], k, j)), prev.activation,
+                          *[TaskRef((dxp, i, k, j)) for i in range(pr)])
+            dz = dz_prev
+
+    # ---------------------------------------------------------------- graphs
+    def train_step(self, x_keys, y_keys, batch, w_names, v_names, step, lr, momentum,
+                   weight_decay):
+        """Graph of one SGD step. Returns ``(StepGraph, new_w_names, new_v_names, stats_keys)``."""
+        g = StepGraph()
+        inputs, acts, wrows, logits = self._forward(g, x_keys, w_names, step)
+        dz, stats = self._loss(g, logits, y_keys, batch, step)
+        pr, pc = self.grid.pr, self.grid.pc
+        new_w, new_v = [], []
+
+        def update(g, lay, l, dwp):
+            v_name = self.name(lay.name, "v", step)
+            w_name = self.name(lay.name, "w", step)
+            for i in range(pr):
+                for jj in range(pc):
+                    worker = self.binding.worker(i, jj)
+                    old_v = None if v_names[l] is None else TaskRef((v_names[l], i, jj))
+                    g.add((v_name, i, jj), worker, K.sgd_velocity,
+                          TaskRef((w_names[l], i, jj)), old_v, momentum, weight_decay,
+                          lay.n_decay(jj), *[TaskRef((dwp, i, j, jj)) for j in range(pc)])
+                    g.add((w_name, i, jj), worker, K.sgd_weight,
+                          TaskRef((w_names[l], i, jj)), TaskRef((v_name, i, jj)), lr)
+            new_w.append(w_name)
+            new_v.append(v_name)
+
+        self._backward(g, inputs, acts, wrows, dz, step, update)
+        return g, new_w[::-1], new_v[::-1], stats
+
+    def gradient(self, x_keys, y_keys, batch, w_names, step):
+        """Graph of forward + backward without update. Returns ``(StepGraph, grad_names, stats)``.
+
+        Gradient block ``(i, j)`` of layer ``l`` lies where weight block ``(i, j)`` does.
+        """
+        g = StepGraph()
+        inputs, acts, wrows, logits = self._forward(g, x_keys, w_names, step)
+        dz, stats = self._loss(g, logits, y_keys, batch, step)
+        pr, pc = self.grid.pr, self.grid.pc
+        names = []
+
+        def reduce(g, lay, l, dwp):
+            gname = self.name(lay.name, "grad", step)
+            for i in range(pr):
+                for jj in range(pc):
+                    g.add((gname, i, jj), self.binding.worker(i, jj), K.sum_pieces,
+                          *[TaskRef((dwp, i, j, jj)) for j in range(pc)])
+            names.append(gname)
+
+        self._backward(g, inputs, acts, wrows, dz, step, reduce)
+        return g, names[::-1], stats
+
+    def forward(self, x_keys, w_names, step, y_keys=None):
+        """Graph of the forward pass. Returns ``(StepGraph, logits_keys, stats)``.
+
+        ``logits_keys[j]`` is the ``classes x b_j`` logits block of column ``j`` on cell (0, j);
+        ``stats`` is empty unless labels are given.
+        """
+        g = StepGraph()
+        _, _, _, logits = self._forward(g, x_keys, w_names, step)
+        stats = [] if y_keys is None else self._stats(g, logits, y_keys, step)
+        return g, [logits[(0, j)].key for j in range(self.grid.pc)], stats

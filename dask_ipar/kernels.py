@@ -1,0 +1,168 @@
+"""Local kernels run inside tasks on the workers.
+
+Every function here is module level (so it pickles by reference) and
+array-module generic: it takes the array namespace from its inputs
+(``x.__array_namespace__()``), so the same code runs on NumPy and CuPy
+blocks. Layout follows the paper: activations are ``features x samples``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "xp_of",
+    "concat_rows",
+    "concat_cols",
+    "dense_forward",
+    "activation_grad",
+    "softmax_xent_grad",
+    "softmax_xent_stats",
+    "dx_piece",
+    "dz_from_pieces",
+    "dw_piece",
+    "sum_pieces",
+    "sgd_velocity",
+    "sgd_weight",
+    "take_rows",
+]
+
+ACTIVATIONS = ("linear", "relu", "tanh")
+
+
+def xp_of(x):
+    """The array namespace of ``x`` (NumPy or CuPy)."""
+    ns = getattr(x, "__array_namespace__", None)
+    return ns() if ns is not None else np
+
+
+def concat_rows(*blocks):
+    """Stack blocks along the feature axis (an all-gather's local result)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    return xp_of(blocks[0]).concatenate(blocks, axis=0)
+
+
+def concat_cols(*blocks):
+    """Join column slices of a weight block row (an all-gather's local result)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    return xp_of(blocks[0]).concatenate(blocks, axis=1)
+
+
+def take_rows(x, start, stop):
+    """Rows ``start:stop`` of ``x``, copied so the slice owns its memory."""
+    return x[start:stop].copy()
+
+
+def _activate(z, activation):
+    xp = xp_of(z)
+    if activation == "relu":
+        return xp.maximum(z, 0)
+    if activation == "tanh":
+        return xp.tanh(z)
+    return z
+
+
+def dense_forward(wrow, x, n_in, activation):
+    """``f(W[:, :n_in] @ x + b)`` for one block row of a dense layer.
+
+    ``wrow`` is the gathered block row ``W(i, :)``; its column ``n_in`` (if
+    present) is the bias.
+    """
+    z = wrow[:, :n_in] @ x
+    if wrow.shape[1] > n_in:
+        z += wrow[:, n_in:n_in + 1]
+    return _activate(z, activation)
+
+
+def activation_grad(a, activation):
+    """Derivative of the activation, written in terms of its output ``a``."""
+    if activation == "relu":
+        return (a > 0).astype(a.dtype)
+    if activation == "tanh":
+        return 1 - a * a
+    return None
+
+
+def _softmax(logits):
+    xp = xp_of(logits)
+    z = logits - logits.max(axis=0, keepdims=True)
+    e = xp.exp(z)
+    return e / e.sum(axis=0, keepdims=True), z, e
+
+
+def softmax_xent_grad(logits, labels, row_start, row_stop, batch_total):
+    """Rows ``row_start:row_stop`` of d(mean cross-entropy)/d(logits).
+
+    ``logits`` is the gathered ``classes x b`` column block, ``labels`` its
+    ``b`` integer labels, ``batch_total`` the global batch size B.
+    """
+    xp = xp_of(logits)
+    p, _, _ = _softmax(logits)
+    g = p[row_start:row_stop].copy()
+    cols = xp.arange(labels.shape[0])
+    mask = (labels >= row_start) & (labels < row_stop)
+    g[labels[mask] - row_start, cols[mask]] -= 1
+    g /= batch_total
+    return g
+
+
+def softmax_xent_stats(logits, labels):
+    """``[sum of cross-entropy, number correct]`` of one column block, as float64 NumPy."""
+    xp = xp_of(logits)
+    _, z, e = _softmax(logits)
+    cols = xp.arange(labels.shape[0])
+    logp = z[labels, cols] - xp.log(e.sum(axis=0))
+    correct = (logits.argmax(axis=0) == labels).sum()
+    return np.array([float(-logp.sum()), float(correct)], dtype=np.float64)
+
+
+def dx_piece(wrow, dz, c0, c1):
+    """``W(i, c0:c1)^T dZ(i, j)``: one piece of the dX reduce-scatter."""
+    return wrow[:, c0:c1].T @ dz
+
+
+def dz_from_pieces(a, activation, *pieces):
+    """Sum the dX pieces (the reduction) and apply the previous layer's activation'."""
+    g = pieces[0] if len(pieces) == 1 else sum(pieces[1:], pieces[0].copy())
+    d = activation_grad(a, activation)
+    return g if d is None else g * d
+
+
+def dw_piece(dz, x, c0, c1, n_in):
+    """Columns ``c0:c1`` of ``dZ(i, j) [X(:, j); 1]^T`` (the bias is column ``n_in``)."""
+    xp = xp_of(dz)
+    parts = []
+    if c0 < n_in:
+        parts.append(dz @ x[c0:min(c1, n_in)].T)
+    if c1 > n_in:
+        parts.append(dz.sum(axis=1, keepdims=True))
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)
+
+
+def sum_pieces(*pieces):
+    """Sum of partial blocks (the reduce of a reduce-scatter)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return sum(pieces[1:], pieces[0].copy())
+
+
+def sgd_velocity(w, v, momentum, weight_decay, n_decay, *pieces):
+    """``v <- momentum * v + g + weight_decay * w`` for one weight slice.
+
+    ``g`` is the sum of ``pieces`` (the dW reduce-scatter); weight decay applies
+    to the first ``n_decay`` columns of the slice (not to the bias column).
+    """
+    g = sum_pieces(*pieces)
+    if weight_decay and n_decay:
+        g = g.copy() if len(pieces) == 1 else g
+        g[:, :n_decay] += weight_decay * w[:, :n_decay]
+    if v is None:
+        return g.copy() if len(pieces) == 1 else g
+    return momentum * v + g
+
+
+def sgd_weight(w, v, lr):
+    """``w <- w - lr * v``."""
+    return w - lr * v

@@ -1,0 +1,514 @@
+"""``Sequential``: a dense network trained with the 1.5D scheme on a dask cluster."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from dask._task_spec import TaskRef
+
+from dask_ipar.data import as_features, as_labels
+from dask_ipar.engine import Engine, LayerLayout
+from dask_ipar.errors import IparError
+from dask_ipar.grid import Grid, GridBinding, bind_grid, parse_grid
+from dask_ipar.layers import Dense
+from dask_ipar.optim import SGD
+
+__all__ = ["Sequential", "History", "StepStats"]
+
+
+@dataclass
+class StepStats:
+    """What one training step reports: its batch, loss and the time it completed."""
+
+    step: int
+    batch: int
+    loss: float
+    accuracy: float
+    done_s: float
+
+
+@dataclass
+class History:
+    """Per-epoch training record returned by :meth:`Sequential.fit`."""
+
+    epochs: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+
+    @property
+    def last(self) -> dict:
+        return self.epochs[-1] if self.epochs else {}
+
+
+def _glorot(rng, n_out, n_in, dtype):
+    lim = math.sqrt(6.0 / (n_in + n_out))
+    return rng.uniform(-lim, lim, size=(n_out, n_in)).astype(dtype)
+
+
+class Sequential:
+    """A stack of :class:`~dask_ipar.layers.Dense` layers ending in softmax cross-entropy.
+
+    Parameters
+    ----------
+    layers : list of Dense
+        The last layer produces the logits and must be linear.
+    input_dim : int, optional
+        Number of input features; inferred from the first data seen if omitted.
+    dtype : {"float32", "float64"}
+        Dtype of weights, activations and gradients.
+    seed : int
+        Seed of the weight initialization (Glorot uniform, zero biases).
+
+    Examples
+    --------
+    >>> from dask_ipar import Sequential, Dense
+    >>> model = Sequential([Dense(32, "relu"), Dense(10)], input_dim=64)
+    >>> model.sizes
+    [64, 32, 10]
+    >>> # model.distribute(client, "2x2").fit(X, y, epochs=5)   # doctest: +SKIP
+    """
+
+    def __init__(self, layers, input_dim: int | None = None, *, dtype="float32", seed: int = 0):
+        layers = list(layers)
+        if not layers:
+            raise IparError("Sequential needs at least one layer, got an empty list.")
+        for k, lay in enumerate(layers):
+            if not isinstance(lay, Dense):
+                raise IparError(
+                    f"layer {k} is {type(lay).__name__}; Sequential takes dask_ipar.Dense layers."
+                )
+        if layers[-1].activation != "linear":
+            raise IparError(
+                f"the last layer must be linear (it produces the logits; softmax is part of the "
+                f"loss), got activation {layers[-1].activation!r}. Use Dense({layers[-1].units})."
+            )
+        if input_dim is not None and (not isinstance(input_dim, int) or input_dim < 1):
+            raise IparError(f"input_dim must be a positive integer, got {input_dim!r}.")
+        dt = np.dtype(dtype)
+        if dt not in (np.float32, np.float64):
+            raise IparError(f"dtype must be float32 or float64, got {dtype!r}.")
+        self.layers = tuple(layers)
+        self.input_dim = input_dim
+        self.dtype = dt
+        self.seed = seed
+        self.uid = uuid.uuid4().hex[:8]
+        self.client = None
+        self.binding: GridBinding | None = None
+        self.engine: Engine | None = None
+        self._init_params = None
+        self._w: list[str] | None = None
+        self._v: list[str | None] | None = None
+        self._futures: dict = {}
+        self._step = 0
+
+    # ---------------------------------------------------------------- shape
+    @property
+    def sizes(self) -> list[int]:
+        """Layer widths ``[d_0, d_1, ..., d_L]`` (``d_0`` is None until known)."""
+        return [self.input_dim] + [lay.units for lay in self.layers]
+
+    @property
+    def n_classes(self) -> int:
+        return self.layers[-1].units
+
+    @property
+    def grid(self) -> Grid | None:
+        return None if self.binding is None else self.binding.grid
+
+    def __repr__(self):
+        widths = "-".join(str(d) for d in self.sizes)
+        where = "not distributed" if self.binding is None else f"grid {self.grid}"
+        return f"Sequential({widths}, {self.dtype}, {where})"
+
+    # ----------------------------------------------------------- placement
+    def distribute(self, client, grid: Grid | str, workers: list[str] | None = None):
+        """Bind the model to ``grid`` on ``client``'s workers (cell (i, j) -> one worker).
+
+        Returns ``self``. Weights already on a previous grid are moved to the new one.
+        """
+        grid = parse_grid(grid)
+        for k, lay in enumerate(self.layers):
+            if lay.units < grid.pr:
+                raise IparError(
+                    f"layer {k} has {lay.units} outputs, fewer than the grid's Pr = {grid.pr} rows; "
+                    "each grid row must own at least one output row. Use a grid with "
+                    f"Pr <= {min(l.units for l in self.layers)}."
+                )
+        binding = bind_grid(grid, client, workers)
+        params = self.get_weights() if self._w is not None else self._init_params
+        self.close()
+        self.client, self.binding = client, binding
+        self._init_params = params
+        if self.input_dim is not None:
+            self._build()
+        return self
+
+    def _build(self):
+        grid = self.binding.grid
+        sizes = self.sizes
+        for k, lay in enumerate(self.layers):
+            cols = sizes[k] + int(lay.bias)
+            if cols < grid.pc:
+                raise IparError(
+                    f"layer {k} has {cols} weight columns (inputs + bias), fewer than the grid's "
+                    f"Pc = {grid.pc} columns that share its weights. Use a grid with Pc <= {cols}."
+                )
+        layouts = [
+            LayerLayout.build(k, sizes[k], lay, grid.pr, grid.pc)
+            for k, lay in enumerate(self.layers)
+        ]
+        self.engine = Engine(self.binding, layouts, self.uid)
+        if self._init_params is None:
+            rng = np.random.default_rng(self.seed)
+            self._init_params = [
+                (_glorot(rng, lay.units, sizes[k], self.dtype),
+                 np.zeros(lay.units, self.dtype) if lay.bias else None)
+                for k, lay in enumerate(self.layers)
+            ]
+        self._scatter_weights(self._init_params)
+        self._init_params = None
+
+    def _require(self, n_features=None):
+        if self.binding is None:
+            raise IparError(
+                "the model is not on a cluster yet: call model.distribute(client, grid) first."
+            )
+        if self.engine is None:
+            if self.input_dim is None:
+                if n_features is None:
+                    raise IparError("input_dim is unknown: pass input_dim= or fit on data first.")
+                self.input_dim = n_features
+            self._build()
+
+    def _next_step(self) -> int:
+        self._step += 1
+        return self._step
+
+    def _keep(self, keys, futures):
+        for k, f in zip(keys, futures):
+            self._futures[k] = f
+
+    def _release(self, names):
+        if not names:
+            return
+        names = set(n for n in names if n is not None)
+        for k in [k for k in self._futures if k[0] in names]:
+            del self._futures[k]
+
+    def _scatter_weights(self, params):
+        """Place weight block (i, j) of every layer on cell (i, j); reset momentum."""
+        step = self._next_step()
+        per_worker: dict[str, dict] = {}
+        names = []
+        for lay, (W, b) in zip(self.engine.layouts, params):
+            Wa = np.asarray(W, dtype=self.dtype)
+            if b is not None:
+                Wa = np.concatenate([Wa, np.asarray(b, dtype=self.dtype)[:, None]], axis=1)
+            name = self.engine.name(lay.name, "w", step)
+            names.append(name)
+            for i, (r0, r1) in enumerate(lay.rows):
+                for j, (c0, c1) in enumerate(lay.wcols):
+                    per_worker.setdefault(self.binding.worker(i, j), {})[(name, i, j)] = (
+                        np.ascontiguousarray(Wa[r0:r1, c0:c1])
+                    )
+        old = (self._w or []) + (self._v or [])
+        for worker, blocks in per_worker.items():
+            futs = self.client.scatter(blocks, workers=[worker], hash=False)
+            self._futures.update(futs)
+        self._release(old)
+        self._w = names
+        self._v = [None] * len(names)
+
+    def _scatter_batch(self, Xb: np.ndarray, yb: np.ndarray | None, step: int):
+        """Send sample block j of a batch to every cell of grid column j (client to workers)."""
+        grid = self.binding.grid
+        xname = f"input.x-{self.uid}-s{step}"
+        yname = f"input.y-{self.uid}-s{step}"
+        from dask_ipar.partition import split_bounds
+
+        bounds = split_bounds(Xb.shape[0], grid.pc)
+        cols = [np.ascontiguousarray(Xb[b0:b1].T) for b0, b1 in bounds]
+        labs = None if yb is None else [yb[b0:b1] for b0, b1 in bounds]
+        futures = {}
+        for i, j in grid.cells():
+            blocks = {(xname, i, j): cols[j]}
+            if labs is not None:
+                blocks[(yname, i, j)] = labs[j]
+            futures.update(
+                self.client.scatter(blocks, workers=[self.binding.worker(i, j)], hash=False)
+            )
+        x_keys = {(i, j): TaskRef((xname, i, j)) for i, j in grid.cells()}
+        y_keys = None if yb is None else {(i, j): TaskRef((yname, i, j)) for i, j in grid.cells()}
+        return x_keys, y_keys, futures
+
+    def _submit(self, graph, name, keys):
+        return self.client.get(graph.to_hlg(name), keys, sync=False)
+
+    # ------------------------------------------------------------ training
+    def _check_batch(self, batch_size, n):
+        pc = self.binding.grid.pc
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise IparError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        if batch_size < pc:
+            raise IparError(
+                f"batch size {batch_size} is smaller than the grid's Pc = {pc} batch-parallel "
+                f"columns; every column needs at least one sample. Use a batch of at least {pc} "
+                f"or a grid with Pc <= {batch_size}."
+            )
+        if n < pc:
+            raise IparError(f"{n} samples cannot be split over Pc = {pc} grid columns.")
+        return min(batch_size, n)
+
+    def train_step(self, Xb, yb, optimizer: SGD):
+        """Submit one SGD step on a prepared batch; returns the loss-statistics futures."""
+        step = self._next_step()
+        x_keys, y_keys, data = self._scatter_batch(Xb, yb, step)
+        g, new_w, new_v, stats = self.engine.train_step(
+            x_keys, y_keys, Xb.shape[0], self._w, self._v, step,
+            optimizer.lr, optimizer.momentum, optimizer.weight_decay,
+        )
+        keys = [(n, i, j) for n in new_w + new_v for i, j in self.binding.grid.cells()]
+        futs = self._submit(g, f"step-{self.uid}-s{step}", keys + stats)
+        self._keep(keys, futs[: len(keys)])
+        self._release(self._w + self._v)
+        self._w, self._v = new_w, new_v
+        del data  # the graph holds the batch now
+        return futs[len(keys):]
+
+    def fit(self, X, y, *, epochs: int = 1, batch_size: int = 32, optimizer: SGD | None = None,
+            shuffle: bool = True, seed: int | None = None, progress=False,
+            max_inflight: int = 2) -> History:
+        """Train with minibatch SGD; returns a :class:`History` of per-epoch loss and accuracy.
+
+        Parameters
+        ----------
+        X : array (n_samples, n_features), NumPy or dask
+        y : array (n_samples,) of integer labels in ``[0, classes)``
+        epochs, batch_size : int
+            Batches with fewer samples than grid columns (a short last batch) are dropped.
+        optimizer : SGD
+        progress : bool or callable
+            True shows a tqdm bar (loss, accuracy, samples/s) on stderr; a callable
+            gets each :class:`StepStats`.
+        max_inflight : int
+            Steps submitted ahead of the one being waited for (hides graph build and
+            data transfer behind compute).
+        """
+        optimizer = optimizer or SGD()
+        if not isinstance(epochs, int) or epochs < 1:
+            raise IparError(f"epochs must be a positive integer, got {epochs!r}.")
+        self._require_bound()
+        X = as_features(X, self.input_dim, self.dtype)
+        y = as_labels(y, X.shape[0], self.n_classes)
+        self._require(X.shape[1])
+        batch = self._check_batch(batch_size, X.shape[0])
+        rng = np.random.default_rng(self.seed if seed is None else seed)
+        n = X.shape[0]
+        pc = self.binding.grid.pc
+        history = History()
+        bar = _make_bar(progress, epochs * (n // batch + (n % batch >= pc)))
+        callback = progress if callable(progress) else None
+        try:
+            for epoch in range(epochs):
+                t0 = time.perf_counter()
+                order = rng.permutation(n) if shuffle else np.arange(n)
+                pending: deque = deque()
+                totals = np.zeros(3)
+                for start in range(0, n, batch):
+                    idx = order[start:start + batch]
+                    if len(idx) < pc:
+                        continue
+                    stats = self.train_step(X[idx], y[idx], optimizer)
+                    pending.append((self._step, len(idx), stats))
+                    while len(pending) > max_inflight:
+                        self._finish(pending.popleft(), totals, history, bar, callback, t0)
+                while pending:
+                    self._finish(pending.popleft(), totals, history, bar, callback, t0)
+                secs = time.perf_counter() - t0
+                history.epochs.append({
+                    "epoch": epoch + 1,
+                    "loss": totals[0] / totals[2],
+                    "accuracy": totals[1] / totals[2],
+                    "seconds": secs,
+                    "samples_per_s": totals[2] / secs,
+                })
+        finally:
+            if bar is not None:
+                bar.close()
+        return history
+
+    def _finish(self, item, totals, history, bar, callback, t0):
+        step, nb, futs = item
+        loss_sum, correct = np.sum(self.client.gather(futs), axis=0)
+        if not np.isfinite(loss_sum):
+            raise IparError(
+                f"training diverged at step {step}: the loss is {loss_sum}. "
+                "Lower the learning rate or standardize the inputs."
+            )
+        totals += (loss_sum, correct, nb)
+        st = StepStats(step, nb, loss_sum / nb, correct / nb, time.perf_counter())
+        history.steps.append(st)
+        if bar is not None:
+            el = time.perf_counter() - t0
+            bar.set_postfix(loss=f"{totals[0] / totals[2]:.4f}",
+                            acc=f"{totals[1] / totals[2]:.3f}",
+                            samples_s=f"{totals[2] / max(el, 1e-9):.0f}", refresh=False)
+            bar.update(1)
+        if callback is not None:
+            callback(st)
+
+    def _require_bound(self):
+        if self.binding is None:
+            raise IparError(
+                "the model is not on a cluster yet: call model.distribute(client, grid) first."
+            )
+
+    # ----------------------------------------------------------- inference
+    def _batches(self, X, y, batch_size):
+        n = X.shape[0]
+        batch = n if batch_size is None else self._check_batch(batch_size, n)
+        pc = self.binding.grid.pc
+        if n < pc:
+            raise IparError(f"{n} samples cannot be split over Pc = {pc} grid columns.")
+        starts = list(range(0, n, batch))
+        if len(starts) > 1 and n - starts[-1] < pc:  # fold a too-short tail into its neighbour
+            starts.pop()
+        for k, s in enumerate(starts):
+            e = starts[k + 1] if k + 1 < len(starts) else n
+            yield X[s:e], None if y is None else y[s:e]
+
+    def _forward_batch(self, Xb, yb):
+        step = self._next_step()
+        x_keys, y_keys, data = self._scatter_batch(Xb, yb, step)
+        g, logit_keys, stats = self.engine.forward(x_keys, self._w, step, y_keys)
+        return self._submit(g, f"fwd-{self.uid}-s{step}", logit_keys + stats), len(logit_keys)
+
+    def forward(self, X, batch_size: int | None = 4096) -> np.ndarray:
+        """Logits ``(n_samples, classes)``, computed on the grid batch by batch."""
+        self._require_bound()
+        X = as_features(X, self.input_dim, self.dtype)
+        self._require(X.shape[1])
+        out = []
+        for Xb, _ in self._batches(X, None, batch_size):
+            futs, _ = self._forward_batch(Xb, None)
+            out.extend(self.client.gather(futs))
+        return np.concatenate([np.asarray(o).T for o in out], axis=0)
+
+    def predict(self, X, batch_size: int | None = 4096) -> np.ndarray:
+        """Predicted class of every sample."""
+        return self.forward(X, batch_size).argmax(axis=1)
+
+    def evaluate(self, X, y, batch_size: int | None = 4096) -> dict:
+        """Mean cross-entropy ``loss`` and ``accuracy`` on ``(X, y)``."""
+        self._require_bound()
+        X = as_features(X, self.input_dim, self.dtype)
+        y = as_labels(y, X.shape[0], self.n_classes)
+        self._require(X.shape[1])
+        totals = np.zeros(2)
+        for Xb, yb in self._batches(X, y, batch_size):
+            futs, nl = self._forward_batch(Xb, yb)
+            totals += np.sum(self.client.gather(futs[nl:]), axis=0)
+        return {"loss": totals[0] / len(y), "accuracy": totals[1] / len(y)}
+
+    def gradients(self, X, y):
+        """Loss, accuracy and gradients ``[(dW, db), ...]`` of the mean loss over all of ``X``.
+
+        Computed on the grid exactly as a training step does, without the update.
+        """
+        self._require_bound()
+        X = as_features(X, self.input_dim, self.dtype)
+        y = as_labels(y, X.shape[0], self.n_classes)
+        self._require(X.shape[1])
+        self._check_batch(X.shape[0], X.shape[0])
+        step = self._next_step()
+        x_keys, y_keys, data = self._scatter_batch(X, y, step)
+        g, names, stats = self.engine.gradient(x_keys, y_keys, X.shape[0], self._w, step)
+        keys = [(n, i, j) for n in names for i, j in self.binding.grid.cells()]
+        futs = self._submit(g, f"grad-{self.uid}-s{step}", keys + stats)
+        blocks = dict(zip(keys, self.client.gather(futs[: len(keys)])))
+        loss_sum, correct = np.sum(self.client.gather(futs[len(keys):]), axis=0)
+        grads = [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.layouts, names)]
+        return loss_sum / len(y), correct / len(y), grads
+
+    # -------------------------------------------------------------- weights
+    def _assemble(self, lay, name, blocks):
+        grid = self.binding.grid
+        full = np.concatenate([
+            np.concatenate([np.asarray(blocks[(name, i, j)]) for j in range(grid.pc)], axis=1)
+            for i in range(grid.pr)
+        ], axis=0)
+        return (full[:, : lay.n_in], full[:, lay.n_in] if lay.bias else None)
+
+    def weight_arrays(self):
+        """The master weights as dask arrays (``d_out x (d_in + bias)``), block (i, j) on cell (i, j).
+
+        Computing one gathers it to the client.
+        """
+        import dask.array as da
+
+        self._require()
+        out = []
+        for lay, name in zip(self.engine.layouts, self._w):
+            dsk = {(name, i, j): self._futures[(name, i, j)] for i, j in self.binding.grid.cells()}
+            chunks = (tuple(b - a for a, b in lay.rows), tuple(b - a for a, b in lay.wcols))
+            out.append(da.Array(dsk, name, chunks, dtype=self.dtype))
+        return out
+
+    def get_weights(self):
+        """``[(W, b), ...]`` as NumPy arrays (``W`` is ``d_out x d_in``), gathered to the client."""
+        if self._w is None:
+            if self._init_params is None:
+                self._require()
+            else:
+                return [(W.copy(), None if b is None else b.copy()) for W, b in self._init_params]
+        keys = [(n, i, j) for n in self._w for i, j in self.binding.grid.cells()]
+        blocks = dict(zip(keys, self.client.gather([self._futures[k] for k in keys])))
+        return [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.layouts, self._w)]
+
+    def set_weights(self, params):
+        """Replace all weights (``[(W, b), ...]``, ``W`` is ``d_out x d_in``); resets momentum."""
+        self._require()
+        params = list(params)
+        if len(params) != len(self.layers):
+            raise IparError(f"expected {len(self.layers)} (W, b) pairs, got {len(params)}.")
+        checked = []
+        for k, (lay, (W, b)) in enumerate(zip(self.engine.layouts, params)):
+            W = np.asarray(W)
+            if W.shape != (lay.n_out, lay.n_in):
+                raise IparError(
+                    f"layer {k}: W has shape {W.shape}, expected {(lay.n_out, lay.n_in)} "
+                    "(d_out x d_in)."
+                )
+            if lay.bias:
+                if b is None or np.shape(b) != (lay.n_out,):
+                    raise IparError(
+                        f"layer {k}: bias has shape {np.shape(b)}, expected ({lay.n_out},)."
+                    )
+            checked.append((W, b))
+        self._scatter_weights(checked)
+
+    def close(self):
+        """Release every block this model holds on the cluster."""
+        self._futures.clear()
+        self._w = self._v = None
+        self.engine = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _make_bar(progress, total):
+    if progress is not True:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with the train extra
+        return None
+    return tqdm(total=total, unit="step", dynamic_ncols=True, leave=True)
