@@ -29,6 +29,7 @@ from dask_ipar.cost.model import (
     MemoryBreakdown,
     PhaseCost,
     batch_layer_phases,
+    batch_model_crossover,
     conv_model_phases,
     dense_layer_phases,
     domain_layer_phases,
@@ -36,7 +37,7 @@ from dask_ipar.cost.model import (
     network_phases,
     redistribute_phase,
 )
-from dask_ipar.cost.networks import NETWORKS, alexnet, count_params, get_network, mlp, resnet50, vgg16
+from dask_ipar.cost.networks import NETWORKS, alexnet, count_params, from_units, get_network, mlp, resnet50, vgg16
 from dask_ipar.cost.planner import MODES, GridPlan, PlanResult, evaluate_grid, factorizations, network_flops, plan
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "vgg16",
     "resnet50",
     "mlp",
+    "from_units",
     "get_network",
     "count_params",
     "NETWORKS",
@@ -77,6 +79,7 @@ __all__ = [
     "conv_model_phases",
     "domain_layer_phases",
     "batch_layer_phases",
+    "batch_model_crossover",
     "redistribute_phase",
     "network_phases",
     "MemoryBreakdown",

@@ -48,6 +48,7 @@ __all__ = [
     "network_phases",
     "layer_memory_bytes",
     "MemoryBreakdown",
+    "batch_model_crossover",
 ]
 
 CONVENTIONS = ("engine", "paper")
@@ -408,6 +409,20 @@ def network_phases(
         phases += _matmul_phases(layer, name, pr, pc, batch, machine, first, convention, dx_size)
         first = False
     return phases
+
+
+def batch_model_crossover(conv: Conv2d) -> float:
+    """Eq. 5: the batch size above which pure batch beats pure model for a conv layer.
+
+    The bandwidth volumes are ``2*(P-1)/P*|W|`` (batch, Eq. 4) and
+    ``3*B*(P-1)/P*d`` (model, Eq. 3); with |W| = k_h*k_w*X_C*Y_C and
+    d = Y_H*Y_W*Y_C their ratio is ``2*k_h*k_w*X_C / (3*B*Y_H*Y_W)``, so batch
+    is cheaper when ``B > 2*k_h*k_w*X_C / (3*Y_H*Y_W)``.  Biases are ignored
+    as in the paper; X_C is taken per group (``in_c // groups``).
+    """
+    if not isinstance(conv, Conv2d):
+        raise ValueError(f"conv: got {type(conv).__name__}; Eq. 5 applies to Conv2d layers")
+    return 2 * conv.k_h * conv.k_w * (conv.in_c // conv.groups) / (3 * conv.out_h * conv.out_w)
 
 
 # --------------------------------------------------------------------------- memory

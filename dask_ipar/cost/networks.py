@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from dask_ipar.cost.layers import FC, Conv2d, LayerSpec, Pool2d, as_layer_spec
 
-__all__ = ["alexnet", "vgg16", "resnet50", "mlp", "get_network", "NETWORKS", "count_params"]
+__all__ = ["alexnet", "vgg16", "resnet50", "mlp", "from_units", "get_network", "NETWORKS", "count_params"]
 
 
 def alexnet(num_classes: int = 1000) -> list[LayerSpec]:
@@ -91,12 +91,33 @@ def mlp(widths: Sequence[int], *, bias: bool = True) -> list[LayerSpec]:
     return [FC(a, b, bias=bias, name=f"fc{i + 1}") for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))]
 
 
+def from_units(layers, input_dim: int) -> list[LayerSpec]:
+    """FC specs from engine-style dense layers that know only their output width.
+
+    Each item needs a ``units`` attribute (and optionally ``bias``), as the
+    engine's ``Dense``; ``input_dim`` is the width of the network input.
+    """
+    if isinstance(input_dim, bool) or not isinstance(input_dim, int) or input_dim < 1:
+        raise ValueError(
+            f"input_dim: got {input_dim!r}; expected the positive input width (e.g. Sequential(..., input_dim=64))"
+        )
+    specs, d = [], input_dim
+    for i, layer in enumerate(layers):
+        units = getattr(layer, "units", None)
+        if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+            raise ValueError(f"layers[{i}]: got {layer!r}; expected a dense layer with a positive integer 'units'")
+        specs.append(FC(d, units, bias=bool(getattr(layer, "bias", True)), name=f"dense{i}"))
+        d = units
+    return specs
+
+
 NETWORKS = {"alexnet": alexnet, "vgg16": vgg16, "resnet50": resnet50}
 
 
 def get_network(name_or_widths) -> list[LayerSpec]:
     """Resolve a network: ``"alexnet"``, ``"vgg16"``, ``"resnet50"``, a width
-    string such as ``"784,4096,4096,10"``, a list of widths, or a list of layers.
+    string such as ``"784,4096,4096,10"``, a list of widths, a list of layer
+    specs, or an engine model with ``layers`` (each with ``units``) and ``input_dim``.
     """
     if isinstance(name_or_widths, str):
         text = name_or_widths.strip()
@@ -110,6 +131,9 @@ def get_network(name_or_widths) -> list[LayerSpec]:
             f"model: got {name_or_widths!r}; expected one of {', '.join(NETWORKS)} or a comma-separated "
             "width list such as 784,4096,4096,10"
         )
+    if hasattr(name_or_widths, "layers") and hasattr(name_or_widths, "input_dim"):
+        # an engine model such as dask_ipar.Sequential (duck-typed: no dask import here)
+        return from_units(name_or_widths.layers, name_or_widths.input_dim)
     items = list(name_or_widths)
     if items and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
         return mlp(items)
