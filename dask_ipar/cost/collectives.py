@@ -17,7 +17,6 @@ Two algorithm families:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from dask_ipar.cost.machine import Machine

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dask_ipar.cost.layers import Conv2d, LayerSpec, Pool2d, as_layer_spec
+from dask_ipar.cost.layers import Conv2d, Pool2d, as_layer_spec
 from dask_ipar.cost.machine import Machine
 from dask_ipar.cost.model import (
     CONVENTIONS,
