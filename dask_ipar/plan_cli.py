@@ -139,7 +139,7 @@ def plot_plan(result: PlanResult, path: str, *, title: str = "") -> None:
         ax.annotate("best", (i, bottom[i]), ha="center", va="bottom")
     ax.set_xlabel("grid Pr x Pc")
     ax.set_ylabel(f"seconds per {result.unit}")
-    ax.set_title(title)
+    ax.set_title(title.replace("; ", "\n"), fontsize=9)
     ax.legend()
     plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
     fig.tight_layout()

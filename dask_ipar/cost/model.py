@@ -379,7 +379,7 @@ def redistribute_phase(
         engine_max = d * (bcol - bcol // pr)
     elif kind == "alltoall":
         per_words, total_words = batch * d / (pc * pr), (pr - 1) * d * batch / pr
-        engine_max = (pr - 1) * _ceil_div(_ceil_div(batch, pc) * d, pr * pr) * pr
+        engine_max = (pr - 1) * _ceil_div(_ceil_div(_ceil_div(batch, pc), pr) * d, pr)
     else:
         raise ValueError(f"kind: got {kind!r}; expected 'allgather' or 'alltoall'")
     if convention == "paper":
