@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dask._task_spec import Task, TaskRef
+from dask._task_spec import DataNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from dask_ipar import kernels as K
@@ -121,6 +121,12 @@ class StepGraph:
         """Add task ``key = func(*args)`` pinned to ``worker``; dependencies are ``TaskRef``."""
         self.dsk[key] = Task(key, func, *args)
         self.place[key] = worker
+
+    def add_data(self, key, worker, value):
+        """Embed ``value`` (a small input block) as key ``key`` on ``worker``; returns its ref."""
+        self.dsk[key] = DataNode(key, value)
+        self.place[key] = worker
+        return TaskRef(key)
 
     def to_hlg(self, name: str) -> HighLevelGraph:
         """One graph layer whose annotation pins every task (``allow_other_workers=False``).
@@ -223,19 +229,32 @@ class Engine:
         return [(st, j) for j in range(self.grid.pc)]
 
     def _backward(self, g, inputs, acts, wrows, dz, step, reduce_fn):
-        """Backward of every layer; ``reduce_fn(g, lay, l, pieces)`` consumes dW pieces."""
+        """Backward of every layer.
+
+        ``reduce_fn(g, lay, l, dw_args)`` adds the tasks that reduce the dW pieces;
+        ``dw_args(i, jj)`` gives the :func:`~dask_ipar.kernels.dw_reduce` arguments
+        of slice ``(i, jj)`` (local inputs, then the remote pieces).
+        """
         pr, pc = self.grid.pr, self.grid.pc
         for l in range(len(self.layouts) - 1, -1, -1):
             lay = self.layouts[l]
-            # dW pieces, reduce-scattered over the row onto the slice owners
+            # dW pieces, reduce-scattered over the row onto the slice owners; the
+            # piece a cell keeps for itself is computed by the reducing task
             dwp = self.name(lay.name, "dwp", step)
             for i in range(pr):
                 for j in range(pc):
                     for jj in range(pc):
-                        c0, c1 = lay.wcols[jj]
-                        g.add((dwp, i, j, jj), self.binding.worker(i, j), K.dw_piece,
-                              TaskRef((dz, i, j)), inputs[l][(i, j)], c0, c1, lay.n_in)
-            reduce_fn(g, lay, l, dwp)
+                        if jj != j:
+                            c0, c1 = lay.wcols[jj]
+                            g.add((dwp, i, j, jj), self.binding.worker(i, j), K.dw_piece,
+                                  TaskRef((dz, i, j)), inputs[l][(i, j)], c0, c1, lay.n_in)
+
+            def dw_args(i, jj, lay=lay, l=l, dz=dz, dwp=dwp):
+                c0, c1 = lay.wcols[jj]
+                return (TaskRef((dz, i, jj)), inputs[l][(i, jj)], c0, c1, lay.n_in,
+                        *[TaskRef((dwp, i, j, jj)) for j in range(pc) if j != jj])
+
+            reduce_fn(g, lay, l, dw_args)
             if l == 0:
                 break
             # dX pieces, reduce-scattered over the column onto the row owners
@@ -243,29 +262,32 @@ class Engine:
             dxp = self.name(lay.name, "dxp", step)
             for i in range(pr):
                 for k in range(pr):
-                    c0, c1 = lay.in_rows[k]
-                    for j in range(pc):
-                        g.add((dxp, i, k, j), self.binding.worker(i, j), K.dx_piece,
-                              wrows[l][(i, j)], TaskRef((dz, i, j)), c0, c1)
+                    if k != i:
+                        c0, c1 = lay.in_rows[k]
+                        for j in range(pc):
+                            g.add((dxp, i, k, j), self.binding.worker(i, j), K.dx_piece,
+                                  wrows[l][(i, j)], TaskRef((dz, i, j)), c0, c1)
             dz_prev = self.name(prev.name, "dz", step)
             for k in range(pr):
+                c0, c1 = lay.in_rows[k]
                 for j in range(pc):
                     g.add((dz_prev, k, j), self.binding.worker(k, j), K.dz_from_pieces,
                           TaskRef((acts[l - 1], k, j)), prev.activation,
-                          *[TaskRef((dxp, i, k, j)) for i in range(pr)])
+                          wrows[l][(k, j)], TaskRef((dz, k, j)), c0, c1,
+                          *[TaskRef((dxp, i, k, j)) for i in range(pr) if i != k])
             dz = dz_prev
 
     # ---------------------------------------------------------------- graphs
     def train_step(self, x_keys, y_keys, batch, w_names, v_names, step, lr, momentum,
-                   weight_decay):
+                   weight_decay, g=None):
         """Graph of one SGD step. Returns ``(StepGraph, new_w_names, new_v_names, stats_keys)``."""
-        g = StepGraph()
+        g = StepGraph() if g is None else g
         inputs, acts, wrows, logits = self._forward(g, x_keys, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         new_w, new_v = [], []
 
-        def update(g, lay, l, dwp):
+        def update(g, lay, l, dw_args):
             v_name = self.name(lay.name, "v", step)
             w_name = self.name(lay.name, "w", step)
             for i in range(pr):
@@ -274,7 +296,7 @@ class Engine:
                     old_v = None if v_names[l] is None else TaskRef((v_names[l], i, jj))
                     g.add((v_name, i, jj), worker, K.sgd_velocity,
                           TaskRef((w_names[l], i, jj)), old_v, momentum, weight_decay,
-                          lay.n_decay(jj), *[TaskRef((dwp, i, j, jj)) for j in range(pc)])
+                          lay.n_decay(jj), *dw_args(i, jj))
                     g.add((w_name, i, jj), worker, K.sgd_weight,
                           TaskRef((w_names[l], i, jj)), TaskRef((v_name, i, jj)), lr)
             new_w.append(w_name)
@@ -283,35 +305,35 @@ class Engine:
         self._backward(g, inputs, acts, wrows, dz, step, update)
         return g, new_w[::-1], new_v[::-1], stats
 
-    def gradient(self, x_keys, y_keys, batch, w_names, step):
+    def gradient(self, x_keys, y_keys, batch, w_names, step, g=None):
         """Graph of forward + backward without update. Returns ``(StepGraph, grad_names, stats)``.
 
         Gradient block ``(i, j)`` of layer ``l`` lies where weight block ``(i, j)`` does.
         """
-        g = StepGraph()
+        g = StepGraph() if g is None else g
         inputs, acts, wrows, logits = self._forward(g, x_keys, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         names = []
 
-        def reduce(g, lay, l, dwp):
+        def reduce(g, lay, l, dw_args):
             gname = self.name(lay.name, "grad", step)
             for i in range(pr):
                 for jj in range(pc):
-                    g.add((gname, i, jj), self.binding.worker(i, jj), K.sum_pieces,
-                          *[TaskRef((dwp, i, j, jj)) for j in range(pc)])
+                    g.add((gname, i, jj), self.binding.worker(i, jj), K.dw_reduce,
+                          *dw_args(i, jj))
             names.append(gname)
 
         self._backward(g, inputs, acts, wrows, dz, step, reduce)
         return g, names[::-1], stats
 
-    def forward(self, x_keys, w_names, step, y_keys=None):
+    def forward(self, x_keys, w_names, step, y_keys=None, g=None):
         """Graph of the forward pass. Returns ``(StepGraph, logits_keys, stats)``.
 
         ``logits_keys[j]`` is the ``classes x b_j`` logits block of column ``j`` on cell (0, j);
         ``stats`` is empty unless labels are given.
         """
-        g = StepGraph()
+        g = StepGraph() if g is None else g
         _, _, _, logits = self._forward(g, x_keys, w_names, step)
         stats = [] if y_keys is None else self._stats(g, logits, y_keys, step)
         return g, [logits[(0, j)].key for j in range(self.grid.pc)], stats

@@ -21,7 +21,7 @@ __all__ = [
     "dx_piece",
     "dz_from_pieces",
     "dw_piece",
-    "sum_pieces",
+    "dw_reduce",
     "sgd_velocity",
     "sgd_weight",
     "take_rows",
@@ -123,9 +123,15 @@ def dx_piece(wrow, dz, c0, c1):
     return wrow[:, c0:c1].T @ dz
 
 
-def dz_from_pieces(a, activation, *pieces):
-    """Sum the dX pieces (the reduction) and apply the previous layer's activation'."""
-    g = pieces[0] if len(pieces) == 1 else sum(pieces[1:], pieces[0].copy())
+def dz_from_pieces(a, activation, wrow, dz, c0, c1, *remote):
+    """The reduce of the dX reduce-scatter on cell (k, j), then the activation'.
+
+    The local piece ``W(k, c0:c1)^T dZ(k, j)`` is computed here; ``remote`` are
+    the pieces that cells (i != k, j) computed and sent.
+    """
+    g = dx_piece(wrow, dz, c0, c1)
+    for r in remote:
+        g += r
     d = activation_grad(a, activation)
     return g if d is None else g * d
 
@@ -141,25 +147,26 @@ def dw_piece(dz, x, c0, c1, n_in):
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)
 
 
-def sum_pieces(*pieces):
-    """Sum of partial blocks (the reduce of a reduce-scatter)."""
-    if len(pieces) == 1:
-        return pieces[0]
-    return sum(pieces[1:], pieces[0].copy())
+def dw_reduce(dz, x, c0, c1, n_in, *remote):
+    """The reduce of the dW reduce-scatter on cell (i, j): local piece plus remote pieces."""
+    g = dw_piece(dz, x, c0, c1, n_in)
+    for r in remote:
+        g += r
+    return g
 
 
-def sgd_velocity(w, v, momentum, weight_decay, n_decay, *pieces):
-    """``v <- momentum * v + g + weight_decay * w`` for one weight slice.
+def sgd_velocity(w, v, momentum, weight_decay, n_decay, dz, x, c0, c1, n_in, *remote):
+    """``v <- momentum * v + g + weight_decay * w`` for the owned weight slice.
 
-    ``g`` is the sum of ``pieces`` (the dW reduce-scatter); weight decay applies
-    to the first ``n_decay`` columns of the slice (not to the bias column).
+    ``g`` is the reduced dW slice (:func:`dw_reduce` of the local and remote
+    pieces); weight decay applies to the first ``n_decay`` columns of the slice
+    (not to the bias column). ``v`` is None on the first step (then ``v = g``).
     """
-    g = sum_pieces(*pieces)
+    g = dw_reduce(dz, x, c0, c1, n_in, *remote)
     if weight_decay and n_decay:
-        g = g.copy() if len(pieces) == 1 else g
         g[:, :n_decay] += weight_decay * w[:, :n_decay]
     if v is None:
-        return g.copy() if len(pieces) == 1 else g
+        return g
     return momentum * v + g
 
 

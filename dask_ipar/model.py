@@ -12,11 +12,12 @@ import numpy as np
 from dask._task_spec import TaskRef
 
 from dask_ipar.data import as_features, as_labels
-from dask_ipar.engine import Engine, LayerLayout
+from dask_ipar.engine import Engine, LayerLayout, StepGraph
 from dask_ipar.errors import IparError
 from dask_ipar.grid import Grid, GridBinding, bind_grid, parse_grid
 from dask_ipar.layers import Dense
 from dask_ipar.optim import SGD
+from dask_ipar.partition import split_bounds
 
 __all__ = ["Sequential", "History", "StepStats"]
 
@@ -104,6 +105,8 @@ class Sequential:
         self._v: list[str | None] | None = None
         self._futures: dict = {}
         self._step = 0
+        #: Batches up to this many bytes (times Pr) travel inside the step graph.
+        self.embed_bytes = 2**20
 
     # ---------------------------------------------------------------- shape
     @property
@@ -223,24 +226,35 @@ class Sequential:
         self._w = names
         self._v = [None] * len(names)
 
-    def _scatter_batch(self, Xb: np.ndarray, yb: np.ndarray | None, step: int):
-        """Send sample block j of a batch to every cell of grid column j (client to workers)."""
+    def _place_batch(self, Xb: np.ndarray, yb: np.ndarray | None, step: int, g: StepGraph):
+        """Put sample block j of a batch on every cell of grid column j (client to workers).
+
+        Batches up to ``embed_bytes`` travel inside the step's graph (one message);
+        larger ones are scattered straight to their workers. Either way the bytes go
+        from the client to each worker and never between workers.
+        """
         grid = self.binding.grid
         xname = f"input.x-{self.uid}-s{step}"
         yname = f"input.y-{self.uid}-s{step}"
-        from dask_ipar.partition import split_bounds
-
         bounds = split_bounds(Xb.shape[0], grid.pc)
         cols = [np.ascontiguousarray(Xb[b0:b1].T) for b0, b1 in bounds]
         labs = None if yb is None else [yb[b0:b1] for b0, b1 in bounds]
-        futures = {}
+        blocks = {}
         for i, j in grid.cells():
-            blocks = {(xname, i, j): cols[j]}
+            blocks[(xname, i, j)] = cols[j]
             if labs is not None:
                 blocks[(yname, i, j)] = labs[j]
-            futures.update(
-                self.client.scatter(blocks, workers=[self.binding.worker(i, j)], hash=False)
-            )
+        if Xb.nbytes * grid.pr <= self.embed_bytes:
+            for key, value in blocks.items():
+                g.add_data(key, self.binding.worker(*key[1:]), value)
+            futures = {}
+        else:
+            futures = {}
+            for i, j in grid.cells():
+                mine = {k: v for k, v in blocks.items() if k[1:] == (i, j)}
+                futures.update(
+                    self.client.scatter(mine, workers=[self.binding.worker(i, j)], hash=False)
+                )
         x_keys = {(i, j): TaskRef((xname, i, j)) for i, j in grid.cells()}
         y_keys = None if yb is None else {(i, j): TaskRef((yname, i, j)) for i, j in grid.cells()}
         return x_keys, y_keys, futures
@@ -266,10 +280,11 @@ class Sequential:
     def train_step(self, Xb, yb, optimizer: SGD):
         """Submit one SGD step on a prepared batch; returns the loss-statistics futures."""
         step = self._next_step()
-        x_keys, y_keys, data = self._scatter_batch(Xb, yb, step)
+        g = StepGraph()
+        x_keys, y_keys, data = self._place_batch(Xb, yb, step, g)
         g, new_w, new_v, stats = self.engine.train_step(
             x_keys, y_keys, Xb.shape[0], self._w, self._v, step,
-            optimizer.lr, optimizer.momentum, optimizer.weight_decay,
+            optimizer.lr, optimizer.momentum, optimizer.weight_decay, g=g,
         )
         keys = [(n, i, j) for n in new_w + new_v for i, j in self.binding.grid.cells()]
         futs = self._submit(g, f"step-{self.uid}-s{step}", keys + stats)
@@ -383,8 +398,9 @@ class Sequential:
 
     def _forward_batch(self, Xb, yb):
         step = self._next_step()
-        x_keys, y_keys, data = self._scatter_batch(Xb, yb, step)
-        g, logit_keys, stats = self.engine.forward(x_keys, self._w, step, y_keys)
+        g = StepGraph()
+        x_keys, y_keys, data = self._place_batch(Xb, yb, step, g)
+        g, logit_keys, stats = self.engine.forward(x_keys, self._w, step, y_keys, g=g)
         return self._submit(g, f"fwd-{self.uid}-s{step}", logit_keys + stats), len(logit_keys)
 
     def forward(self, X, batch_size: int | None = 4096) -> np.ndarray:
@@ -425,8 +441,9 @@ class Sequential:
         self._require(X.shape[1])
         self._check_batch(X.shape[0], X.shape[0])
         step = self._next_step()
-        x_keys, y_keys, data = self._scatter_batch(X, y, step)
-        g, names, stats = self.engine.gradient(x_keys, y_keys, X.shape[0], self._w, step)
+        g = StepGraph()
+        x_keys, y_keys, data = self._place_batch(X, y, step, g)
+        g, names, stats = self.engine.gradient(x_keys, y_keys, X.shape[0], self._w, step, g=g)
         keys = [(n, i, j) for n in names for i, j in self.binding.grid.cells()]
         futs = self._submit(g, f"grad-{self.uid}-s{step}", keys + stats)
         blocks = dict(zip(keys, self.client.gather(futs[: len(keys)])))

@@ -1,0 +1,190 @@
+"""The ``dask-ipar`` command line: ``train`` (the main job) and ``plan``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from dask_ipar.errors import IparError
+
+__all__ = ["main", "build_parser"]
+
+
+def _eprint(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def _positive_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _widths(text):
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated hidden widths such as 128,64, got {text!r}"
+        ) from None
+    if any(w < 1 for w in out):
+        raise argparse.ArgumentTypeError(f"hidden widths must be positive, got {text!r}")
+    return out
+
+
+def _add_train(sub):
+    p = sub.add_parser(
+        "train",
+        help="train an MLP on the bundled digits data set (the main job)",
+        description="Train an MLP classifier on scikit-learn's bundled 8x8 digits with the "
+        "integrated model+batch (1.5D) scheme on a Pr x Pc grid of dask workers.",
+    )
+    p.add_argument("--grid", help="process grid PRxPC, e.g. 2x1 (default: 1xP, pure batch)")
+    p.add_argument("--workers", type=_positive_int,
+                   help="number of worker processes P (default: the grid's size, else 2)")
+    p.add_argument("--epochs", type=_positive_int, default=10)
+    p.add_argument("--batch", type=_positive_int, default=64, help="global mini-batch size B")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--hidden", type=_widths, default=[128, 64],
+                   help="hidden layer widths, comma separated (default 128,64)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduler-address",
+                   help="use the dask cluster at this address instead of starting a LocalCluster")
+    p.add_argument("--wait-timeout", type=float, default=60.0,
+                   help="seconds to wait for enough workers on an existing cluster")
+    p.add_argument("--no-dashboard", action="store_true", help="start no dashboard")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--json", action="store_true",
+                   help="end with one JSON object on stdout (everything else goes to stderr)")
+    p.set_defaults(func=run_train)
+
+
+def _resolve_grid(args):
+    from dask_ipar.grid import Grid, parse_grid
+
+    if args.grid is not None:
+        grid = parse_grid(args.grid)
+        if args.workers is not None and args.workers != grid.size:
+            raise IparError(
+                f"--grid {grid} has P = Pr*Pc = {grid.size} cells but --workers is {args.workers}; "
+                f"they must agree: use --workers {grid.size} or a grid whose Pr*Pc = {args.workers}."
+            )
+        return grid
+    return Grid(1, args.workers or 2)
+
+
+def run_train(args) -> int:
+    from dask_ipar.cluster import dashboard_link, open_client
+    from dask_ipar.data import load_digits_split
+    from dask_ipar.layers import Dense
+    from dask_ipar.model import Sequential
+    from dask_ipar.optim import SGD
+
+    grid = _resolve_grid(args)
+    optimizer = SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    Xtr, ytr, Xte, yte = load_digits_split(seed=args.seed)
+    if args.batch < grid.pc:
+        raise IparError(
+            f"--batch {args.batch} is smaller than the grid's Pc = {grid.pc} batch-parallel "
+            f"columns; use --batch {grid.pc} or more, or a grid with fewer columns."
+        )
+    layers = [Dense(w, "relu") for w in args.hidden] + [Dense(10)]
+    model = Sequential(layers, input_dim=Xtr.shape[1], dtype=args.dtype, seed=args.seed)
+    widths = "-".join(map(str, model.sizes))
+    t_start = time.perf_counter()
+    with open_client(
+        None if args.scheduler_address else grid.size,
+        args.scheduler_address,
+        dashboard=not args.no_dashboard,
+        wait_timeout_s=args.wait_timeout,
+        log=_eprint,
+    ) as client:
+        if args.scheduler_address:
+            from dask_ipar.cluster import wait_for_workers
+
+            wait_for_workers(client, grid.size, args.wait_timeout, _eprint)
+        link = dashboard_link(client)
+        _eprint(f"dask-ipar: MLP {widths} on grid {grid} ({grid.pr} model-parallel rows x "
+                f"{grid.pc} batch-parallel columns), batch {args.batch}, {args.dtype}")
+        if link:
+            _eprint(f"dask-ipar: dashboard at {link}")
+        model.distribute(client, grid)
+        t_fit = time.perf_counter()
+        history = model.fit(Xtr, ytr, epochs=args.epochs, batch_size=args.batch,
+                            optimizer=optimizer, seed=args.seed,
+                            progress=not args.no_progress)
+        fit_s = time.perf_counter() - t_fit
+        result = model.evaluate(Xte, yte)
+        model.close()
+    seconds = time.perf_counter() - t_start
+    n_seen = sum(e["samples_per_s"] * e["seconds"] for e in history.epochs)
+    summary = {
+        "grid": str(grid),
+        "pr": grid.pr,
+        "pc": grid.pc,
+        "model": widths,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "epochs": args.epochs,
+        "train_loss": history.last["loss"],
+        "train_accuracy": history.last["accuracy"],
+        "test_loss": result["loss"],
+        "test_accuracy": result["accuracy"],
+        "seconds": seconds,
+        "fit_seconds": fit_s,
+        "samples_per_s": n_seen / fit_s,
+    }
+    line = (f"test accuracy {result['accuracy']:.4f} (loss {result['loss']:.4f}) after "
+            f"{args.epochs} epochs, {summary['samples_per_s']:.0f} samples/s, {seconds:.1f} s total")
+    if args.json:
+        _eprint(line)
+        print(json.dumps(summary))
+    else:
+        print(line)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dask-ipar",
+        description="Integrated model, batch and domain parallel training on dask.distributed.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train(sub)
+    try:
+        from dask_ipar import plan_cli
+    except ImportError:  # pragma: no cover - the planner ships with the package
+        plan_cli = None
+    if plan_cli is not None:
+        plan_cli.add_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except IparError as exc:
+        _eprint(f"dask-ipar {args.command}: error: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        _eprint("dask-ipar: interrupted; the cluster was shut down")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Starting or joining a dask cluster, and always shutting down what we started."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+
+from dask_ipar.errors import IparError
+
+__all__ = ["open_client", "wait_for_workers", "dashboard_link"]
+
+
+def _has_bokeh() -> bool:
+    try:
+        import bokeh  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def wait_for_workers(client, n: int, timeout_s: float, log=None) -> None:
+    """Block until the cluster has ``n`` workers, reporting progress; IparError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while True:
+        have = len(client.scheduler_info(n_workers=-1)["workers"])
+        if have >= n:
+            return
+        if log is not None and have != last:
+            log(f"waiting for workers: {have}/{n} connected")
+            last = have
+        if time.monotonic() > deadline:
+            raise IparError(
+                f"the cluster has {have} workers after waiting {timeout_s:.0f} s, but the grid "
+                f"needs {n}. Start more workers, choose a smaller grid, or raise --wait-timeout."
+            )
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def open_client(n_workers: int | None = None, scheduler_address: str | None = None, *,
+                threads_per_worker: int = 1, dashboard: bool = True,
+                connect_timeout_s: float = 10.0, wait_timeout_s: float = 60.0, log=None):
+    """Yield a ``distributed.Client`` on a new LocalCluster or an existing scheduler.
+
+    A LocalCluster started here (worker processes, dashboard on 127.0.0.1) is
+    closed on exit, whatever happens; a remote cluster is left running and
+    only the client disconnects.
+    """
+    from distributed import Client, LocalCluster
+
+    if scheduler_address:
+        try:
+            client = Client(scheduler_address, timeout=connect_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            raise IparError(
+                f"could not reach a dask scheduler at {scheduler_address!r} within "
+                f"{connect_timeout_s:.0f} s ({type(exc).__name__}). Check the address "
+                "(for example tcp://host:8786) and that `dask scheduler` is running there."
+            ) from exc
+        try:
+            if n_workers:
+                wait_for_workers(client, n_workers, wait_timeout_s, log)
+            yield client
+        finally:
+            client.close()
+        return
+
+    if n_workers is None or n_workers < 1:
+        raise IparError(f"number of workers must be a positive integer, got {n_workers!r}.")
+    dash = "127.0.0.1:0" if dashboard and _has_bokeh() else None
+    # The cluster's own shutdown chatter is not the user's business.
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    cluster = LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=threads_per_worker,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=dash,
+    )
+    try:
+        client = Client(cluster)
+        try:
+            yield client
+        finally:
+            client.close()
+    finally:
+        cluster.close()
+
+
+def dashboard_link(client) -> str | None:
+    """The dashboard URL, or None when the scheduler serves none."""
+    try:
+        if client.scheduler_info().get("services", {}).get("dashboard") is None:
+            return None
+        return client.dashboard_link
+    except Exception:  # pragma: no cover - purely informative
+        return None
+
+
+def eprint(*args):
+    print(*args, file=sys.stderr, flush=True)
