@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import sys
 import time
 
@@ -60,6 +60,8 @@ def _add_train(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduler-address",
                    help="use the dask cluster at this address instead of starting a LocalCluster")
+    p.add_argument("--connect-timeout", type=float, default=10.0,
+                   help="seconds to try reaching --scheduler-address")
     p.add_argument("--wait-timeout", type=float, default=60.0,
                    help="seconds to wait for enough workers on an existing cluster")
     p.add_argument("--no-dashboard", action="store_true", help="start no dashboard")
@@ -102,10 +104,13 @@ def run_train(args) -> int:
     model = Sequential(layers, input_dim=Xtr.shape[1], dtype=args.dtype, seed=args.seed)
     widths = "-".join(map(str, model.sizes))
     t_start = time.perf_counter()
+    # The cluster's own start-up and shutdown chatter is not the user's business.
+    logging.getLogger("distributed").setLevel(logging.ERROR)
     with open_client(
         None if args.scheduler_address else grid.size,
         args.scheduler_address,
         dashboard=not args.no_dashboard,
+        connect_timeout_s=args.connect_timeout,
         wait_timeout_s=args.wait_timeout,
         log=_eprint,
     ) as client:
@@ -113,7 +118,7 @@ def run_train(args) -> int:
             from dask_ipar.cluster import wait_for_workers
 
             wait_for_workers(client, grid.size, args.wait_timeout, _eprint)
-        link = dashboard_link(client)
+        link = None if args.no_dashboard else dashboard_link(client)
         _eprint(f"dask-ipar: MLP {widths} on grid {grid} ({grid.pr} model-parallel rows x "
                 f"{grid.pc} batch-parallel columns), batch {args.batch}, {args.dtype}")
         if link:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
-import sys
 import time
 
 from dask_ipar.errors import IparError
@@ -70,9 +68,7 @@ def open_client(n_workers: int | None = None, scheduler_address: str | None = No
 
     if n_workers is None or n_workers < 1:
         raise IparError(f"number of workers must be a positive integer, got {n_workers!r}.")
-    dash = "127.0.0.1:0" if dashboard and _has_bokeh() else None
-    # The cluster's own shutdown chatter is not the user's business.
-    logging.getLogger("distributed").setLevel(logging.ERROR)
+    dash = "127.0.0.1:8787" if dashboard and _has_bokeh() else None
     cluster = LocalCluster(
         n_workers=n_workers,
         threads_per_worker=threads_per_worker,
@@ -91,14 +87,9 @@ def open_client(n_workers: int | None = None, scheduler_address: str | None = No
 
 
 def dashboard_link(client) -> str | None:
-    """The dashboard URL, or None when the scheduler serves none."""
-    try:
-        if client.scheduler_info().get("services", {}).get("dashboard") is None:
-            return None
-        return client.dashboard_link
-    except Exception:  # pragma: no cover - purely informative
+    """The dashboard URL, or None when it cannot be served (bokeh missing)."""
+    if not _has_bokeh():
         return None
-
-
-def eprint(*args):
-    print(*args, file=sys.stderr, flush=True)
+    if client.scheduler_info().get("services", {}).get("dashboard") is None:
+        return None
+    return client.dashboard_link

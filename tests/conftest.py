@@ -1,0 +1,25 @@
+"""Shared fixtures: one LocalCluster of real worker processes for the whole session."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+N_WORKERS = 8
+
+
+@pytest.fixture(scope="session")
+def client():
+    """A client on 8 worker processes (1 thread each): enough for every grid with P <= 8."""
+    from distributed import Client, LocalCluster
+
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    cluster = LocalCluster(
+        n_workers=N_WORKERS, threads_per_worker=1, processes=True,
+        host="127.0.0.1", dashboard_address=None,
+    )
+    c = Client(cluster)
+    yield c
+    c.close()
+    cluster.close()

@@ -1,0 +1,41 @@
+"""``dask-ipar train``: the main job, end to end, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _train(*args, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", "dask_ipar.cli", "train", *args],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_train_defaults_reach_95_percent_on_digits():
+    proc, out = _train("--json")
+    for key in ("grid", "test_accuracy", "epochs", "seconds", "samples_per_s"):
+        assert key in out
+    assert out["test_accuracy"] >= 0.95, out
+    assert out["epochs"] == 10
+    assert "dashboard at http://127.0.0.1:" in proc.stderr
+    assert "test accuracy" in proc.stderr
+
+
+def test_train_on_existing_scheduler(client):
+    address = client.scheduler.address
+    proc, out = _train("--scheduler-address", address, "--grid", "2x1", "--epochs", "2", "--batch", "128",
+                       "--no-progress", "--json")
+    assert out["grid"] == "2x1"
+    assert out["test_accuracy"] > 0.7, out
+    # the shared cluster keeps running: our own client still works
+    assert client.submit(sum, [1, 2]).result() == 3
+
+
+def test_help_lists_subcommands():
+    proc = subprocess.run([sys.executable, "-m", "dask_ipar.cli", "--help"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert "train" in proc.stdout and "plan" in proc.stdout

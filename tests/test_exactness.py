@@ -1,0 +1,36 @@
+"""Every grid of P in {1, 2, 3, 4, 6, 8} equals the single-process NumPy reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from dask_ipar.grid import factorizations
+from dask_ipar.testing import check_mlp
+
+GRIDS = [g for p in (1, 2, 3, 4, 6, 8) for g in factorizations(p)]
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_mlp_matches_reference(client, grid):
+    errors = check_mlp(client, grid)  # 37-29-13-10, B = 23, float64, 20 SGD steps
+    assert errors["finite_difference"] < 1e-6
+    assert max(v for k, v in errors.items() if k.startswith(("dW", "db"))) <= 1e-12
+
+
+def test_check_detects_a_wrong_gradient(client, monkeypatch):
+    """The checker is not vacuous: a kernel off by a tiny factor makes it fail."""
+    from dask_ipar import kernels
+
+    real = kernels.dw_piece
+
+    def skewed(dz, x, c0, c1, n_in):
+        return real(dz, x, c0, c1, n_in) * (1 + 1e-9)
+
+    # dw_piece runs on the workers by reference: patch it there too.
+    monkeypatch.setattr(kernels, "dw_piece", skewed)
+    client.run(lambda: setattr(__import__("dask_ipar.kernels").kernels, "dw_piece", skewed))
+    try:
+        with pytest.raises(AssertionError, match="differs from the reference"):
+            check_mlp(client, "1x2", steps=1)
+    finally:
+        client.run(lambda: setattr(__import__("dask_ipar.kernels").kernels, "dw_piece", real))

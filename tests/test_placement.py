@@ -1,0 +1,58 @@
+"""Every block of a training step runs, and stays, on the worker of its grid cell."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from distributed import get_task_stream
+
+from dask_ipar import SGD, Dense, Sequential
+from dask_ipar.engine import StepGraph
+
+
+@pytest.mark.parametrize("grid", ["2x2", "3x2", "1x4", "4x1"])
+def test_every_task_of_a_step_runs_on_its_cell(client, grid):
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((23, 37)), rng.integers(0, 10, 23)
+    model = Sequential([Dense(29, "relu"), Dense(13, "tanh"), Dense(10)], input_dim=37,
+                       dtype="float64").distribute(client, grid)
+    model.fit(X, y, epochs=1, batch_size=23)  # warm up: step 0 weights exist
+    step = model._next_step()
+    g = StepGraph()
+    x_keys, y_keys, _ = model._place_batch(X, y, step, g)
+    g, new_w, new_v, stats = model.engine.train_step(
+        x_keys, y_keys, 23, model._w, model._v, step, 0.1, 0.9, 0.0, g=g)
+    keys = [(n, i, j) for n in new_w + new_v for i, j in model.binding.grid.cells()]
+    with get_task_stream(client=client) as ts:
+        futs = model._submit(g, "placement-check", keys + stats)
+        client.gather(futs)
+    ran = {}
+    for rec in ts.data:
+        key = rec["key"]
+        ran[key if not isinstance(key, list) else tuple(key)] = rec["worker"]
+    computed = {k for k in g.dsk if not k[0].startswith("input.")}
+    assert computed <= set(ran), f"tasks missing from the task stream: {computed - set(ran)}"
+    wrong = {k: (ran[k], g.place[k]) for k in computed if ran[k] != g.place[k]}
+    assert not wrong, f"tasks ran off their grid cell: {wrong}"
+    # and the new state lives where the scheduler says it should
+    who = client.who_has(futs[: len(keys)])
+    for k in keys:
+        assert tuple(who[k]) == (model.binding.worker(*k[1:]),), (k, who[k])
+    # every cell of the grid ran some of the step
+    assert set(ran.values()) == set(model.binding.workers)
+    model.close()
+
+
+def test_weight_blocks_are_dask_arrays_on_their_cells(client):
+    model = Sequential([Dense(7, "relu"), Dense(5)], input_dim=6, dtype="float64",
+                       seed=1).distribute(client, "2x2")
+    arrays = model.weight_arrays()
+    assert arrays[0].chunks == ((4, 3), (4, 3))  # 7 rows over Pr=2, 6+1 columns over Pc=2
+    who = client.who_has(list(model._futures.values()))
+    for key, holders in who.items():
+        assert tuple(holders) == (model.binding.worker(*key[1:]),)
+    for W, (Wn, bn) in zip(arrays, model.get_weights()):
+        np.testing.assert_array_equal(W.compute(), np.concatenate([Wn, bn[:, None]], axis=1))
+    model.fit(np.ones((4, 6)), np.arange(4), batch_size=4, optimizer=SGD(lr=0.1))
+    model.close()
