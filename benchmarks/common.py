@@ -1,0 +1,443 @@
+"""Shared pieces of the benchmarks: MLP configurations, the NumPy compute-limit step,
+timing dask-ipar steps, counting tasks, hops, scheduler time, memory, bandwidth.
+
+Only the engine's public API is used (``Sequential``, ``Dense``, ``SGD``,
+``model.train_step``, ``model.engine.train_step``, ``dask_ipar.cost``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+# ----------------------------------------------------------------- configurations
+@dataclass(frozen=True)
+class MLPConfig:
+    key: str          # "compute" or "weight"
+    label: str
+    widths: tuple     # (d_0, d_1, ..., d_L)
+    batch: int
+
+    @property
+    def layers(self) -> int:
+        return len(self.widths) - 1
+
+    @property
+    def flops(self) -> float:
+        """FLOPs of one SGD step: 6 * B * sum(d_in * d_out) (forward, dX, dW)."""
+        return 6.0 * self.batch * sum(a * b for a, b in zip(self.widths[:-1], self.widths[1:]))
+
+    @property
+    def params(self) -> int:
+        return sum((a + 1) * b for a, b in zip(self.widths[:-1], self.widths[1:]))
+
+    def describe(self) -> str:
+        hidden = self.widths[1:-1]
+        return (f"{self.widths[0]}-" + "-".join(str(w) for w in hidden) + f"-{self.widths[-1]}, "
+                f"B={self.batch}")
+
+
+def configs(quick: bool) -> list[MLPConfig]:
+    if quick:
+        return [
+            MLPConfig("compute", "compute-bound", (1024, 1024, 1024, 1024, 10), 256),
+            MLPConfig("weight", "weight-dominated", (2048, 2048, 2048, 10), 32),
+        ]
+    return [
+        MLPConfig("compute", "compute-bound", (4096, 4096, 4096, 4096, 10), 1024),
+        MLPConfig("weight", "weight-dominated", (8192, 8192, 8192, 10), 128),
+    ]
+
+
+TINY = MLPConfig("tiny", "tiny (overhead)", (64, 64, 64, 64, 10), 64)
+
+
+def make_data(cfg: MLPConfig, n_batches: int = 2, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((cfg.batch * n_batches, cfg.widths[0]), dtype=np.float32)
+    y = rng.integers(0, cfg.widths[-1], cfg.batch * n_batches)
+    return X, y
+
+
+def grids_of(p: int) -> list[tuple[int, int]]:
+    """Every Pr x Pc grid of p workers, pure batch (1 x p) first."""
+    return [(p // pc, pc) for pc in range(p, 0, -1) if p % pc == 0]
+
+
+def median(xs):
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+# ------------------------------------------------------------- NumPy reference
+class NumpyMLP:
+    """Single-process SGD step of the same MLP (ReLU hidden layers, softmax
+    cross-entropy, momentum SGD), written for speed: samples x features
+    layout, preallocated buffers, every matmul a single sgemm into ``out=``,
+    in-place activations and updates."""
+
+    def __init__(self, widths, batch, lr=0.01, momentum=0.9, seed=0, dtype=np.float32):
+        rng = np.random.default_rng(seed)
+        self.widths, self.B, self.lr, self.mu = list(widths), batch, lr, momentum
+        self.W, self.b, self.vW, self.vb = [], [], [], []
+        for a, o in zip(widths[:-1], widths[1:]):
+            lim = np.sqrt(6.0 / (a + o))
+            self.W.append(rng.uniform(-lim, lim, size=(o, a)).astype(dtype))   # (d_out, d_in)
+            self.b.append(np.zeros(o, dtype))
+            self.vW.append(np.zeros((o, a), dtype))
+            self.vb.append(np.zeros(o, dtype))
+        self.act = [np.empty((batch, w), dtype) for w in widths]    # activations, (B, d)
+        self.dz = [np.empty((batch, w), dtype) for w in widths]
+        self.dW = [np.empty_like(w) for w in self.W]
+
+    def step(self, X, y):
+        L = len(self.W)
+        self.act[0][...] = X
+        for l in range(L):
+            z = self.act[l + 1]
+            np.matmul(self.act[l], self.W[l].T, out=z)               # (B, d_out)
+            z += self.b[l]
+            if l < L - 1:
+                np.maximum(z, 0, out=z)
+        logits = self.act[L]
+        p = self.dz[L]
+        np.subtract(logits, logits.max(axis=1, keepdims=True), out=p)
+        np.exp(p, out=p)
+        p /= p.sum(axis=1, keepdims=True)
+        rows = np.arange(self.B)
+        loss = -np.log(p[rows, y] + 1e-30).mean()
+        p[rows, y] -= 1
+        p /= self.B
+        for l in range(L - 1, -1, -1):
+            dz = self.dz[l + 1]
+            np.matmul(dz.T, self.act[l], out=self.dW[l])              # (d_out, d_in)
+            db = dz.sum(axis=0)
+            if l > 0:
+                dx = self.dz[l]
+                np.matmul(dz, self.W[l], out=dx)                      # (B, d_in)
+                dx *= self.act[l] > 0
+            vW, vb = self.vW[l], self.vb[l]
+            vW *= self.mu
+            vW += self.dW[l]
+            vb *= self.mu
+            vb += db
+            np.multiply(vW, self.lr, out=self.dW[l])
+            self.W[l] -= self.dW[l]
+            self.b[l] -= self.lr * vb
+        return float(loss)
+
+
+def time_numpy(cfg: MLPConfig, steps: int, threads: int | None = None) -> dict:
+    """Median step time of :class:`NumpyMLP` (after one warm-up step)."""
+    X, y = make_data(cfg, 1)
+    net = NumpyMLP(cfg.widths, cfg.batch)
+    ts = []
+    with _null():
+        net.step(X, y)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            net.step(X, y)
+            ts.append(time.perf_counter() - t0)
+    t = median(ts)
+    return {"step_s": t, "steps_s": ts, "gflops": cfg.flops / t / 1e9}
+
+
+def time_sgemm(n: int = 4096, reps: int = 3) -> float:
+    """GFLOP/s of one n x n x n float32 matmul (the machine's compute ceiling)."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    c = np.empty_like(a)
+    np.matmul(a, a, out=c)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.matmul(a, a, out=c)
+        ts.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / median(ts) / 1e9
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# -------------------------------------------------------------- dask clusters
+def blas_env(threads: int) -> dict:
+    t = str(threads)
+    return {"OMP_NUM_THREADS": t, "OPENBLAS_NUM_THREADS": t, "MKL_NUM_THREADS": t,
+            "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+def local_cluster(n_workers: int, cores: int):
+    """LocalCluster of worker processes; BLAS threads per worker = max(1, cores // n)."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    threads = max(1, cores // n_workers)
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": blas_env(threads),
+                          "distributed.worker.memory.target": False,
+                          "distributed.worker.memory.spill": False,
+                          "distributed.worker.memory.pause": False,
+                          "distributed.worker.memory.terminate": False,
+                          "distributed.scheduler.active-memory-manager.start": False,
+                          "optimization.fuse.active": False}):
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
+                               dashboard_address=None, memory_limit=0)
+        client = Client(cluster)
+    client.wait_for_workers(n_workers)
+    return cluster, client, threads
+
+
+def worker_pids(client) -> dict:
+    return client.run(os.getpid)
+
+
+def reset_peak_rss(pids) -> bool:
+    """Reset each process's peak RSS (VmHWM) by writing 5 to /proc/PID/clear_refs."""
+    ok = True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            ok = False
+    return ok
+
+
+def peak_rss(pid) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _worker_peak_rss():
+    import os as _os
+    with open(f"/proc/{_os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _worker_reset_peak():
+    import os as _os
+    try:
+        with open(f"/proc/{_os.getpid()}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _sched_cpu():
+    """CPU seconds of the scheduler's event-loop thread (run on the scheduler)."""
+    import time as _t
+    return _t.thread_time()
+
+
+# ---------------------------------------------------------------- graph profile
+def graph_profile(model, cfg: MLPConfig, optimizer) -> dict:
+    """Tasks per step, dependent hops and graph-build time, from ``model.engine.train_step``.
+
+    The graph is built with placeholder input/weight names (it is never submitted),
+    exactly as ``model.train_step`` builds it.
+    """
+    from dask._task_spec import TaskRef
+
+    eng = model.engine
+    grid = model.grid
+    L = cfg.layers
+    xk = {(i, j): TaskRef((f"bx-{i}-{j}", i, j)) for i, j in grid.cells()}
+    yk = {(i, j): TaskRef((f"by-{i}-{j}", i, j)) for i, j in grid.cells()}
+    w = [f"prof.w{l}-x" for l in range(L)]
+    v = [f"prof.v{l}-x" for l in range(L)]
+    times = []
+    for s in range(5):
+        t0 = time.perf_counter()
+        g, *_ = eng.train_step(xk, yk, cfg.batch, w, v, 10**9 + s, optimizer.lr,
+                               optimizer.momentum, optimizer.weight_decay)
+        g.to_hlg(f"prof-{s}")
+        times.append(time.perf_counter() - t0)
+    dsk, place = g.dsk, g.place
+    # longest chains: in tasks, and in worker-to-worker hops (edges between different workers)
+    depth, hops = {}, {}
+
+    def visit(key):
+        if key in depth:
+            return
+        stack = [(key, False)]
+        while stack:
+            k, done = stack.pop()
+            if k in depth:
+                continue
+            deps = [d for d in getattr(dsk[k], "dependencies", ()) if d in dsk]
+            if not done:
+                stack.append((k, True))
+                stack.extend((d, False) for d in deps if d not in depth)
+                continue
+            depth[k] = 1 + max((depth[d] for d in deps), default=0)
+            hops[k] = max((hops[d] + (place.get(d) != place.get(k)) for d in deps), default=0)
+
+    for k in dsk:
+        visit(k)
+    per_worker = {}
+    for k, wk in place.items():
+        per_worker[wk] = per_worker.get(wk, 0) + 1
+    return {
+        "tasks": len(dsk),
+        "tasks_per_layer": len(dsk) / L,
+        "tasks_per_worker_max": max(per_worker.values()),
+        "depth": max(depth.values()),
+        "hops": max(hops.values()),
+        "hops_per_layer": max(hops.values()) / L,
+        "build_s": median(times[1:]),
+    }
+
+
+# -------------------------------------------------------------- timed dask steps
+def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 1,
+                   memory: bool = False, pids=None, profile: bool = True) -> dict:
+    """Median step time of dask-ipar on ``grid`` (train_step + gather), with the
+    per-step overhead profile and (optionally) peak RSS per worker."""
+    from dask_ipar import SGD, Dense, Sequential
+
+    opt = SGD(lr=0.01, momentum=0.9)
+    hidden = cfg.widths[1:-1]
+    model = Sequential([Dense(w, "relu") for w in hidden] + [Dense(cfg.widths[-1])],
+                       input_dim=cfg.widths[0], dtype="float32", seed=0)
+    X, y = make_data(cfg, 2)
+    batches = [(X[k * cfg.batch:(k + 1) * cfg.batch], y[k * cfg.batch:(k + 1) * cfg.batch])
+               for k in range(2)]
+    out = {"grid": grid}
+    try:
+        model.distribute(client, grid)
+        for k in range(warmup):
+            Xb, yb = batches[k % 2]
+            r0 = client.gather(model.train_step(Xb, yb, opt))
+            if k == 0:
+                out["first_loss"] = float(np.sum(r0, axis=0)[0]) / cfg.batch
+        if memory:
+            client.run(_worker_reset_peak)
+        ts, submit, sched = [], [], []
+        for k in range(steps):
+            Xb, yb = batches[k % 2]
+            c0 = client.run_on_scheduler(_sched_cpu)
+            t0 = time.perf_counter()
+            futs = model.train_step(Xb, yb, opt)
+            t1 = time.perf_counter()
+            res = client.gather(futs)
+            t2 = time.perf_counter()
+            c1 = client.run_on_scheduler(_sched_cpu)
+            ts.append(t2 - t0)
+            submit.append(t1 - t0)
+            sched.append(c1 - c0)
+            loss = float(np.sum(res, axis=0)[0]) / cfg.batch
+        out.update(step_s=median(ts), steps_s=ts, submit_s=median(submit),
+                   sched_cpu_s=median(sched), loss=loss)
+        if memory:
+            peaks = client.run(_worker_peak_rss)
+            out["peak_rss"] = peaks
+            out["peak_rss_max"] = max(peaks.values())
+        if profile:
+            out["profile"] = graph_profile(model, cfg, opt)
+    finally:
+        model.close()
+    return out
+
+
+# ------------------------------------------------------------ transfer timing
+def _make_block(nbytes):
+    import numpy as _np
+    return _np.ones(nbytes // 4, dtype=_np.float32)
+
+
+def _touch(x):
+    return int(x.nbytes)
+
+
+def transfer_time(client, src: str, dst: str, nbytes: int, reps: int = 3) -> float:
+    """Median seconds to move an ``nbytes`` block from worker ``src`` to ``dst`` (a task on
+    ``dst`` that depends on it), minus the same round trip with a 4-byte block."""
+    def once(n):
+        a = client.submit(_make_block, n, workers=[src], key=f"xfer-src-{uuid.uuid4().hex}",
+                          allow_other_workers=False)
+        a.result()
+        t0 = time.perf_counter()
+        b = client.submit(_touch, a, workers=[dst], key=f"xfer-dst-{uuid.uuid4().hex}",
+                          allow_other_workers=False)
+        b.result()
+        dt = time.perf_counter() - t0
+        del a, b
+        return dt
+
+    once(4)
+    small = median([once(4) for _ in range(reps)])
+    big = median([once(nbytes) for _ in range(reps)])
+    return big, small
+
+
+# ------------------------------------------------------------------ PyTorch DDP
+def torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def time_torch(cfg: MLPConfig, procs: int, cores: int, steps: int, timeout: float = 900) -> dict:
+    """Run benchmarks/torch_ddp.py in a subprocess; returns its JSON (or an error)."""
+    cmd = [sys.executable, os.path.join(HERE, "torch_ddp.py"), "--procs", str(procs),
+           "--widths", ",".join(map(str, cfg.widths)), "--batch", str(cfg.batch),
+           "--steps", str(steps), "--cores", str(cores)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"error": (r.stderr or r.stdout)[-800:]}
+
+
+class Sampler:
+    """Background thread sampling a callable; keeps the max (unused by default)."""
+
+    def __init__(self, fn, interval=0.05):
+        self.fn, self.interval, self.peak = fn, interval, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.fn())
+            except Exception:
+                pass
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *a):
+        self._stop.set()
+        self._t.join()

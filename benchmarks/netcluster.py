@@ -1,0 +1,351 @@
+"""An emulated multi-host dask cluster on one machine: network namespaces, a bridge, tc tbf.
+
+    sudo python benchmarks/netcluster.py --workers 4 --rate 1gbit [--quick] [--json out.json]
+    sudo python benchmarks/netcluster.py --cleanup        # remove leftovers of a killed run
+
+Layout (all of it private to this run; nothing is added to the host's own namespace):
+
+* a "hub" namespace holding a Linux bridge;
+* one namespace for the scheduler, one per worker and one for the client, each with a
+  veth pair: ``eth0`` (10.213.0.x/24) inside the node, the peer on the bridge in the hub;
+* ``tc qdisc ... tbf rate RATE`` on both ends of every worker and scheduler veth, i.e. each
+  direction of each link is limited to RATE (the client's link is left unlimited by
+  default: it only carries the batches, which a real cluster would read locally);
+* no default route, no forwarding, no link to the host: traffic cannot leave the bridge.
+
+``emulated_cluster(n_workers, rate)`` is a context manager that builds this, starts
+``dask scheduler`` and ``dask worker`` processes inside the namespaces, moves the calling
+thread into the client namespace (so a ``distributed.Client`` made inside the ``with``
+reaches the scheduler) and yields the scheduler address. On exit, on error, on Ctrl-C, on
+SIGTERM and at interpreter exit it kills its processes and deletes its namespaces (the
+bridge and veths go with them).
+
+The CLI checks the link rate (a 64 MiB worker-to-worker transfer), runs the benchmark MLPs
+on every grid of the workers and compares the measured ranking of grids with the
+planner's prediction for a machine with the measured alpha and bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+PREFIX = "dipn"
+SUBNET = "10.213.0"
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _sh(*args, check=True):
+    r = subprocess.run(list(args), capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")
+    return r
+
+
+def _setns(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _libc.setns(fd, CLONE_NEWNET) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"setns({path}): {os.strerror(e)}")
+    finally:
+        os.close(fd)
+
+
+def list_namespaces(prefix=PREFIX):
+    r = _sh("ip", "netns", "list", check=False)
+    return [line.split()[0] for line in r.stdout.splitlines()
+            if line.split() and line.split()[0].startswith(prefix + "-")]
+
+
+def cleanup_all(prefix=PREFIX):
+    """Delete every namespace this tool ever made (after killing processes inside them)."""
+    for ns in list_namespaces(prefix):
+        pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        _sh("ip", "netns", "del", ns, check=False)
+    return list_namespaces(prefix)
+
+
+class _Cluster:
+    def __init__(self, n_workers, rate, client_rate, threads, port, tag):
+        self.n, self.rate, self.client_rate = n_workers, rate, client_rate
+        self.threads, self.port = threads, port
+        self.tag = tag
+        self.ns = []
+        self.procs = []
+        self.logs = []
+        self.orig_ns_fd = None
+        self.done = False
+
+    def nsname(self, role):
+        return f"{PREFIX}-{self.tag}-{role}"
+
+    # -------------------------------------------------------------- network
+    def _add_node(self, role, host, rate):
+        ns = self.nsname(role)
+        hub = self.nsname("hub")
+        _sh("ip", "netns", "add", ns)
+        self.ns.append(ns)
+        a, b = f"v{self.tag}{role}a"[:15], f"v{self.tag}{role}b"[:15]
+        # create the pair inside the hub namespace, then move one end into the node
+        _sh("ip", "-n", hub, "link", "add", a, "type", "veth", "peer", "name", b)
+        _sh("ip", "-n", hub, "link", "set", b, "netns", ns)
+        _sh("ip", "-n", ns, "link", "set", b, "name", "eth0")
+        _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{host}/24", "dev", "eth0")
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        _sh("ip", "-n", hub, "link", "set", a, "master", "br0")
+        _sh("ip", "-n", hub, "link", "set", a, "up")
+        if rate:
+            tbf = ["tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf)
+            _sh("ip", "netns", "exec", hub, "tc", "qdisc", "add", "dev", a, "root", *tbf)
+        return ns, f"{SUBNET}.{host}"
+
+    def _spawn(self, ns, args, env_extra, name):
+        env = dict(os.environ)
+        env.update(env_extra)
+        logf = open(os.path.join("/tmp", f"{self.nsname(name)}.log"), "w")
+        self.logs.append(logf)
+        p = subprocess.Popen(["ip", "netns", "exec", ns, *args], stdout=logf, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def start(self):
+        hub = self.nsname("hub")
+        _sh("ip", "netns", "add", hub)
+        self.ns.append(hub)
+        _sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", hub, "link", "set", "br0", "up")
+        s_ns, s_ip = self._add_node("s", 1, self.rate)
+        c_ns, _ = self._add_node("c", 2, self.client_rate)
+        t = str(self.threads)
+        env = {"OMP_NUM_THREADS": t, "OPENBLAS_NUM_THREADS": t, "MKL_NUM_THREADS": t,
+               "MALLOC_TRIM_THRESHOLD_": "65536",
+               "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
+               "DASK_OPTIMIZATION__FUSE__ACTIVE": "False",
+               "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+        self.address = f"tcp://{s_ip}:{self.port}"
+        dask_bin = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+        self._spawn(s_ns, [*dask_bin, "--host", s_ip, "--port", str(self.port),
+                           "--dashboard-address", f"{s_ip}:0"], env, "s")
+        for k in range(self.n):
+            w_ns, w_ip = self._add_node(f"w{k}", 10 + k, self.rate)
+            self._spawn(w_ns, [sys.executable, "-m", "distributed.cli.dask_worker", self.address,
+                               "--host", w_ip, "--nthreads", "1", "--no-nanny",
+                               "--name", f"w{k}", "--memory-limit", "0",
+                               "--no-dashboard"], env, f"w{k}")
+        # the calling thread joins the client namespace
+        self.orig_ns_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        _setns(f"/run/netns/{c_ns}")
+        return self.address
+
+    def stop(self):
+        if self.done:
+            return
+        self.done = True
+        if self.orig_ns_fd is not None:
+            with contextlib.suppress(OSError):
+                if _libc.setns(self.orig_ns_fd, CLONE_NEWNET) != 0:
+                    print("netcluster: could not return to the original network namespace",
+                          file=sys.stderr)
+            os.close(self.orig_ns_fd)
+            self.orig_ns_fd = None
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for ns in reversed(self.ns):
+            for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _sh("ip", "netns", "del", ns, check=False)
+        for f in self.logs:
+            f.close()
+
+
+@contextlib.contextmanager
+def emulated_cluster(n_workers: int, rate: str = "1gbit", *, client_rate: str | None = None,
+                     threads: int = 1, port: int = 8786, wait_s: float = 60.0):
+    """Build the emulated cluster, yield the scheduler address, tear everything down.
+
+    While inside the ``with``, the calling thread (and threads it starts, e.g. the
+    dask Client's event loop) lives in the client namespace.
+    """
+    if os.geteuid() != 0:
+        raise PermissionError("emulated_cluster needs root (network namespaces, tc)")
+    cl = _Cluster(n_workers, rate, client_rate, threads, port, f"{os.getpid() % 100000}")
+    atexit.register(cl.stop)
+    old_term = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if _in_main_thread():
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        addr = cl.start()
+        _wait_for(addr, n_workers, wait_s)
+        yield addr
+    finally:
+        cl.stop()
+        atexit.unregister(cl.stop)
+        if _in_main_thread():
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _in_main_thread():
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _wait_for(addr, n, wait_s):
+    from distributed import Client
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with Client(addr, timeout=5) as c:
+                c.wait_for_workers(n, timeout=max(1, deadline - time.monotonic()))
+                return
+        except (OSError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"emulated cluster: {n} workers did not connect to {addr} in {wait_s} s")
+            time.sleep(0.5)
+
+
+# ---------------------------------------------------------------- benchmark
+def parse_rate_Bps(rate: str) -> float:
+    r = rate.lower().strip()
+    for suf, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1)):
+        if r.endswith(suf):
+            return float(r[: -len(suf)]) * mult / 8
+    raise ValueError(f"rate {rate!r}: use e.g. 1gbit or 500mbit")
+
+
+def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, only=None):
+    import numpy as np  # noqa: F401
+    import warnings
+    from distributed import Client
+
+    import common as C
+    from dask_ipar.cost import Machine, mlp, plan
+
+    warnings.filterwarnings("ignore")
+    out = {"workers": n_workers, "rate": rate, "client_rate": client_rate, "threads": threads,
+           "steps": steps, "quick": quick, "grids": {}, "targets": [],
+           "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with emulated_cluster(n_workers, rate, client_rate=client_rate, threads=threads) as addr:
+        with Client(addr) as client:
+            ws = sorted(client.scheduler_info()["workers"])
+            big, small = C.transfer_time(client, ws[0], ws[1], 64 * 2**20)
+            bw = 64 * 2**20 / max(big - small, 1e-9)
+            out["link"] = {"t_64MiB_s": big, "t_4B_s": small, "bandwidth_Bps": bw,
+                           "nominal_Bps": parse_rate_Bps(rate)}
+            print(f"link check: 64 MiB in {big:.3f} s -> {bw * 8 / 1e9:.3f} Gbit/s "
+                  f"(nominal {rate}); 4-byte transfer {small * 1e3:.1f} ms", flush=True)
+            machine = Machine(alpha_s=small, bandwidth_Bps=bw, compute_s_per_iter=0.0)
+            for cfg in C.configs(quick):
+                if only and cfg.key not in only:
+                    continue
+                pl = plan(mlp(list(cfg.widths)), n_workers, cfg.batch, machine)
+                pred = {f"{g.pr}x{g.pc}": g for g in pl.grids if g.feasible}
+                by = {}
+                for pr, pc in C.grids_of(n_workers):
+                    g = f"{pr}x{pc}"
+                    print(f"{cfg.label} {g} ...", flush=True)
+                    r = C.time_dask_grid(client, cfg, g, steps, warmup=1, profile=False)
+                    by[g] = {"step_s": r["step_s"], "steps_s": r["steps_s"],
+                             "pred_comm_s": pred[g].comm_s if g in pred else None,
+                             "pred_total_s": pred[g].total_s if g in pred else None}
+                    print(f"   {r['step_s']:.3f} s (predicted comm {by[g]['pred_comm_s']:.3f} s)", flush=True)
+                om = sorted(by, key=lambda g: by[g]["step_s"])
+                op = sorted(by, key=lambda g: by[g]["pred_total_s"])
+                best = f"{pl.best.pr}x{pl.best.pc}"
+                batch_g = f"1x{n_workers}"
+                sp = by[batch_g]["step_s"] / by[best]["step_s"]
+                out["grids"][cfg.key] = {
+                    "label": cfg.label, "widths": cfg.widths, "batch": cfg.batch, "by_grid": by,
+                    "order_measured": om, "order_predicted": op, "planner_grid": best,
+                    "speedup_vs_batch": sp, "ranking_matches": om == op,
+                }
+                if cfg.key == "weight":
+                    out["targets"].append({
+                        "target": f"emulated {rate}, {n_workers} workers: pure batch step / planner's "
+                                  f"grid ({best}) step, weight-dominated", "limit": ">= 1.50",
+                        "value": sp, "ok": sp >= 1.5})
+                out["targets"].append({
+                    "target": f"emulated {rate}, {n_workers} workers: measured ranking of grids = "
+                              f"predicted ({cfg.label}: measured {' < '.join(om)}, predicted "
+                              f"{' < '.join(op)})", "limit": "equal", "value": None,
+                    "ok": om == op})
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--client-rate", default=None, help="also limit the client's link")
+    ap.add_argument("--threads", type=int, default=None, help="BLAS threads per worker")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default=None, help="comma list of MLPs: compute,weight")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--check-only", action="store_true", help="only build the cluster and test the link")
+    ap.add_argument("--cleanup", action="store_true", help="delete leftover namespaces and exit")
+    a = ap.parse_args(argv)
+    if a.cleanup:
+        left = cleanup_all()
+        print("left:", left)
+        return 0 if not left else 1
+    threads = a.threads or max(1, (os.cpu_count() or 1) // a.workers)
+    steps = a.steps or (2 if a.quick else 3)
+    if a.check_only:
+        import common as C
+        from distributed import Client
+        with emulated_cluster(a.workers, a.rate, client_rate=a.client_rate, threads=threads) as addr:
+            with Client(addr) as client:
+                ws = sorted(client.scheduler_info()["workers"])
+                big, small = C.transfer_time(client, ws[0], ws[1], 64 * 2**20)
+                print(f"64 MiB in {big:.3f} s: {64 * 2**20 / (big - small) * 8 / 1e9:.3f} Gbit/s; "
+                      f"4 B in {small * 1e3:.1f} ms")
+        print("namespaces left:", list_namespaces())
+        return 0
+    out = run_benchmark(a.workers, a.rate, a.quick, steps, a.client_rate, threads,
+                        a.only.split(",") if a.only else None)
+    print("namespaces left:", list_namespaces())
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    for t in out["targets"]:
+        print(f"  {t['target']}: {t['value'] if t['value'] is None else round(t['value'], 2)} "
+              f"({t['limit']}) -> {'PASS' if t['ok'] else 'MISS'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,422 @@
+"""One benchmark run, side by side on this machine; writes docs/benchmarks.md and a JSON.
+
+    python benchmarks/run.py [--quick] [--out docs/benchmarks.md] [--netcluster]
+
+Measures, in one run: the NumPy single-process step (the compute limit), dask-ipar on
+every grid of 1, 2 and 4 workers, PyTorch DDP (gloo, CPU) on 1, 2 and 4 processes when
+torch is installed, the planner's grid vs pure batch, a per-step overhead profile and
+peak memory per worker. ``--netcluster`` also runs benchmarks/netcluster.py (root; the
+emulated 1 Gbit/s cluster) and folds its numbers into the same report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+
+import common as C  # noqa: E402
+
+LIMITS = {  # the issue's targets
+    "t1": 1.10, "t2_ms": 10.0, "t3": 1.0, "t4": 1.5, "t5": 0.35,
+}
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def verdict(ok):
+    return "PASS" if ok else "MISS"
+
+
+# ------------------------------------------------------------------ measuring
+def measure(quick: bool, cores: int, netcluster: bool) -> dict:
+    cfgs = C.configs(quick)
+    steps = 3 if quick else 5
+    res = {
+        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "quick": quick, "cores": cores, "steps": steps,
+        "host": {"python": platform.python_version(), "numpy": np.__version__,
+                 "cpu": platform.processor() or platform.machine(),
+                 "loadavg_start": os.getloadavg()},
+        "configs": {c.key: {"widths": c.widths, "batch": c.batch, "flops": c.flops,
+                            "params": c.params, "label": c.label} for c in cfgs},
+        "numpy": {}, "dask": {c.key: {} for c in cfgs}, "torch": {c.key: {} for c in cfgs},
+    }
+    import dask
+    import distributed
+    res["host"].update(dask=dask.__version__, distributed=distributed.__version__)
+
+    log("sgemm ceiling")
+    res["sgemm_gflops"] = C.time_sgemm(2048 if quick else 4096)
+    for c in cfgs:
+        log(f"numpy {c.label}")
+        res["numpy"][c.key] = C.time_numpy(c, steps)
+        res["numpy"][c.key]["first_loss"] = _numpy_first_loss(c)
+
+    for p in (1, 2, 4):
+        log(f"LocalCluster with {p} workers")
+        cluster, client, threads = C.local_cluster(p, cores)
+        try:
+            res.setdefault("threads", {})[str(p)] = threads
+            workers = sorted(client.scheduler_info()["workers"])
+            if p == 2:
+                big, small = C.transfer_time(client, workers[0], workers[1], 64 * 2**20)
+                res["loopback"] = {"t_64MiB_s": big, "t_4B_s": small,
+                                   "bandwidth_Bps": 64 * 2**20 / max(big - small, 1e-9),
+                                   "alpha_s": small}
+            for c in cfgs:
+                for pr, pc in C.grids_of(p):
+                    g = f"{pr}x{pc}"
+                    log(f"dask {c.label} {g}")
+                    r = C.time_dask_grid(client, c, g, steps, warmup=1,
+                                         memory=(p == 4))
+                    res["dask"][c.key][g] = r
+                    log(f"   step {r['step_s']:.3f} s")
+            if p == 4:
+                log("tiny MLP on 2x2 (overhead only)")
+                res["tiny_2x2"] = C.time_dask_grid(client, C.TINY, "2x2", max(steps, 5), warmup=2)
+                res["tiny_2x2"]["widths"] = C.TINY.widths
+        finally:
+            client.close()
+            cluster.close()
+
+    if C.torch_available():
+        import torch
+        res["host"]["torch"] = torch.__version__
+        for c in cfgs:
+            for p in (1, 2, 4):
+                log(f"torch {'DDP ' if p > 1 else ''}{c.label} procs={p}")
+                res["torch"][c.key][str(p)] = C.time_torch(c, p, cores, steps)
+    else:
+        res["torch"] = None
+
+    res["planner"] = planner_section(res, cfgs)
+
+    if netcluster:
+        out = os.path.join(HERE, "results", "netcluster.json")
+        log("emulated cluster (benchmarks/netcluster.py)")
+        cmd = [sys.executable, os.path.join(HERE, "netcluster.py"), "--workers", "4",
+               "--rate", "1gbit", "--json", out] + (["--quick"] if quick else [])
+        r = subprocess.run(cmd, text=True)
+        if r.returncode == 0 and os.path.exists(out):
+            with open(out) as f:
+                res["netcluster"] = json.load(f)
+            res["netcluster"]["same_run"] = True
+        else:
+            res["netcluster"] = {"error": f"netcluster.py exited with {r.returncode}"}
+    res["host"]["loadavg_end"] = os.getloadavg()
+    return res
+
+
+def _numpy_first_loss(c):
+    X, y = C.make_data(c, 1)
+    return C.NumpyMLP(c.widths, c.batch).step(X, y)
+
+
+def planner_section(res, cfgs):
+    """The planner's grid (alpha, bandwidth measured on loopback) vs pure batch, measured."""
+    from dask_ipar.cost import Machine, mlp, plan
+
+    lb = res.get("loopback", {})
+    machine = Machine(alpha_s=lb.get("alpha_s", 5e-3), bandwidth_Bps=lb.get("bandwidth_Bps", 1e9),
+                      flops_per_s=res["sgemm_gflops"] * 1e9 / max(1, res["cores"]))
+    out = {"machine": {"alpha_s": machine.alpha_s, "bandwidth_Bps": machine.bandwidth_Bps}}
+    for c in cfgs:
+        for p in (2, 4):
+            pl = plan(mlp(list(c.widths)), p, c.batch, machine)
+            best = f"{pl.best.pr}x{pl.best.pc}"
+            meas = res["dask"][c.key]
+            pred = {f"{g.pr}x{g.pc}": g.total_s for g in pl.grids if g.feasible}
+            batch_g = f"1x{p}"
+            out[f"{c.key}/{p}"] = {
+                "planner_grid": best, "predicted_s": pred,
+                "predicted_speedup": pred[batch_g] / pred[best],
+                "measured_batch_s": meas[batch_g]["step_s"],
+                "measured_planner_s": meas[best]["step_s"],
+                "measured_speedup": meas[batch_g]["step_s"] / meas[best]["step_s"],
+                "measured_best": min((g for g in meas if _procs(g) == p),
+                                     key=lambda g: meas[g]["step_s"]),
+            }
+    return out
+
+
+def _procs(g):
+    a, b = g.split("x")
+    return int(a) * int(b)
+
+
+# ------------------------------------------------------------------- targets
+def targets(res) -> list[dict]:
+    out = []
+    d = res["dask"]
+    if "compute" in d and "1x1" in d["compute"]:
+        r = d["compute"]["1x1"]["step_s"] / res["numpy"]["compute"]["step_s"]
+        out.append({"id": 1, "target": "dask-ipar 1x1 step / NumPy step (compute-bound MLP)",
+                    "limit": f"<= {LIMITS['t1']:.2f}", "value": r, "ok": r <= LIMITS["t1"]})
+    if "compute" in d and "2x2" in d["compute"]:
+        r = d["compute"]["2x2"]
+        L = len(res["configs"]["compute"]["widths"]) - 1
+        ms = (r["profile"]["build_s"] + r["sched_cpu_s"]) / L * 1e3
+        out.append({"id": 2, "target": "scheduler + graph-build time per layer per step, 2x2 "
+                    "(compute-bound MLP)", "limit": f"<= {LIMITS['t2_ms']:.0f} ms",
+                    "value": ms, "unit": "ms", "ok": ms <= LIMITS["t2_ms"]})
+    if res.get("tiny_2x2"):
+        t = res["tiny_2x2"]
+        L = len(t["widths"]) - 1
+        ms = t["step_s"] / L * 1e3
+        out.append({"id": "2b", "target": "whole step time per layer of a tiny MLP on 2x2 "
+                    "(compute ~0: all of it is overhead and hop latency)",
+                    "limit": f"<= {LIMITS['t2_ms']:.0f} ms", "value": ms, "unit": "ms",
+                    "ok": ms <= LIMITS["t2_ms"]})
+    tr = res.get("torch") or {}
+    if "weight" in d:
+        for p in (2, 4):
+            meas = {g: v["step_s"] for g, v in d["weight"].items() if _procs(g) == p}
+            ddp = (tr.get("weight") or {}).get(str(p), {})
+            if not meas:
+                continue
+            best = min(meas, key=meas.get)
+            if "step_s" not in ddp:
+                out.append({"id": 3, "target": f"best dask-ipar grid / PyTorch DDP, weight-dominated, "
+                            f"P={p}", "limit": "<= 1.00", "value": None, "ok": None,
+                            "note": "torch not installed or DDP failed: " + str(ddp.get("error", ""))[:200]})
+                continue
+            r = meas[best] / ddp["step_s"]
+            out.append({"id": 3, "target": f"best dask-ipar grid ({best}) / PyTorch DDP, "
+                        f"weight-dominated, P={p}", "limit": "<= 1.00", "value": r,
+                        "ok": r <= LIMITS["t3"]})
+    nc = res.get("netcluster")
+    if nc and "targets" in nc:
+        for t in nc["targets"]:
+            out.append(dict(t, id=4))
+    elif nc is None or "error" in (nc or {}):
+        out.append({"id": 4, "target": "emulated 1 Gbit/s cluster (planner >= 1.5x pure batch; "
+                    "ranking matches)", "limit": "see netcluster", "value": None, "ok": None,
+                    "note": "not run in this run (needs root: --netcluster)"})
+    if "weight" in d and "4x1" in d["weight"] and "peak_rss_max" in d["weight"]["4x1"]:
+        a = d["weight"]["4x1"]["peak_rss_max"]
+        b = d["weight"]["1x4"]["peak_rss_max"]
+        out.append({"id": 5, "target": "peak RSS per worker, Pr=4 (4x1) / pure batch (1x4), "
+                    "weight-dominated", "limit": f"<= {LIMITS['t5']:.2f}", "value": a / b,
+                    "ok": a / b <= LIMITS["t5"]})
+    return out
+
+
+# ------------------------------------------------------------------ markdown
+def fmt(x, nd=3):
+    if x is None or (isinstance(x, float) and not np.isfinite(x)):
+        return "-"
+    return f"{x:.{nd}f}"
+
+
+def render(res) -> str:
+    L = []
+    w = L.append
+    q = " (quick sizes)" if res["quick"] else ""
+    w(f"# Benchmarks{q}\n")
+    w(f"Generated by `python benchmarks/run.py{' --quick' if res['quick'] else ''}"
+      f"{' --netcluster' if res.get('netcluster') else ''}` on {res['when']}. "
+      f"Raw numbers: `benchmarks/results/{res['json_name']}`. Every number below was measured "
+      "in that one run on this machine; nothing is copied from elsewhere.\n")
+    h = res["host"]
+    w("## Method\n")
+    w(f"- Machine: {res['cores']} cores ({h['cpu']}), Python {h['python']}, NumPy {h['numpy']}, "
+      f"dask {h['dask']}, distributed {h['distributed']}"
+      + (f", PyTorch {h['torch']}" if h.get("torch") else ", PyTorch not installed") + ". "
+      f"Load average at start {h['loadavg_start'][0]:.2f}, at end {h['loadavg_end'][0]:.2f} "
+      "(the machine is shared; another process's load inflates every row alike only if it is "
+      "steady, so compare rows of one run only).")
+    w(f"- Every step time is the median of {res['steps']} steps after one warm-up step. "
+      "dask-ipar: `model.train_step` (graph build, batch placement, submission) plus "
+      "`client.gather` of the loss statistics, so one step is fully finished before the next "
+      "starts (no pipelining). PyTorch: forward, backward, `optimizer.step()` between barriers "
+      "on rank 0.")
+    w("- FLOPs per step = 6 * B * sum(d_in * d_out); GFLOP/s = FLOPs / step time.")
+    w("- dask-ipar: `LocalCluster` of worker processes, one dask thread per worker, BLAS threads "
+      "per worker = max(1, cores / workers) (set through `distributed.nanny.pre-spawn-environ`): "
+      + ", ".join(f"{p} worker(s): {t}" for p, t in res.get("threads", {}).items())
+      + ". With 4 workers on 2 cores the processes share cores (oversubscribed), the same for "
+      "PyTorch DDP with 4 processes.")
+    w("- NumPy: one process, all cores, samples x features layout, preallocated buffers, every "
+      "matmul one sgemm into `out=` (see `benchmarks/common.py: NumpyMLP`). Same init as "
+      "dask-ipar (Glorot uniform, seed 0): first-step loss NumPy "
+      + ", ".join(f"{res['numpy'][k]['first_loss']:.5f}" for k in res["numpy"])
+      + ".")
+    w("- Overhead profile: the step graph is built with `model.engine.train_step` (never "
+      "submitted) to count tasks and the longest chains (tasks in sequence, and worker-to-worker "
+      "hops in sequence); build time is that call plus `to_hlg`. Scheduler time = CPU time of the "
+      "scheduler's event-loop thread across one step (`time.thread_time` via "
+      "`client.run_on_scheduler`; with a LocalCluster that thread also serves the client's "
+      "comms). Submit = wall time of `model.train_step` (build + batch placement + send).")
+    w("- Peak memory: per-worker peak RSS (`VmHWM`, reset by writing 5 to "
+      "`/proc/PID/clear_refs` after the warm-up step, i.e. with weights and momentum already "
+      "resident) over the timed steps; the largest worker is reported.\n")
+
+    w(f"sgemm ceiling on this machine in this run: **{res['sgemm_gflops']:.1f} GFLOP/s** "
+      "(all cores, float32).\n")
+
+    for key, c in res["configs"].items():
+        flops = c["flops"]
+        w(f"## {c['label'].capitalize()} MLP: widths {'-'.join(map(str, c['widths']))}, "
+          f"B={c['batch']} ({flops / 1e9:.1f} GFLOP per step, {c['params'] / 1e6:.1f} M parameters)\n")
+        w("| implementation | procs | grid | step (s) | GFLOP/s | vs NumPy |")
+        w("|---|---|---|---|---|---|")
+        npt = res["numpy"][key]["step_s"]
+        w(f"| NumPy, one process | 1 | - | {fmt(npt)} | {flops / npt / 1e9:.1f} | 1.00 |")
+        tr = (res.get("torch") or {}).get(key, {})
+        rows = []
+        for g, r in res["dask"][key].items():
+            rows.append((_procs(g), 0, f"dask-ipar | {_procs(g)} | {g}", r["step_s"]))
+        for p, r in tr.items():
+            name = "PyTorch, one process" if p == "1" else "PyTorch DDP (gloo)"
+            if "step_s" in r:
+                rows.append((int(p), 1, f"{name} | {p} | -", r["step_s"]))
+            else:
+                w(f"| {name} | {p} | - | failed: {r.get('error', '')[:80]} | | |")
+        for _, _, name, t in sorted(rows):
+            w(f"| {name} | {fmt(t)} | {flops / t / 1e9:.1f} | {t / npt:.2f} |")
+        if not tr:
+            w("\nPyTorch rows skipped: torch is not installed.")
+        w("")
+
+    w("## Per-step overhead profile (dask-ipar)\n")
+    w("| MLP | grid | tasks/step | tasks/layer | max tasks on a worker | longest chain (tasks) "
+      "| hops in sequence / layer | graph build (ms) | submit (ms) | scheduler CPU (ms) | step (s) |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|")
+    items = [(res["configs"][k]["label"], g, r) for k in res["dask"] for g, r in res["dask"][k].items()]
+    if res.get("tiny_2x2"):
+        items.append(("tiny " + "-".join(map(str, res["tiny_2x2"]["widths"])), "2x2", res["tiny_2x2"]))
+    for lab, g, r in items:
+        p = r["profile"]
+        w(f"| {lab} | {g} | {p['tasks']} | {p['tasks_per_layer']:.1f} | {p['tasks_per_worker_max']} "
+          f"| {p['depth']} | {p['hops_per_layer']:.2f} | {p['build_s'] * 1e3:.2f} | "
+          f"{r['submit_s'] * 1e3:.1f} | {r['sched_cpu_s'] * 1e3:.1f} | {fmt(r['step_s'])} |")
+    w("")
+
+    wd = res["dask"].get("weight", {})
+    mem = [(g, r) for g, r in wd.items() if "peak_rss_max" in r]
+    if mem:
+        w("## Peak memory per worker, weight-dominated MLP, 4 workers\n")
+        w("| grid | peak RSS of the largest worker (MiB) | per worker (MiB) | vs pure batch |")
+        w("|---|---|---|---|")
+        base = wd["1x4"]["peak_rss_max"]
+        for g, r in mem:
+            per = ", ".join(f"{v / 2**20:.0f}" for _, v in sorted(r["peak_rss"].items()))
+            w(f"| {g} | {r['peak_rss_max'] / 2**20:.0f} | {per} | {r['peak_rss_max'] / base:.2f} |")
+        w("")
+
+    pl = res.get("planner", {})
+    if pl:
+        m = pl["machine"]
+        w("## Planner's grid vs pure batch (this machine, loopback)\n")
+        w(f"Planner machine: alpha = {m['alpha_s'] * 1e3:.1f} ms (a 4-byte worker-to-worker "
+          f"transfer), bandwidth = {m['bandwidth_Bps'] / 1e6:.0f} MB/s (a 64 MiB transfer), "
+          "both measured in this run between two workers.\n")
+        w("| MLP | P | planner's grid | predicted speedup vs 1xP | measured pure batch (s) "
+          "| measured planner's grid (s) | measured speedup | measured best grid |")
+        w("|---|---|---|---|---|---|---|---|")
+        for k, v in pl.items():
+            if k == "machine":
+                continue
+            key, p = k.split("/")
+            w(f"| {res['configs'][key]['label']} | {p} | {v['planner_grid']} | "
+              f"{v['predicted_speedup']:.2f} | {fmt(v['measured_batch_s'])} | "
+              f"{fmt(v['measured_planner_s'])} | {v['measured_speedup']:.2f} | {v['measured_best']} |")
+        w("")
+
+    nc = res.get("netcluster")
+    if nc and "grids" in nc:
+        w(render_netcluster(nc))
+
+    w("## Targets (issue 6)\n")
+    w("| # | target | limit | measured | result |")
+    w("|---|---|---|---|---|")
+    for t in res["targets"]:
+        v = t["value"]
+        val = "-" if v is None else (f"{v:.2f} {t.get('unit', 'x')}" if t.get("unit") else f"{v:.2f}x")
+        okv = "not measured" if t["ok"] is None else verdict(t["ok"])
+        note = f" ({t['note']})" if t.get("note") else ""
+        w(f"| {t['id']} | {t['target']}{note} | {t['limit']} | {val} | {okv} |")
+    w("")
+    ana = os.path.join(HERE, "analysis.md")
+    if os.path.exists(ana):
+        with open(ana) as f:
+            w(f.read())
+    return "\n".join(L) + "\n"
+
+
+def render_netcluster(nc) -> str:
+    L = []
+    w = L.append
+    w(f"## Emulated multi-host cluster ({nc['workers']} workers, {nc['rate']} per link)\n")
+    w(f"Each worker and the scheduler in its own network namespace, one bridge, `tc tbf` "
+      f"{nc['rate']} on both directions of every worker and scheduler link (the client's "
+      f"link: {nc.get('client_rate') or 'not limited; it only sends batches'}). "
+      f"BLAS threads per worker: {nc.get('threads')}. Link check: a 64 MiB worker-to-worker "
+      f"transfer took {nc['link']['t_64MiB_s']:.3f} s, i.e. **{nc['link']['bandwidth_Bps'] * 8 / 1e9:.3f} "
+      f"Gbit/s** achieved (4-byte transfer {nc['link']['t_4B_s'] * 1e3:.1f} ms, used as alpha). "
+      f"Steps: median of {nc['steps']} after one warm-up.\n")
+    for key, v in nc["grids"].items():
+        w(f"### {v['label']} MLP: widths {'-'.join(map(str, v['widths']))}, B={v['batch']}\n")
+        w("| grid | measured step (s) | predicted comm (s) | predicted total (s) | measured rank | predicted rank |")
+        w("|---|---|---|---|---|---|")
+        for g in v["order_measured"]:
+            r = v["by_grid"][g]
+            w(f"| {g} | {fmt(r['step_s'])} | {fmt(r['pred_comm_s'])} | {fmt(r['pred_total_s'])} | "
+              f"{v['order_measured'].index(g) + 1} | {v['order_predicted'].index(g) + 1} |")
+        w(f"\nPlanner's grid {v['planner_grid']}: {v['speedup_vs_batch']:.2f}x faster than pure "
+          f"batch (measured); ranking {'matches' if v['ranking_matches'] else 'does NOT match'} "
+          "the prediction.\n")
+    return "\n".join(L)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes, about a minute")
+    ap.add_argument("--out", default=os.path.join(C.ROOT, "docs", "benchmarks.md"))
+    ap.add_argument("--cores", type=int, default=os.cpu_count())
+    ap.add_argument("--netcluster", action="store_true",
+                    help="also run the emulated 1 Gbit/s cluster (needs root)")
+    ap.add_argument("--from-json", help="re-render a saved JSON instead of measuring")
+    a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    if a.from_json:
+        with open(a.from_json) as f:
+            res = json.load(f)
+    else:
+        res = measure(a.quick, a.cores, a.netcluster)
+        res["targets"] = targets(res)
+        name = f"run-{'quick-' if a.quick else ''}{time.strftime('%Y%m%dT%H%M%S')}.json"
+        res["json_name"] = name
+        with open(os.path.join(HERE, "results", name), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        log(f"raw numbers: benchmarks/results/{name}")
+    md = render(res)
+    with open(a.out, "w") as f:
+        f.write(md)
+    log(f"wrote {a.out}")
+    for t in res["targets"]:
+        v = t["value"]
+        print(f"  target {t['id']}: {t['target']}: "
+              f"{'-' if v is None else round(v, 3)} ({t['limit']}) -> "
+              f"{'not measured' if t['ok'] is None else verdict(t['ok'])}")
+
+
+if __name__ == "__main__":
+    main()
