@@ -102,7 +102,9 @@ class NumpyMLP:
             self.vb.append(np.zeros(o, dtype))
         self.act = [np.empty((batch, w), dtype) for w in widths]    # activations, (B, d)
         self.dz = [np.empty((batch, w), dtype) for w in widths]
-        self.dW = [np.empty_like(w) for w in self.W]
+        # row-block height of the fused dW + update: about 2 MiB of weights per block
+        self.rows = [max(16, min(w.shape[0], (2 << 20) // (4 * w.shape[1]) // 16 * 16)) for w in self.W]
+        self.dW = [np.empty((r, w.shape[1]), dtype) for r, w in zip(self.rows, self.W)]
 
     def step(self, X, y):
         L = len(self.W)
@@ -124,19 +126,27 @@ class NumpyMLP:
         p /= self.B
         for l in range(L - 1, -1, -1):
             dz = self.dz[l + 1]
-            np.matmul(dz.T, self.act[l], out=self.dW[l])              # (d_out, d_in)
             db = dz.sum(axis=0)
             if l > 0:
                 dx = self.dz[l]
-                np.matmul(dz, self.W[l], out=dx)                      # (B, d_in)
+                np.matmul(dz, self.W[l], out=dx)                      # (B, d_in), old W
                 dx *= self.act[l] > 0
-            vW, vb = self.vW[l], self.vb[l]
-            vW *= self.mu
-            vW += self.dW[l]
+            # dW and the momentum update in row blocks that stay in cache: the block of
+            # dW = dz^T act is computed, folded into v and W, and never written out whole
+            W, vW, buf = self.W[l], self.vW[l], self.dW[l]
+            R = self.rows[l]
+            for r0 in range(0, W.shape[0], R):
+                r1 = min(r0 + R, W.shape[0])
+                g = buf[: r1 - r0]
+                np.matmul(dz[:, r0:r1].T, self.act[l], out=g)       # (rows, d_in)
+                v = vW[r0:r1]
+                v *= self.mu
+                v += g
+                np.multiply(v, self.lr, out=g)
+                W[r0:r1] -= g
+            vb = self.vb[l]
             vb *= self.mu
             vb += db
-            np.multiply(vW, self.lr, out=self.dW[l])
-            self.W[l] -= self.dW[l]
             self.b[l] -= self.lr * vb
         return float(loss)
 
