@@ -64,6 +64,8 @@ def _add_train(sub):
                    help="seconds to try reaching --scheduler-address")
     p.add_argument("--wait-timeout", type=float, default=60.0,
                    help="seconds to wait for enough workers on an existing cluster")
+    p.add_argument("--machine", metavar="FILE",
+                   help="YAML machine file (alpha, bandwidth) for the predicted seconds")
     p.add_argument("--no-dashboard", action="store_true", help="start no dashboard")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--json", action="store_true",
@@ -93,6 +95,14 @@ def run_train(args) -> int:
     from dask_ipar.optim import SGD
 
     grid = _resolve_grid(args)
+    machine = None
+    if args.machine:
+        from dask_ipar.cost import load_machine
+
+        try:
+            machine = load_machine(args.machine)
+        except ValueError as exc:
+            raise IparError(str(exc)) from None
     optimizer = SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     Xtr, ytr, Xte, yte = load_digits_split(seed=args.seed)
     if args.batch < grid.pc:
@@ -127,7 +137,7 @@ def run_train(args) -> int:
         t_fit = time.perf_counter()
         history = model.fit(Xtr, ytr, epochs=args.epochs, batch_size=args.batch,
                             optimizer=optimizer, seed=args.seed,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, machine=machine)
         fit_s = time.perf_counter() - t_fit
         result = model.evaluate(Xte, yte)
         model.close()
@@ -148,9 +158,11 @@ def run_train(args) -> int:
         "seconds": seconds,
         "fit_seconds": fit_s,
         "samples_per_s": n_seen / fit_s,
+        "comm": [r.to_dict() for r in history.comm.rows],
     }
     line = (f"test accuracy {result['accuracy']:.4f} (loss {result['loss']:.4f}) after "
             f"{args.epochs} epochs, {summary['samples_per_s']:.0f} samples/s, {seconds:.1f} s total")
+    _eprint(history.comm.table())
     if args.json:
         _eprint(line)
         print(json.dumps(summary))

@@ -29,6 +29,13 @@ only needs its own row block of the previous layer's gradient; it moves half
 the paper's dX volume. Pure batch (``Pr = 1``) and pure model (``Pc = 1``)
 run through the same code; collectives over a group of one are skipped.
 
+Keys that other cells fetch (activation blocks, weight slices) are never read
+again by their owner: the owner reads its rows from its own gathered copy
+(``xgather``, ``wrow``) instead. A replica that dask's Active Memory Manager
+drops (it removes the extra copy of a fetched key, possibly the owner's)
+therefore never has to be fetched again, and the bytes moved stay exactly
+those of the collectives above.
+
 Every key is ``("<layer>.<task>-<uid>-s<step>", *cell)``, so the dashboard
 groups tasks by layer and phase, and transfer logs attribute bytes to them
 (:func:`phase_of_key`).
@@ -228,7 +235,7 @@ class Engine:
                   logits[(0, j)], y_keys[(0, j)])
         return [(st, j) for j in range(self.grid.pc)]
 
-    def _backward(self, g, inputs, acts, wrows, dz, step, reduce_fn):
+    def _backward(self, g, inputs, wrows, dz, step, reduce_fn):
         """Backward of every layer.
 
         ``reduce_fn(g, lay, l, dw_args)`` adds the tasks that reduce the dW pieces;
@@ -272,7 +279,7 @@ class Engine:
                 c0, c1 = lay.in_rows[k]
                 for j in range(pc):
                     g.add((dz_prev, k, j), self.binding.worker(k, j), K.dz_from_pieces,
-                          TaskRef((acts[l - 1], k, j)), prev.activation,
+                          inputs[l][(k, j)], c0, c1, prev.activation,
                           wrows[l][(k, j)], TaskRef((dz, k, j)), c0, c1,
                           *[TaskRef((dxp, i, k, j)) for i in range(pr) if i != k])
             dz = dz_prev
@@ -282,7 +289,7 @@ class Engine:
                    weight_decay, g=None):
         """Graph of one SGD step. Returns ``(StepGraph, new_w_names, new_v_names, stats_keys)``."""
         g = StepGraph() if g is None else g
-        inputs, acts, wrows, logits = self._forward(g, x_keys, w_names, step)
+        inputs, _, wrows, logits = self._forward(g, x_keys, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         new_w, new_v = [], []
@@ -294,15 +301,16 @@ class Engine:
                 for jj in range(pc):
                     worker = self.binding.worker(i, jj)
                     old_v = None if v_names[l] is None else TaskRef((v_names[l], i, jj))
+                    c0, c1 = lay.wcols[jj]
                     g.add((v_name, i, jj), worker, K.sgd_velocity,
-                          TaskRef((w_names[l], i, jj)), old_v, momentum, weight_decay,
-                          lay.n_decay(jj), *dw_args(i, jj))
+                          wrows[l][(i, jj)], momentum, weight_decay, lay.n_decay(jj), old_v,
+                          *dw_args(i, jj))
                     g.add((w_name, i, jj), worker, K.sgd_weight,
-                          TaskRef((w_names[l], i, jj)), TaskRef((v_name, i, jj)), lr)
+                          wrows[l][(i, jj)], c0, c1, TaskRef((v_name, i, jj)), lr)
             new_w.append(w_name)
             new_v.append(v_name)
 
-        self._backward(g, inputs, acts, wrows, dz, step, update)
+        self._backward(g, inputs, wrows, dz, step, update)
         return g, new_w[::-1], new_v[::-1], stats
 
     def gradient(self, x_keys, y_keys, batch, w_names, step, g=None):
@@ -311,7 +319,7 @@ class Engine:
         Gradient block ``(i, j)`` of layer ``l`` lies where weight block ``(i, j)`` does.
         """
         g = StepGraph() if g is None else g
-        inputs, acts, wrows, logits = self._forward(g, x_keys, w_names, step)
+        inputs, _, wrows, logits = self._forward(g, x_keys, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         names = []
@@ -324,7 +332,7 @@ class Engine:
                           *dw_args(i, jj))
             names.append(gname)
 
-        self._backward(g, inputs, acts, wrows, dz, step, reduce)
+        self._backward(g, inputs, wrows, dz, step, reduce)
         return g, names[::-1], stats
 
     def forward(self, x_keys, w_names, step, y_keys=None, g=None):

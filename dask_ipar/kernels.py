@@ -123,16 +123,18 @@ def dx_piece(wrow, dz, c0, c1):
     return wrow[:, c0:c1].T @ dz
 
 
-def dz_from_pieces(a, activation, wrow, dz, c0, c1, *remote):
+def dz_from_pieces(x_full, r0, r1, activation, wrow, dz, c0, c1, *remote):
     """The reduce of the dX reduce-scatter on cell (k, j), then the activation'.
 
     The local piece ``W(k, c0:c1)^T dZ(k, j)`` is computed here; ``remote`` are
-    the pieces that cells (i != k, j) computed and sent.
+    the pieces that cells (i != k, j) computed and sent. The activation output
+    of this cell's rows is read from ``x_full[r0:r1]``, the gathered column that
+    the forward pass kept on this cell (see the engine for why).
     """
     g = dx_piece(wrow, dz, c0, c1)
     for r in remote:
         g += r
-    d = activation_grad(a, activation)
+    d = activation_grad(x_full[r0:r1], activation)
     return g if d is None else g * d
 
 
@@ -155,8 +157,8 @@ def dw_reduce(dz, x, c0, c1, n_in, *remote):
     return g
 
 
-def sgd_velocity(w, v, momentum, weight_decay, n_decay, dz, x, c0, c1, n_in, *remote):
-    """``v <- momentum * v + g + weight_decay * w`` for the owned weight slice.
+def sgd_velocity(wrow, momentum, weight_decay, n_decay, v, dz, x, c0, c1, n_in, *remote):
+    """``v <- momentum * v + g + weight_decay * w`` for the owned slice ``w = wrow[:, c0:c1]``.
 
     ``g`` is the reduced dW slice (:func:`dw_reduce` of the local and remote
     pieces); weight decay applies to the first ``n_decay`` columns of the slice
@@ -164,12 +166,12 @@ def sgd_velocity(w, v, momentum, weight_decay, n_decay, dz, x, c0, c1, n_in, *re
     """
     g = dw_reduce(dz, x, c0, c1, n_in, *remote)
     if weight_decay and n_decay:
-        g[:, :n_decay] += weight_decay * w[:, :n_decay]
+        g[:, :n_decay] += weight_decay * wrow[:, c0:c0 + n_decay]
     if v is None:
         return g
     return momentum * v + g
 
 
-def sgd_weight(w, v, lr):
-    """``w <- w - lr * v``."""
-    return w - lr * v
+def sgd_weight(wrow, c0, c1, v, lr):
+    """``w <- w - lr * v`` for the owned slice ``w = wrow[:, c0:c1]``."""
+    return wrow[:, c0:c1] - lr * v

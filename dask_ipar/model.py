@@ -39,6 +39,9 @@ class History:
 
     epochs: list = field(default_factory=list)
     steps: list = field(default_factory=list)
+    #: Predicted beside measured communication (:class:`~dask_ipar.comm.CommReport`),
+    #: when ``fit(measure=True)``.
+    comm: object = None
 
     @property
     def last(self) -> dict:
@@ -107,6 +110,7 @@ class Sequential:
         self._step = 0
         #: Batches up to this many bytes (times Pr) travel inside the step graph.
         self.embed_bytes = 2**20
+        self._meter = None
 
     # ---------------------------------------------------------------- shape
     @property
@@ -296,7 +300,7 @@ class Sequential:
 
     def fit(self, X, y, *, epochs: int = 1, batch_size: int = 32, optimizer: SGD | None = None,
             shuffle: bool = True, seed: int | None = None, progress=False,
-            max_inflight: int = 2) -> History:
+            max_inflight: int = 2, measure: bool = True, machine=None) -> History:
         """Train with minibatch SGD; returns a :class:`History` of per-epoch loss and accuracy.
 
         Parameters
@@ -312,6 +316,11 @@ class Sequential:
         max_inflight : int
             Steps submitted ahead of the one being waited for (hides graph build and
             data transfer behind compute).
+        measure : bool
+            Drain the workers' transfer logs every step and put the per-layer, per-phase
+            predicted-vs-measured table in ``history.comm``.
+        machine : dask_ipar.cost.Machine, optional
+            Alpha-beta figures for the predicted seconds (default: rough loopback values).
         """
         optimizer = optimizer or SGD()
         if not isinstance(epochs, int) or epochs < 1:
@@ -327,6 +336,13 @@ class Sequential:
         history = History()
         bar = _make_bar(progress, epochs * (n // batch + (n % batch >= pc)))
         callback = progress if callable(progress) else None
+        meter = None
+        if measure:
+            from dask_ipar.comm import CommMeter
+
+            meter = CommMeter(self.client, self.binding, self.engine.layouts,
+                              self.dtype.itemsize, machine)
+        self._meter = meter
         try:
             for epoch in range(epochs):
                 t0 = time.perf_counter()
@@ -344,6 +360,12 @@ class Sequential:
                 while pending:
                     self._finish(pending.popleft(), totals, history, bar, callback, t0)
                 secs = time.perf_counter() - t0
+                if meter is not None:  # the last step's backward may still be moving
+                    from distributed import wait
+
+                    wait([self._futures[(name, i, j)] for name in self._w + self._v
+                          for i, j in self.binding.grid.cells()])
+                    meter.drain()
                 history.epochs.append({
                     "epoch": epoch + 1,
                     "loss": totals[0] / totals[2],
@@ -354,6 +376,9 @@ class Sequential:
         finally:
             if bar is not None:
                 bar.close()
+            self._meter = None
+        if meter is not None:
+            history.comm = meter.report()
         return history
 
     def _finish(self, item, totals, history, bar, callback, t0):
@@ -365,6 +390,9 @@ class Sequential:
                 "Lower the learning rate or standardize the inputs."
             )
         totals += (loss_sum, correct, nb)
+        if self._meter is not None:
+            self._meter.add_step(nb)
+            self._meter.drain()
         st = StepStats(step, nb, loss_sum / nb, correct / nb, time.perf_counter())
         history.steps.append(st)
         if bar is not None:

@@ -3,7 +3,9 @@
 ``check_mlp(client, grid, ...)`` runs the forward pass, the loss, every
 gradient and a run of SGD steps on ``grid`` and compares them with
 :mod:`dask_ipar.reference`; it also runs a directional finite-difference
-check of the distributed gradient. It raises ``AssertionError`` with the
+check of the distributed gradient, and checks that the bytes the SGD steps
+moved between workers equal the cost model's prediction per layer and phase.
+It raises ``AssertionError`` with the
 offending layer on a mismatch and returns the measured errors.
 """
 
@@ -40,7 +42,8 @@ def _layers(sizes, activations):
 
 def check_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh", "linear"),
               batch=23, steps=20, optimizer=SGD(lr=0.1, momentum=0.9, weight_decay=0.01),
-              rtol=1e-12, sgd_tol=1e-10, fd_eps=1e-6, fd_rtol=1e-6, seed=0) -> dict:
+              rtol=1e-12, sgd_tol=1e-10, fd_eps=1e-6, fd_rtol=1e-6, bytes_rtol=0.02,
+              seed=0) -> dict:
     """Compare a float64 MLP on ``grid`` with the NumPy reference; returns the errors."""
     X, y = awkward_problem(sizes, batch, seed)
     model = Sequential(_layers(sizes, activations), input_dim=sizes[0], dtype="float64",
@@ -81,7 +84,9 @@ def check_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh",
         )
         # SGD steps against the reference optimizer
         model.set_weights(params)
-        model.fit(X, y, epochs=steps, batch_size=batch, optimizer=optimizer, shuffle=False)
+        history = model.fit(X, y, epochs=steps, batch_size=batch, optimizer=optimizer,
+                            shuffle=False)
+        errors["comm"] = history.comm
         p, v = params, [None] * len(params)
         for _ in range(steps):
             _, _, g = mlp_loss_and_grads(p, acts, X.T, y)
@@ -92,6 +97,12 @@ def check_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh",
         assert errors["sgd"] <= sgd_tol, (
             f"grid {grid}: weights after {steps} SGD steps differ by {errors['sgd']:.3e}"
         )
+        for row in history.comm.rows:
+            errors[f"bytes {row.layer} {row.phase}"] = abs(row.ratio - 1)
+            assert abs(row.ratio - 1) <= bytes_rtol, (
+                f"grid {grid}: {row.layer} {row.phase} moved {row.measured_bytes:.0f} bytes per "
+                f"step, the cost model predicts {row.predicted_bytes:.0f}"
+            )
         return errors
     finally:
         model.close()

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _train(*args, timeout=300):
     proc = subprocess.run([sys.executable, "-m", "dask_ipar.cli", "train", *args],
@@ -20,6 +22,13 @@ def test_train_defaults_reach_95_percent_on_digits():
         assert key in out
     assert out["test_accuracy"] >= 0.95, out
     assert out["epochs"] == 10
+    # predicted beside measured communication, per layer and phase
+    comm = out["comm"]
+    assert {c["phase"] for c in comm} >= {"fwd_gather", "dw_reduce", "w_gather"}
+    for c in comm:
+        assert set(c) >= {"layer", "phase", "predicted_bytes", "measured_bytes",
+                          "predicted_s", "measured_s"}
+        assert c["measured_bytes"] == pytest.approx(c["predicted_bytes"], rel=0.02)
     assert "dashboard at http://127.0.0.1:" in proc.stderr
     assert "test accuracy" in proc.stderr
 

@@ -15,6 +15,12 @@ def test_mlp_matches_reference(client, grid):
     errors = check_mlp(client, grid)  # 37-29-13-10, B = 23, float64, 20 SGD steps
     assert errors["finite_difference"] < 1e-6
     assert max(v for k, v in errors.items() if k.startswith(("dW", "db"))) <= 1e-12
+    # bytes measured from the transfer logs equal the cost model, per layer and phase
+    rows = errors["comm"].rows
+    assert len(rows) == 3 * 4 - 1  # fwd_gather, dw_reduce, w_gather (+ dx_reduce after layer 0)
+    assert all(abs(r.ratio - 1) <= 0.02 for r in rows)
+    moved = sum(r.measured_bytes for r in rows)
+    assert (moved > 0) == (grid.size > 1)
 
 
 def test_check_detects_a_wrong_gradient(client, monkeypatch):

@@ -1,0 +1,192 @@
+"""Measuring what the engine really moves, beside what the cost model predicts.
+
+Every worker logs each dependency it fetched (``transfer_incoming_log``:
+sender, keys and their ``sizeof`` bytes, duration). :class:`CommMeter`
+drains those logs on every step (after widening them so that nothing is
+dropped by the ``distributed.admin.low-level-log-length`` cap), attributes
+each key to its layer and phase by its name (:func:`dask_ipar.engine.phase_of_key`),
+and compares the totals with :func:`dask_ipar.cost.dense_layer_phases` for
+the same model, grid and batches.
+
+Measured bytes are payload bytes as dask's ``sizeof`` reports them (exact for
+NumPy blocks); the wire adds a few hundred bytes of framing per message.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from dask_ipar.cost import FC, Machine, dense_layer_phases
+from dask_ipar.engine import phase_of_key
+
+__all__ = ["CommMeter", "CommRow", "CommReport", "predict_step", "LOOPBACK_MACHINE"]
+
+#: Rough alpha-beta figures for worker processes on one host (loopback TCP);
+#: ``dask-ipar calibrate`` measures the real ones.
+LOOPBACK_MACHINE = Machine(alpha_s=1e-3, bandwidth_Bps=1e9, word_bytes=4)
+
+#: Log length set on the workers: far more than one step moves; drained each step.
+WIDE_LOG = 1_000_000
+
+
+def _widen_logs(maxlen, dask_worker=None):
+    from collections import deque
+
+    for attr in ("transfer_incoming_log", "transfer_outgoing_log"):
+        old = getattr(dask_worker, attr)
+        if old.maxlen is not None and old.maxlen < maxlen:
+            setattr(dask_worker, attr, deque(old, maxlen=maxlen))
+    return dask_worker.transfer_incoming_log.maxlen
+
+
+def _drain_logs(dask_worker=None):
+    """Pop every incoming-transfer entry as ``(sender, duration_s, [(key, nbytes), ...])``."""
+    out = []
+    log = dask_worker.transfer_incoming_log
+    while log:
+        e = log.popleft()
+        out.append((e["who"], e["duration"], list(e["keys"].items())))
+    dask_worker.transfer_outgoing_log.clear()
+    return out
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """Predicted beside measured communication of one phase of one layer, per step."""
+
+    layer: str
+    phase: str
+    predicted_bytes: float
+    measured_bytes: float
+    predicted_s: float
+    measured_s: float
+
+    @property
+    def ratio(self) -> float:
+        """measured / predicted bytes (1.0 when both are zero)."""
+        if self.predicted_bytes == 0:
+            return 1.0 if self.measured_bytes == 0 else float("inf")
+        return self.measured_bytes / self.predicted_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class CommReport:
+    """Per-step averages over a run; ``rows`` in layer and phase order."""
+
+    steps: int
+    rows: list[CommRow] = field(default_factory=list)
+    sent_bytes: dict = field(default_factory=dict)  # worker -> bytes sent over the run
+    received_bytes: dict = field(default_factory=dict)  # worker -> bytes received
+    sent_by_phase: dict = field(default_factory=dict)  # (layer, phase) -> {worker: bytes}
+    unattributed_bytes: int = 0
+
+    def table(self) -> str:
+        """A plain-text table: one row per layer and phase."""
+        head = (f"{'layer':<9}{'phase':<12}{'predicted B':>14}{'measured B':>14}{'ratio':>8}"
+                f"{'pred ms':>10}{'meas ms':>10}")
+        lines = [f"communication per step (mean of {self.steps} steps)", head]
+        for r in self.rows:
+            lines.append(
+                f"{r.layer:<9}{r.phase:<12}{r.predicted_bytes:>14.0f}{r.measured_bytes:>14.0f}"
+                f"{r.ratio:>8.3f}{1e3 * r.predicted_s:>10.2f}{1e3 * r.measured_s:>10.2f}"
+            )
+        if self.unattributed_bytes:
+            lines.append(f"(+ {self.unattributed_bytes} bytes of keys outside any layer phase)")
+        return "\n".join(lines)
+
+
+def predict_step(layouts, pr, pc, batch, machine, word_bytes):
+    """Cost-model phases of one step of the engine's dense layers (engine convention)."""
+    m = Machine(alpha_s=machine.alpha_s, bandwidth_Bps=machine.bandwidth_Bps,
+                word_bytes=word_bytes)
+    out = []
+    for lay in layouts:
+        out.extend(dense_layer_phases(FC(lay.n_in, lay.n_out, bias=lay.bias), pr, pc, batch, m,
+                                      first_layer=lay.index == 0, convention="engine",
+                                      name=lay.name))
+    return out
+
+
+class CommMeter:
+    """Accumulates measured transfers and predicted phases over the steps of a run."""
+
+    def __init__(self, client, binding, layouts, word_bytes, machine: Machine | None = None):
+        self.client = client
+        self.workers = list(binding.workers)
+        self.grid = binding.grid
+        self.layouts = layouts
+        self.word_bytes = word_bytes
+        self.machine = machine or LOOPBACK_MACHINE
+        client.run(_widen_logs, WIDE_LOG, workers=self.workers)
+        self.reset()
+
+    def reset(self):
+        """Forget everything measured so far (and whatever the logs hold now)."""
+        self.drain(record=False)
+        self.steps = 0
+        self._pred = defaultdict(lambda: [0.0, 0.0])  # (layer, phase) -> [bytes, seconds]
+        self._bytes = defaultdict(int)
+        self._secs = defaultdict(float)  # (layer, phase, receiver) -> seconds
+        self._sent = defaultdict(int)
+        self._recv = defaultdict(int)
+        self._sent_phase = defaultdict(lambda: defaultdict(int))
+        self._other = 0
+
+    def add_step(self, batch: int):
+        """Count one step of ``batch`` samples in the prediction."""
+        self.steps += 1
+        for p in predict_step(self.layouts, self.grid.pr, self.grid.pc, batch, self.machine,
+                              self.word_bytes):
+            acc = self._pred[(p.layer, p.phase)]
+            acc[0] += p.total_bytes
+            acc[1] += p.seconds
+
+    def drain(self, record: bool = True):
+        """Empty the workers' transfer logs, attributing every key to its layer and phase."""
+        logs = self.client.run(_drain_logs, workers=self.workers)
+        if not record:
+            return
+        for receiver, entries in logs.items():
+            for sender, duration, keys in entries:
+                total = sum(n for _, n in keys) or 1
+                for key, nbytes in keys:
+                    self._recv[receiver] += nbytes
+                    self._sent[sender] += nbytes
+                    lp = phase_of_key(key)
+                    if lp is None:
+                        self._other += nbytes
+                        continue
+                    self._bytes[lp] += nbytes
+                    self._secs[(*lp, receiver)] += duration * nbytes / total
+                    self._sent_phase[lp][sender] += nbytes
+
+    def report(self) -> CommReport:
+        """Per-step means of predicted and measured bytes and seconds, per layer and phase.
+
+        Measured seconds: the busiest receiver's transfer time in that phase per step.
+        """
+        n = max(self.steps, 1)
+        busiest = defaultdict(float)
+        for (layer, phase, _), s in self._secs.items():
+            busiest[(layer, phase)] = max(busiest[(layer, phase)], s)
+        rows = [
+            CommRow(layer, phase, pb / n, self._bytes.get((layer, phase), 0) / n,
+                    ps / n, busiest.get((layer, phase), 0.0) / n)
+            for (layer, phase), (pb, ps) in self._pred.items()
+        ]
+        known = set(self._pred)
+        for lp, b in self._bytes.items():  # measured phases the model does not know
+            if lp not in known:
+                rows.append(CommRow(*lp, 0.0, b / n, 0.0, busiest.get(lp, 0.0) / n))
+        return CommReport(
+            steps=self.steps,
+            rows=rows,
+            sent_bytes=dict(self._sent),
+            received_bytes=dict(self._recv),
+            sent_by_phase={k: dict(v) for k, v in self._sent_phase.items()},
+            unattributed_bytes=self._other,
+        )

@@ -1,0 +1,70 @@
+"""Measured communication against the cost model: balance, log draining, the report."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dask_ipar import Dense, Sequential
+from dask_ipar.grid import factorizations
+
+BALANCE_GRIDS = [g for p in (2, 4, 6, 8) for g in factorizations(p) if g.pc > 1]
+
+
+def _fit(client, grid, sizes=(71, 48, 36, 12), batch=48, steps=2):
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((batch * steps, sizes[0]))
+    y = rng.integers(0, sizes[-1], batch * steps)
+    layers = [Dense(w, "relu") for w in sizes[1:-1]] + [Dense(sizes[-1])]
+    model = Sequential(layers, input_dim=sizes[0], dtype="float32").distribute(client, grid)
+    hist = model.fit(X, y, epochs=1, batch_size=batch)
+    return model, hist.comm
+
+
+@pytest.mark.parametrize("grid", BALANCE_GRIDS, ids=str)
+def test_dw_traffic_is_balanced_like_a_ring_allreduce(client, grid):
+    """No home worker: the busiest sender of a layer's dW all-reduce (reduce-scatter +
+    weight all-gather) sends within 10% of 2 (Pc-1)/Pc |W|/Pr words per step.
+
+    Widths divide every Pr used here; the (n + 1) weight columns split unevenly over
+    Pc, which the 10% absorbs."""
+    model, comm = _fit(client, grid)
+    for lay in model.engine.layouts:
+        words = lay.n_out * lay.n_cols
+        ideal = 2 * (grid.pc - 1) / grid.pc * words / grid.pr * 4
+        per_worker = {}
+        for phase in ("dw_reduce", "w_gather"):
+            for w, b in comm.sent_by_phase.get((lay.name, phase), {}).items():
+                per_worker[w] = per_worker.get(w, 0) + b / comm.steps
+        assert len(per_worker) == grid.size, "every cell takes part in the all-reduce"
+        busiest = max(per_worker.values())
+        assert abs(busiest / ideal - 1) <= 0.10, (lay.name, busiest, ideal)
+    model.close()
+
+
+def test_nothing_lost_when_a_step_overflows_the_log_cap():
+    """Workers whose transfer logs keep only 5 entries still report every byte."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    with dask.config.set({"distributed.admin.low-level-log-length": 5}):
+        with LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
+                          dashboard_address=None) as cluster, Client(cluster) as c:
+            caps = c.run(lambda dask_worker: dask_worker.transfer_incoming_log.maxlen)
+            assert set(caps.values()) == {5}
+            model, comm = _fit(c, "2x2")
+            for r in comm.rows:
+                assert abs(r.ratio - 1) <= 0.02, r
+            # a 2x2 step makes each worker receive far more than 5 transfers
+            assert sum(r.measured_bytes for r in comm.rows) > 0
+            model.close()
+
+
+def test_report_table_and_per_worker_totals(client):
+    model, comm = _fit(client, "2x2")
+    text = comm.table()
+    assert "dense0" in text and "fwd_gather" in text and "w_gather" in text
+    assert sum(comm.sent_bytes.values()) == sum(comm.received_bytes.values())
+    assert comm.unattributed_bytes == 0
+    assert set(comm.sent_bytes) == set(model.binding.workers)
+    model.close()
