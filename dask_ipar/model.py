@@ -536,6 +536,56 @@ class Sequential:
             checked.append((W, b))
         self._scatter_weights(checked)
 
+    # ------------------------------------------------------- state blocks
+    def state_blocks(self) -> dict:
+        """Where the training state lives, block by block (for checkpoints).
+
+        Returns ``{"step", "grid": (pr, pc), "dtype", "layers": [...]}`` where each
+        layer is ``{"name", "n_in", "n_out", "bias", "activation", "rows", "wcols",
+        "w": {(i, j): Future}, "v": {(i, j): Future} or None, "workers": {(i, j): addr}}``.
+        Weight block ``(i, j)`` holds rows ``rows[i]`` and columns ``wcols[j]`` of the
+        ``n_out x (n_in + bias)`` matrix whose last column is the bias; ``v`` is the
+        momentum buffer of the same shape (None before the first step).
+        """
+        self._require()
+        cells = self.binding.grid.cells()
+        layers = []
+        for lay, wn, vn in zip(self.engine.layouts, self._w, self._v):
+            layers.append({
+                "name": lay.name, "n_in": lay.n_in, "n_out": lay.n_out, "bias": lay.bias,
+                "activation": lay.activation, "rows": lay.rows, "wcols": lay.wcols,
+                "w": {c: self._futures[(wn, *c)] for c in cells},
+                "v": None if vn is None else {c: self._futures[(vn, *c)] for c in cells},
+                "workers": {c: self.binding.worker(*c) for c in cells},
+            })
+        return {"step": self._step, "grid": (self.binding.grid.pr, self.binding.grid.pc),
+                "dtype": str(self.dtype), "layers": layers}
+
+    def reserve_state_keys(self, with_velocity: bool):
+        """Key names for a new full set of state blocks: ``(w_names, v_names)``.
+
+        Block ``(i, j)`` of layer ``l`` must be stored under key ``(w_names[l], i, j)``
+        on worker ``binding.worker(i, j)``; then hand the futures to :meth:`adopt_state`.
+        """
+        self._require()
+        step = self._next_step()
+        w = [self.engine.name(lay.name, "w", step) for lay in self.engine.layouts]
+        v = ([self.engine.name(lay.name, "v", step) for lay in self.engine.layouts]
+             if with_velocity else [None] * len(w))
+        return w, v
+
+    def adopt_state(self, w_names, v_names, futures: dict):
+        """Make the blocks in ``futures`` (keyed ``(name, i, j)``) the model's state."""
+        cells = self.binding.grid.cells()
+        need = {(n, *c) for n in list(w_names) + list(v_names) if n is not None for c in cells}
+        missing = need - set(futures)
+        if missing:
+            raise IparError(f"state blocks missing for {len(missing)} keys, e.g. {min(missing)}.")
+        old = (self._w or []) + (self._v or [])
+        self._futures.update({k: futures[k] for k in need})
+        self._release([n for n in old if n not in set(w_names) | set(v_names)])
+        self._w, self._v = list(w_names), list(v_names)
+
     def close(self):
         """Release every block this model holds on the cluster."""
         self._futures.clear()
