@@ -171,6 +171,102 @@ def run_train(args) -> int:
     return 0
 
 
+def _add_calibrate(sub):
+    p = sub.add_parser(
+        "calibrate",
+        help="measure alpha, bandwidth and compute rate of a cluster into a machine file",
+        description="Measure the latency per dependent hop, the worker-to-worker bandwidth and "
+        "the matmul rate of one worker on a live dask cluster (under a minute) and write a "
+        "YAML machine file for `dask-ipar plan --machine` and `dask-ipar train --machine`.",
+    )
+    p.add_argument("--output", "-o", default="machine.yaml", help="machine file to write")
+    p.add_argument("--workers", type=_positive_int, default=2,
+                   help="worker processes of the LocalCluster to start (default 2)")
+    p.add_argument("--threads-per-worker", type=_positive_int, default=1)
+    p.add_argument("--scheduler-address", help="measure an existing cluster instead")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--json", action="store_true", help="print the machine as JSON on stdout")
+    p.set_defaults(func=run_calibrate)
+
+
+def run_calibrate(args) -> int:
+    from dask_ipar.calibrate import calibrate
+    from dask_ipar.cluster import open_client
+    from dask_ipar.cost import save_machine
+
+    if args.workers < 2 and not args.scheduler_address:
+        raise IparError("calibration needs --workers 2 or more (it times transfers between two).")
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    with open_client(None if args.scheduler_address else args.workers, args.scheduler_address,
+                     threads_per_worker=args.threads_per_worker, dashboard=False,
+                     log=_eprint) as client:
+        machine = calibrate(client, dtype=args.dtype, log=lambda m: _eprint(f"dask-ipar: {m}"))
+    save_machine(machine, args.output)
+    _eprint(f"dask-ipar: wrote {args.output} in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        print(json.dumps({"alpha_s": machine.alpha_s, "bandwidth_Bps": machine.bandwidth_Bps,
+                          "word_bytes": machine.word_bytes, "flops_per_s": machine.flops_per_s}))
+    return 0
+
+
+def _add_verify(sub):
+    p = sub.add_parser(
+        "verify",
+        help="check a grid against single-process NumPy and the cost model, per layer",
+        description="Run a float64 MLP on the grid beside a single-process NumPy reference: "
+        "forward, loss, every gradient, a finite-difference check, a few SGD steps, and the "
+        "bytes moved per layer and phase against the cost model. Prints pass/fail per layer.",
+    )
+    p.add_argument("--grid", required=True, help="process grid PRxPC")
+    p.add_argument("--model", type=_widths, default=[37, 29, 13, 10],
+                   help="layer widths including input and classes (default 37,29,13,10)")
+    p.add_argument("--batch", type=_positive_int, default=23)
+    p.add_argument("--steps", type=_positive_int, default=3, help="SGD steps to compare")
+    p.add_argument("--scheduler-address", help="use an existing cluster")
+    p.set_defaults(func=run_verify)
+
+
+def run_verify(args) -> int:
+    from dask_ipar.cluster import open_client
+    from dask_ipar.testing import compare_mlp
+
+    grid = _resolve_grid(argparse.Namespace(grid=args.grid, workers=None))
+    if len(args.model) < 2:
+        raise IparError(f"--model needs at least an input and an output width, got {args.model}.")
+    acts = ["relu"] * (len(args.model) - 2) + ["linear"]
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    with open_client(None if args.scheduler_address else grid.size, args.scheduler_address,
+                     dashboard=False, log=_eprint) as client:
+        err = compare_mlp(client, grid, sizes=tuple(args.model), activations=tuple(acts),
+                          batch=args.batch, steps=args.steps)
+    tol = {"grad": 1e-12, "sgd": 1e-10, "fd": 1e-6, "bytes": 0.02}
+    ok_all = True
+    print(f"grid {grid}, MLP {'-'.join(map(str, args.model))}, B = {args.batch}, float64")
+    head = f"{'layer':<8}{'dW err':>10}{'db err':>10}{'SGD err':>10}  bytes measured/predicted"
+    print(head)
+    rows = err["comm"].rows
+    for k in range(len(args.model) - 1):
+        name = f"dense{k}"
+        ratios = {r.phase: r.ratio for r in rows if r.layer == name}
+        ok = (err[f"dW{k}"] <= tol["grad"] and err[f"db{k}"] <= tol["grad"]
+              and err[f"sgd{k}"] <= tol["sgd"]
+              and all(abs(v - 1) <= tol["bytes"] for v in ratios.values()))
+        ok_all &= ok
+        bytes_txt = " ".join(f"{ph}={v:.3f}" for ph, v in ratios.items())
+        print(f"{name:<8}{err[f'dW{k}']:>10.1e}{err[f'db{k}']:>10.1e}{err[f'sgd{k}']:>10.1e}  "
+              f"{bytes_txt}  {'PASS' if ok else 'FAIL'}")
+    fwd_ok = err["logits"] <= tol["grad"] and err["loss"] <= tol["grad"]
+    fd_ok = err["finite_difference"] <= tol["fd"]
+    ok_all &= fwd_ok and fd_ok
+    print(f"forward logits {err['logits']:.1e}, loss {err['loss']:.1e}  "
+          f"{'PASS' if fwd_ok else 'FAIL'}")
+    print(f"finite difference {err['finite_difference']:.1e}  {'PASS' if fd_ok else 'FAIL'}")
+    print(f"{'PASS' if ok_all else 'FAIL'} in {time.perf_counter() - t0:.1f} s")
+    return 0 if ok_all else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dask-ipar",
@@ -178,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
+    _add_calibrate(sub)
+    _add_verify(sub)
     try:
         from dask_ipar import plan_cli
     except ImportError:  # pragma: no cover - the planner ships with the package

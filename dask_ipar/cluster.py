@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 import time
 
 from dask_ipar.errors import IparError
@@ -68,14 +69,19 @@ def open_client(n_workers: int | None = None, scheduler_address: str | None = No
 
     if n_workers is None or n_workers < 1:
         raise IparError(f"number of workers must be a positive integer, got {n_workers!r}.")
-    dash = "127.0.0.1:8787" if dashboard and _has_bokeh() else None
-    cluster = LocalCluster(
-        n_workers=n_workers,
-        threads_per_worker=threads_per_worker,
-        processes=True,
-        host="127.0.0.1",
-        dashboard_address=dash,
-    )
+    # The dashboard binds to localhost only; a busy 8787 falls back to a free port
+    # (the link printed says which). Without a dashboard, the scheduler's small HTTP
+    # server (health, metrics) takes a random local port.
+    dash = "127.0.0.1:8787" if dashboard and _has_bokeh() else "127.0.0.1:0"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Port .* is already in use")
+        cluster = LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=threads_per_worker,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address=dash,
+        )
     try:
         client = Client(cluster)
         try:

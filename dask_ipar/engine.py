@@ -43,6 +43,8 @@ groups tasks by layer and phase, and transfer logs attribute bytes to them
 
 from __future__ import annotations
 
+import functools
+import uuid
 from dataclasses import dataclass, field
 
 from dask._task_spec import DataNode, Task, TaskRef
@@ -52,7 +54,8 @@ from dask_ipar import kernels as K
 from dask_ipar.grid import GridBinding
 from dask_ipar.partition import split_bounds
 
-__all__ = ["LayerLayout", "StepGraph", "Engine", "phase_of_key", "TASK_PHASE"]
+__all__ = ["LayerLayout", "StepGraph", "Engine", "phase_of_key", "span_of_name", "TASK_PHASE",
+           "TASK_SPAN"]
 
 #: Which collective moves the blocks of each task name between workers.
 TASK_PHASE = {
@@ -76,6 +79,41 @@ def phase_of_key(key) -> tuple[str, str] | None:
     task = rest.split("-", 1)[0]
     phase = TASK_PHASE.get(task)
     return None if phase is None else (layer, phase)
+
+
+#: Dashboard span (per layer) of each task name: what the task does in the step.
+TASK_SPAN = {
+    "wrow": "w_gather",
+    "act": "forward",
+    "xgather": "fwd_gather",
+    "dxp": "dx_reduce",
+    "dz": "backward",
+    "dwp": "dw_reduce",
+    "v": "update",
+    "w": "update",
+    "grad": "dw_reduce",
+    "stats": "loss",
+    "x": "input",
+    "y": "input",
+}
+
+
+@functools.lru_cache(maxsize=4096)
+def span_of_name(name: str):
+    """The ``distributed.span`` annotation of a key name: ``("dask-ipar", layer, phase)``.
+
+    Span ids derive from the names, so every step's tasks join the same spans and the
+    dashboard shows one span per layer and phase.
+
+    >>> span_of_name("dense1.act-0a1b2c3d-s7")["name"]
+    ('dask-ipar', 'dense1', 'forward')
+    """
+    layer, _, rest = name.partition(".")
+    task = rest.split("-", 1)[0]
+    tags = ("dask-ipar", layer, TASK_SPAN.get(task, task))
+    ids = tuple(str(uuid.uuid5(uuid.NAMESPACE_URL, "/".join(tags[: k + 1])))
+                for k in range(len(tags)))
+    return {"name": tags, "ids": ids}
 
 
 @dataclass(frozen=True)
@@ -138,12 +176,16 @@ class StepGraph:
     def to_hlg(self, name: str) -> HighLevelGraph:
         """One graph layer whose annotation pins every task (``allow_other_workers=False``).
 
-        The annotation is a ``dict.get``: total over the layer's keys, and keys it
-        does not know (none here) would get no restriction.
+        The annotations are ``dict.get`` of plain dicts, so the scheduler needs no
+        dask-ipar code to evaluate them: total over the layer's keys (keys it does
+        not know, none here, would get no restriction). Each task also joins the
+        dashboard span of its layer and phase (:func:`span_of_name`).
         """
+        spans = {k: span_of_name(k[0]) for k in self.dsk}
         layer = MaterializedLayer(
             self.dsk,
-            annotations={"workers": self.place.get, "allow_other_workers": False},
+            annotations={"workers": self.place.get, "allow_other_workers": False,
+                         "span": spans.get},
         )
         return HighLevelGraph({name: layer}, {name: set()})
 

@@ -56,3 +56,21 @@ def test_weight_blocks_are_dask_arrays_on_their_cells(client):
         np.testing.assert_array_equal(W.compute(), np.concatenate([Wn, bn[:, None]], axis=1))
     model.fit(np.ones((4, 6)), np.arange(4), batch_size=4, optimizer=SGD(lr=0.1))
     model.close()
+
+
+def test_dashboard_spans_per_layer_and_phase(client):
+    rng = np.random.default_rng(0)
+    model = Sequential([Dense(9, "relu"), Dense(5)], input_dim=6,
+                       dtype="float64").distribute(client, "2x2")
+    model.fit(rng.standard_normal((8, 6)), rng.integers(0, 5, 8), batch_size=8, epochs=2)
+
+    def names(dask_scheduler=None):
+        return [s.name for s in dask_scheduler.extensions["spans"].spans.values()]
+
+    spans = set(client.run_on_scheduler(names))
+    for layer in ("dense0", "dense1"):
+        for phase in ("forward", "fwd_gather", "w_gather", "dw_reduce", "update"):
+            assert ("dask-ipar", layer, phase) in spans, (layer, phase, sorted(spans))
+    assert ("dask-ipar", "dense1", "dx_reduce") in spans
+    assert ("dask-ipar", "loss", "loss") in spans
+    model.close()

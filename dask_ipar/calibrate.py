@@ -1,0 +1,122 @@
+"""``dask-ipar calibrate``: measure alpha, bandwidth and compute rate on a live cluster.
+
+What the engine pays, measured the way the engine pays it:
+
+* ``alpha_s``: seconds per dependent hop between two workers with a tiny
+  payload (a chain of pinned tasks alternating between two workers). On
+  dask this is dominated by the scheduler round trip, not by the wire.
+* ``bandwidth_Bps``: payload bytes per second of worker-to-worker transfers,
+  fitted over several sizes from the workers' own transfer logs
+  (duration = latency + bytes / bandwidth, least squares).
+* ``flops_per_s``: the local matmul rate of one worker (the engine's kernels
+  are matmuls), timed inside the task.
+
+The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
+file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from dask._task_spec import Task, TaskRef
+
+from dask_ipar.cost import Machine
+from dask_ipar.engine import StepGraph
+
+__all__ = ["calibrate"]
+
+
+def _tiny(*deps):
+    return np.zeros(1)
+
+
+def _payload(nbytes, seed):
+    return np.full(nbytes // 8, float(seed))
+
+
+def _consume(x):
+    return float(x[0])
+
+
+def _matmul_rate(n, dtype, repeats):
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
+    b = a.copy()
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best
+
+
+def _incoming(dask_worker=None):
+    out = [(e["duration"], list(e["keys"].items())) for e in dask_worker.transfer_incoming_log]
+    return out
+
+
+def _hop_time(client, a, b, hops, tag):
+    g = StepGraph()
+    prev = None
+    for h in range(hops):
+        key = (f"calibrate.hop-{tag}", h)
+        g.add(key, a if h % 2 == 0 else b, _tiny, *([] if prev is None else [TaskRef(prev)]))
+        prev = key
+    t = time.perf_counter()
+    client.gather(client.get(g.to_hlg(f"calibrate-hops-{tag}"), [prev], sync=False))
+    return (time.perf_counter() - t) / hops
+
+
+def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), hops=40,
+              matmul_n=1024, log=None) -> Machine:
+    """Measure the alpha-beta machine of ``client``'s cluster (two workers, under a minute).
+
+    Parameters
+    ----------
+    workers : list of str, optional
+        Two worker addresses to measure between (default: the first two).
+    dtype : str
+        Dtype of the matmul rate and the word size of the result.
+    """
+    workers = list(workers or sorted(client.scheduler_info(n_workers=-1)["workers"]))
+    if len(workers) < 2:
+        from dask_ipar.errors import IparError
+
+        raise IparError("calibration needs at least 2 workers to time transfers between them.")
+    a, b = workers[:2]
+    tag = f"{time.time_ns():x}"
+    log = log or (lambda *_: None)
+
+    _hop_time(client, a, b, 6, tag + "w")  # warm the connections
+    alpha = float(np.median([_hop_time(client, a, b, hops, f"{tag}{r}") for r in range(3)]))
+    log(f"alpha (seconds per dependent hop between workers): {alpha * 1e3:.2f} ms")
+
+    client.run(lambda dask_worker=None: dask_worker.transfer_incoming_log.clear(), workers=[b])
+    pts = []
+    for size in sizes_mib:
+        for r in range(2):
+            g = StepGraph()
+            src = (f"calibrate.payload-{tag}", size, r)
+            dst = (f"calibrate.sink-{tag}", size, r)
+            g.add(src, a, _payload, size * 2**20, r)
+            g.add(dst, b, _consume, TaskRef(src))
+            client.gather(client.get(g.to_hlg(f"calibrate-bw-{tag}-{size}-{r}"), [dst],
+                                     sync=False))
+    for duration, keys in client.run(_incoming, workers=[b])[b]:
+        nbytes = sum(n for k, n in keys if str(k[0] if isinstance(k, tuple) else k).startswith(
+            "calibrate.payload"))
+        if nbytes:
+            pts.append((nbytes, duration))
+    x = np.array([p[0] for p in pts], dtype=float)
+    t = np.array([p[1] for p in pts], dtype=float)
+    slope, _ = np.polyfit(x, t, 1) if len(set(x)) > 1 else (t.mean() / x.mean(), 0.0)
+    bandwidth = float(1.0 / slope) if slope > 0 else float(x.sum() / t.sum())
+    log(f"bandwidth (worker to worker payload): {bandwidth / 2**20:.0f} MiB/s")
+
+    fut = client.submit(_matmul_rate, matmul_n, dtype, 3, workers=[a], pure=False)
+    flops = float(fut.result())
+    log(f"compute ({dtype} matmul {matmul_n}^3 on one worker): {flops / 1e9:.1f} GFLOP/s")
+    return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
+                   flops_per_s=flops)

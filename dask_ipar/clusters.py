@@ -1,0 +1,256 @@
+"""Clusters built from the ``cluster`` section of the configuration.
+
+``cluster.kind`` picks where the ``Pr*Pc`` workers run:
+
+* ``local`` - a :class:`distributed.LocalCluster` of worker processes on this machine,
+  the CPUs shared out between them (threads and BLAS threads per worker
+  ``max(1, cores // workers)``), dashboard on 127.0.0.1 only;
+* ``slurm``, ``pbs``, ``lsf``, ``sge`` - dask-jobqueue (optional extra ``hpc``): batch
+  jobs of ``cluster.processes`` worker processes each, with the queue, account,
+  walltime, cores and memory of the config;
+* ``cluster.scheduler_address`` set - join a running cluster, whatever the kind.
+
+:func:`make_cluster` waits for all workers (progress and timeout), and closes what it
+started whatever happens. :func:`job_script` shows the batch script without submitting
+anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+from dask_ipar.errors import IparError
+
+__all__ = ["make_cluster", "job_script", "jobqueue_kwargs", "local_threads", "JOBQUEUE_CLASSES"]
+
+#: dask-jobqueue cluster and job class names for each batch system.
+JOBQUEUE_CLASSES = {
+    "slurm": ("SLURMCluster", "dask_jobqueue.slurm", "SLURMJob"),
+    "pbs": ("PBSCluster", "dask_jobqueue.pbs", "PBSJob"),
+    "lsf": ("LSFCluster", "dask_jobqueue.lsf", "LSFJob"),
+    "sge": ("SGECluster", "dask_jobqueue.sge", "SGEJob"),
+}
+
+
+def _section(cfg: dict) -> dict:
+    from dask_ipar.config import DEFAULTS
+
+    c = dict(DEFAULTS["cluster"])
+    c.update(cfg.get("cluster", {}) or {})
+    return c
+
+
+def _check_n(n_workers):
+    if not isinstance(n_workers, int) or isinstance(n_workers, bool) or n_workers < 1:
+        raise IparError(f"number of workers must be a positive integer, got {n_workers!r}.")
+
+
+def _jobqueue():
+    try:
+        import dask_jobqueue
+    except ImportError:
+        raise IparError(
+            "batch-system clusters (slurm, pbs, lsf, sge) need dask-jobqueue, which is not "
+            "installed. Install it with: pip install 'dask-ipar[hpc]' "
+            "(or set cluster.kind: local)."
+        ) from None
+    return dask_jobqueue
+
+
+def local_threads(cfg: dict, n_workers: int) -> int:
+    """Threads (and BLAS threads) per local worker: ``max(1, cores // n_workers)``.
+
+    ``cores`` is ``cluster.cores``, else the CPUs this process may use.
+    """
+    _check_n(n_workers)
+    cores = _section(cfg).get("cores")
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - macOS, Windows
+            cores = os.cpu_count() or 1
+    return max(1, cores // n_workers)
+
+
+def _security(c: dict):
+    if not c.get("tls"):
+        return None
+    from distributed.security import Security
+
+    sec = Security()  # reads distributed.comm.tls.* from dask's config
+    if not sec.tls_ca_file:
+        raise IparError(
+            "cluster.tls is true but dask's config has no distributed.comm.tls.ca-file. "
+            "Set distributed.comm.tls.ca-file, .scheduler.cert/.key, .worker.cert/.key and "
+            ".client.cert/.key (see docs/hpc.md), or set cluster.tls: false."
+        )
+    return sec
+
+
+def jobqueue_kwargs(cfg: dict, n_workers: int) -> dict:
+    """Keyword arguments of the dask-jobqueue cluster/job class for ``cfg``.
+
+    ``cores`` defaults to ``processes`` (one thread per worker process).
+    """
+    _check_n(n_workers)
+    c = _section(cfg)
+    processes = int(c["processes"])
+    cores = c["cores"] if c["cores"] is not None else processes
+    if cores < processes:
+        raise IparError(
+            f"cluster.cores is {cores} but cluster.processes is {processes}; each worker "
+            f"process needs at least one core. Set cores >= {processes}."
+        )
+    kw = {
+        "cores": cores,
+        "memory": c["memory"],
+        "processes": processes,
+        "walltime": c["walltime"],
+        "job_extra_directives": list(c.get("job_extra") or []),
+        "name": "dask-ipar-worker",
+    }
+    for k in ("queue", "account", "interface", "local_directory"):
+        if c.get(k) is not None:
+            kw[k] = c[k]
+    return kw
+
+
+def job_script(cfg: dict, n_workers: int, scheduler_address: str = "tcp://scheduler:8786") -> str:
+    """The batch script one job of a ``cluster.kind`` cluster would submit (nothing runs).
+
+    Parameters
+    ----------
+    cfg : dict
+        Configuration (``cluster`` section used).
+    n_workers : int
+        Workers the run needs (the grid's ``Pr*Pc``); jobs are ``ceil(n / processes)``.
+    scheduler_address : str
+        Written into the worker command line.
+    """
+    c = _section(cfg)
+    kind = c["kind"]
+    if kind not in JOBQUEUE_CLASSES:
+        raise IparError(
+            f"cluster.kind is {kind!r}; job scripts exist only for "
+            f"{', '.join(JOBQUEUE_CLASSES)}. Set cluster.kind to your batch system."
+        )
+    _jobqueue()
+    import importlib
+
+    _, module, job_name = JOBQUEUE_CLASSES[kind]
+    job_cls = getattr(importlib.import_module(module), job_name)
+    kw = jobqueue_kwargs(cfg, n_workers)
+    kw.pop("interface", None)  # resolving an interface needs it to exist here
+    return job_cls(scheduler=scheduler_address, **kw).job_script()
+
+
+def _n_jobs(n_workers: int, processes: int) -> int:
+    return math.ceil(n_workers / processes)
+
+
+@contextlib.contextmanager
+def make_cluster(cfg: dict, n_workers: int, *, log=None):
+    """Start (or join) the cluster of ``cfg`` for ``n_workers`` workers; yield a Client.
+
+    Parameters
+    ----------
+    cfg : dict
+        Configuration from :func:`dask_ipar.config.load_config` (``cluster`` section).
+    n_workers : int
+        Workers the grid needs (``Pr*Pc``); a local cluster starts exactly these,
+        a batch cluster ``ceil(n_workers / processes)`` jobs.
+    log : callable, optional
+        Gets progress lines (``waiting for workers: 2/4 connected``).
+
+    Yields
+    ------
+    distributed.Client
+        Connected, with at least ``n_workers`` workers. On exit the client is closed and
+        any cluster started here is shut down (its batch jobs cancelled); a cluster
+        joined by ``scheduler_address`` is left running.
+
+    Raises
+    ------
+    IparError
+        Unknown kind, dask-jobqueue missing, scheduler unreachable, or not enough workers
+        within ``cluster.wait_timeout`` seconds.
+    """
+    from distributed import Client
+
+    from dask_ipar.cluster import _has_bokeh, wait_for_workers
+
+    _check_n(n_workers)
+    c = _section(cfg)
+    kind = c["kind"]
+    security = _security(c)
+    wait_s = float(c["wait_timeout"])
+
+    if c.get("scheduler_address"):
+        addr = c["scheduler_address"]
+        try:
+            client = Client(addr, timeout=float(c["connect_timeout"]), security=security)
+        except (OSError, TimeoutError) as exc:
+            raise IparError(
+                f"could not reach a dask scheduler at {addr!r} within "
+                f"{float(c['connect_timeout']):.0f} s ({type(exc).__name__}). Check the "
+                "address (for example tls://host:8786) and that the scheduler is running."
+            ) from exc
+        try:
+            wait_for_workers(client, n_workers, wait_s, log)
+            yield client
+        finally:
+            client.close()
+        return
+
+    if kind == "local":
+        from distributed import LocalCluster
+
+        threads = local_threads(cfg, n_workers)
+        blas = str(threads)
+        dash = "127.0.0.1:8787" if c["dashboard"] and _has_bokeh() else None
+        cluster = LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=threads,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address=dash,
+            security=security,
+            protocol="tls://" if security is not None else None,
+            env={"OMP_NUM_THREADS": blas, "OPENBLAS_NUM_THREADS": blas,
+                 "MKL_NUM_THREADS": blas},
+        )
+    elif kind in JOBQUEUE_CLASSES:
+        jq = _jobqueue()
+        cls = getattr(jq, JOBQUEUE_CLASSES[kind][0])
+        kw = jobqueue_kwargs(cfg, n_workers)
+        sched = {"dashboard_address": "127.0.0.1:8787"} if c["dashboard"] else {"dashboard": False}
+        if security is not None:
+            kw["security"] = security
+            kw["protocol"] = "tls://"
+        try:
+            cluster = cls(scheduler_options=sched, **kw)
+        except Exception as exc:
+            raise IparError(
+                f"could not start the {kind} cluster ({type(exc).__name__}: {exc}). Check the "
+                "cluster section of the config (queue, account, interface)."
+            ) from exc
+        if log is not None:
+            log(f"submitting {_n_jobs(n_workers, kw['processes'])} {kind} job(s) for "
+                f"{n_workers} workers ({kw['processes']} per job)")
+    else:
+        raise IparError(
+            f"cluster.kind is {kind!r}, expected local, slurm, pbs, lsf or sge."
+        )
+    try:
+        if kind != "local":
+            cluster.scale(n=n_workers)
+        client = Client(cluster, security=security)
+        try:
+            wait_for_workers(client, n_workers, wait_s, log)
+            yield client
+        finally:
+            client.close()
+    finally:
+        cluster.close()
