@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
+import tempfile
 import time
 
 from dask_ipar.errors import IparError
@@ -66,6 +69,9 @@ def _add_train(sub):
                    help="seconds to wait for enough workers on an existing cluster")
     p.add_argument("--machine", metavar="FILE",
                    help="YAML machine file (alpha, bandwidth) for the predicted seconds")
+    p.add_argument("--report", metavar="FILE.html",
+                   help="write a self-contained HTML run card (model, grid, predicted vs "
+                   "measured communication, dask's performance report)")
     p.add_argument("--no-dashboard", action="store_true", help="start no dashboard")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--json", action="store_true",
@@ -85,6 +91,28 @@ def _resolve_grid(args):
             )
         return grid
     return Grid(1, args.workers or 2)
+
+
+@contextlib.contextmanager
+def _performance_report(path):
+    """Record dask's performance report (inline bokeh) when a run card is asked for."""
+    out = {}
+    if not path:
+        yield out
+        return
+    try:
+        import bokeh  # noqa: F401
+    except ImportError:
+        yield out
+        return
+    from distributed import performance_report
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fname = os.path.join(tmp, "dask-report.html")
+        with performance_report(filename=fname, mode="inline"):
+            yield out
+        with open(fname, encoding="utf-8") as fh:
+            out["html"] = fh.read()
 
 
 def run_train(args) -> int:
@@ -135,12 +163,12 @@ def run_train(args) -> int:
             _eprint(f"dask-ipar: dashboard at {link}")
         model.distribute(client, grid)
         t_fit = time.perf_counter()
-        history = model.fit(Xtr, ytr, epochs=args.epochs, batch_size=args.batch,
-                            optimizer=optimizer, seed=args.seed,
-                            progress=not args.no_progress, machine=machine)
+        with _performance_report(args.report) as perf:
+            history = model.fit(Xtr, ytr, epochs=args.epochs, batch_size=args.batch,
+                                optimizer=optimizer, seed=args.seed,
+                                progress=not args.no_progress, machine=machine)
         fit_s = time.perf_counter() - t_fit
         result = model.evaluate(Xte, yte)
-        model.close()
     seconds = time.perf_counter() - t_start
     n_seen = sum(e["samples_per_s"] * e["seconds"] for e in history.epochs)
     summary = {
@@ -160,6 +188,12 @@ def run_train(args) -> int:
         "samples_per_s": n_seen / fit_s,
         "comm": [r.to_dict() for r in history.comm.rows],
     }
+    if args.report:
+        from dask_ipar.report import write_run_card
+
+        write_run_card(args.report, summary, history, model, perf.get("html"))
+        _eprint(f"dask-ipar: run card written to {args.report}")
+    model.close()
     line = (f"test accuracy {result['accuracy']:.4f} (loss {result['loss']:.4f}) after "
             f"{args.epochs} epochs, {summary['samples_per_s']:.0f} samples/s, {seconds:.1f} s total")
     _eprint(history.comm.table())

@@ -109,11 +109,13 @@ def jobqueue_kwargs(cfg: dict, n_workers: int) -> dict:
         "processes": processes,
         "walltime": c["walltime"],
         "job_extra_directives": list(c.get("job_extra") or []),
-        "name": "dask-ipar-worker",
     }
-    for k in ("queue", "account", "interface", "local_directory"):
+    for k in ("queue", "interface", "local_directory"):
         if c.get(k) is not None:
             kw[k] = c[k]
+    if c.get("account") is not None:
+        # SLURM and PBS call it account; LSF and SGE call it project
+        kw["account" if c["kind"] in ("slurm", "pbs") else "project"] = c["account"]
     return kw
 
 
@@ -143,7 +145,7 @@ def job_script(cfg: dict, n_workers: int, scheduler_address: str = "tcp://schedu
     job_cls = getattr(importlib.import_module(module), job_name)
     kw = jobqueue_kwargs(cfg, n_workers)
     kw.pop("interface", None)  # resolving an interface needs it to exist here
-    return job_cls(scheduler=scheduler_address, **kw).job_script()
+    return job_cls(scheduler=scheduler_address, name="dask-ipar-worker", **kw).job_script()
 
 
 def _n_jobs(n_workers: int, processes: int) -> int:
@@ -216,6 +218,8 @@ def make_cluster(cfg: dict, n_workers: int, *, log=None):
             processes=True,
             host="127.0.0.1",
             dashboard_address=dash,
+            # dashboard_address=None alone still serves one on a random port
+            scheduler_kwargs=None if dash else {"dashboard": False},
             security=security,
             protocol="tls://" if security is not None else None,
             env={"OMP_NUM_THREADS": blas, "OPENBLAS_NUM_THREADS": blas,
