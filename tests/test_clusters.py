@@ -1,0 +1,124 @@
+"""Clusters from the config: batch job scripts (no batch system needed) and local clusters."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+
+from dask_ipar.clusters import job_script, jobqueue_kwargs, local_threads, make_cluster
+from dask_ipar.config import DEFAULTS
+from dask_ipar.errors import IparError
+
+
+def _cfg(**cluster):
+    cfg = copy.deepcopy(DEFAULTS)
+    cfg["cluster"].update(cluster)
+    return cfg
+
+
+HPC = dict(queue="compute", account="proj42", walltime="02:30:00", cores=8, memory="32GiB",
+           processes=2, job_extra=["--exclusive"])
+
+
+def test_slurm_job_script_carries_resources():
+    pytest.importorskip("dask_jobqueue")
+    s = job_script(_cfg(kind="slurm", **HPC), n_workers=4)
+    lines = s.splitlines()
+    assert "#SBATCH -p compute" in lines
+    assert "#SBATCH -A proj42" in lines
+    assert "#SBATCH -t 02:30:00" in lines
+    assert "#SBATCH --cpus-per-task=8" in lines
+    assert "#SBATCH --mem=32G" in lines
+    assert "#SBATCH --exclusive" in lines
+    # 2 worker processes per job, 8 cores shared: 4 threads each, memory split
+    assert "--nworkers 2" in s and "--nthreads 4" in s and "--memory-limit 16.00GiB" in s
+
+
+def test_pbs_job_script_carries_resources():
+    pytest.importorskip("dask_jobqueue")
+    s = job_script(_cfg(kind="pbs", **HPC), n_workers=4)
+    lines = s.splitlines()
+    assert "#PBS -q compute" in lines
+    assert "#PBS -A proj42" in lines
+    assert "#PBS -l walltime=02:30:00" in lines
+    assert any(ln.startswith("#PBS -l select=1:ncpus=8:mem=") for ln in lines)
+    assert "#PBS --exclusive" in lines
+    assert "--nworkers 2" in s and "--nthreads 4" in s
+
+
+def test_lsf_and_sge_scripts():
+    pytest.importorskip("dask_jobqueue")
+    lsf = job_script(_cfg(kind="lsf", **HPC), 2)
+    assert "#BSUB -q compute" in lsf and '#BSUB -P "proj42"' in lsf and "#BSUB -n 8" in lsf
+    sge = job_script(_cfg(kind="sge", **HPC), 2)
+    assert "#$ -q compute" in sge and "#$ -l h_rt=02:30:00" in sge
+
+
+def test_jobqueue_kwargs_and_errors():
+    kw = jobqueue_kwargs(_cfg(kind="slurm", queue="q"), 4)
+    assert kw["cores"] == 1 and kw["processes"] == 1 and kw["queue"] == "q"
+    assert "account" not in kw
+    with pytest.raises(IparError, match="each worker process needs"):
+        jobqueue_kwargs(_cfg(kind="slurm", cores=1, processes=2), 4)
+    with pytest.raises(IparError, match="job scripts exist only"):
+        job_script(_cfg(kind="local"), 2)
+    with pytest.raises(IparError, match="positive integer"):
+        job_script(_cfg(kind="slurm"), 0)
+
+
+def test_missing_jobqueue_says_how_to_install(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name.startswith("dask_jobqueue"):
+            raise ImportError("no dask_jobqueue")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(IparError, match=r"pip install 'dask-ipar\[hpc\]'"):
+        job_script(_cfg(kind="slurm"), 2)
+
+
+def test_local_threads():
+    assert local_threads(_cfg(cores=8), 2) == 4
+    assert local_threads(_cfg(cores=3), 4) == 1
+    assert local_threads(_cfg(), 1) >= 1
+
+
+def test_local_cluster_sized_closed_and_joinable():
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    seen = []
+    cfg = _cfg(cores=4, dashboard=False, wait_timeout=30.0)
+    with make_cluster(cfg, 2, log=seen.append) as client:
+        info = client.scheduler_info(n_workers=-1)
+        workers = info["workers"]
+        assert len(workers) == 2
+        assert all(w["nthreads"] == 2 for w in workers.values())
+        assert all(a.startswith("tcp://127.0.0.1:") for a in workers)
+        assert client.run(lambda: __import__("os").environ.get("OMP_NUM_THREADS")) == {
+            a: "2" for a in workers}
+        # the scheduler's HTTP server (dashboard or health routes) listens on localhost only
+        hosts = client.run_on_scheduler(
+            lambda dask_scheduler: sorted({s.getsockname()[0] for s in
+                                           dask_scheduler.http_server._sockets.values()}))
+        assert hosts == ["127.0.0.1"]
+        addr = client.scheduler.address
+        # a second run joins this cluster by address, waits for its workers, leaves it up
+        with make_cluster(_cfg(scheduler_address=addr, wait_timeout=10.0), 2) as c2:
+            assert len(c2.scheduler_info(n_workers=-1)["workers"]) == 2
+        assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+        with pytest.raises(IparError, match="needs 3"):
+            with make_cluster(_cfg(scheduler_address=addr, wait_timeout=0.5), 3):
+                pass
+        cluster = client.cluster
+    assert cluster.status.name == "closed"
+
+
+def test_unreachable_scheduler():
+    with pytest.raises(IparError, match="could not reach"):
+        with make_cluster(_cfg(scheduler_address="tcp://127.0.0.1:1", connect_timeout=0.5), 1):
+            pass
