@@ -1,0 +1,95 @@
+"""The run card: content checked from the HTML, rendering checked in headless Chromium."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+
+from dask_ipar import Dense, Sequential
+from dask_ipar.report import write_run_card
+
+
+class _Tables(HTMLParser):
+    """Collect the cell texts of every table with an id."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self._id, self._row, self._cell = {}, None, None, None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "table" and "id" in a:
+            self._id = a["id"]
+            self.tables[self._id] = []
+        elif tag == "tr" and self._id:
+            self._row = []
+        elif tag in ("td", "th") and self._row is not None:
+            self._cell = ""
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self._row.append(self._cell.strip())
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self.tables[self._id].append(self._row)
+            self._row = None
+        elif tag == "table":
+            self._id = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+
+@pytest.fixture(scope="module")
+def card(client, tmp_path_factory):
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((40, 12)), rng.integers(0, 4, 40)
+    model = Sequential([Dense(9, "relu"), Dense(4)], input_dim=12).distribute(client, "2x2")
+    hist = model.fit(X, y, epochs=2, batch_size=20)
+    path = tmp_path_factory.mktemp("card") / "run.html"
+    write_run_card(path, {"grid": "2x2", "test_accuracy": 0.5}, hist, model)
+    model.close()
+    return path, hist
+
+
+def test_card_holds_the_predicted_vs_measured_table(card):
+    path, hist = card
+    parser = _Tables()
+    parser.feed(path.read_text())
+    comm = parser.tables["comm-table"]
+    assert comm[0][:5] == ["layer", "phase", "predicted bytes", "measured bytes", "ratio"]
+    body = comm[1:]
+    assert len(body) == len(hist.comm.rows) == 7  # 2 layers: 3 + 4 phases
+    for row, ref in zip(body, hist.comm.rows):
+        assert row[0] == ref.layer and row[1] == ref.phase
+        assert float(row[2]) == pytest.approx(ref.predicted_bytes, abs=0.5)
+        assert float(row[3]) == pytest.approx(ref.measured_bytes, abs=0.5)
+        assert float(row[4]) == pytest.approx(1.0, abs=0.02)
+    assert [r[0] for r in parser.tables["layers"][1:]] == ["dense0", "dense1"]
+    assert len(parser.tables["workers"]) == 1 + 4
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_card_renders_in_headless_chromium(card, tmp_path):
+    path, hist = card
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update",
+             "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    png = tmp_path / "card.png"
+    subprocess.run(flags + ["--window-size=1200,1600", f"--screenshot={png}", path.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a real, non-blank page
+    dom = subprocess.run(flags + ["--dump-dom", path.as_uri()], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    parser = _Tables()
+    parser.feed(dom)
+    assert len(parser.tables["comm-table"]) == 1 + len(hist.comm.rows)
