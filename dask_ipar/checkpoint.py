@@ -1,0 +1,745 @@
+"""Checkpoints of the model and optimizer state in Zarr, written in parallel by the block owners.
+
+Layout of a checkpoint directory ``<dir>/ckpt-<step>/`` (a Zarr v3 group)::
+
+    zarr.json              group attributes: format, version, step, grid, dtype,
+                           sizes, layers (name, n_in, n_out, bias, activation),
+                           has_velocity, extra (user metadata, JSON)
+    dense0/w               float array n_out x (n_in + bias), the last column the bias
+    dense0/v               its momentum (absent before the first step)
+    dense1/w ...
+
+Arrays are chunked by the saving grid's blocks (the largest row block by the largest
+column block, so chunks equal blocks when the sizes divide evenly). Every chunk is
+written by exactly one worker: the owner of the block holding the chunk's first
+element; when blocks are uneven, the few neighbouring rows or columns it needs travel
+to it first. Chunks are compressed (zstd) and carry a CRC32C checksum.
+
+Writes are atomic. The blocks go into ``<dir>/ckpt-<step>.tmp-<uuid>/``; every file is
+fsynced (chunk files by the worker that wrote them); the directory is renamed to
+``ckpt-<step>``; then the ``LATEST`` pointer file is replaced (written beside, fsynced,
+renamed). A crash at any moment leaves the previous checkpoints and ``LATEST`` intact;
+:func:`latest` never returns a ``.tmp`` directory.
+
+Loading works on any grid: each worker of the new grid reads its own block straight
+from the arrays (:func:`load`), weights and momentum both, so a run saved on 2x2 goes
+on, with the same results, on 4x1 or 1x1. Only numeric float arrays are read (no
+pickle, object arrays are rejected); missing chunks, wrong shapes or another model's
+checkpoint raise :class:`~dask_ipar.errors.IparError`.
+
+:func:`train_with_checkpoints` is a training loop that saves every N steps and, when a
+worker dies (its blocks are lost), says so, re-binds the model to the live workers and
+resumes from the last checkpoint: the final weights equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+import shutil
+import time
+import uuid
+
+import numpy as np
+
+from dask_ipar.errors import IparError
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "WorkerLost",
+    "save",
+    "load",
+    "latest",
+    "checkpoints",
+    "read_metadata",
+    "recover",
+    "batch_indices",
+    "train_with_checkpoints",
+]
+
+FORMAT = "dask-ipar-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^ckpt-(\d+)$")
+_LATEST = "LATEST"
+
+
+class WorkerLost(RuntimeError):
+    """A worker holding model blocks left the cluster; the blocks it held are gone.
+
+    Attributes
+    ----------
+    workers : list of str
+        Addresses of the grid workers that are gone.
+    """
+
+    def __init__(self, workers, what):
+        self.workers = list(workers)
+        super().__init__(
+            f"worker(s) {', '.join(self.workers)} left the cluster during {what}; the model "
+            "blocks they held are lost. Resume from the last checkpoint: "
+            "checkpoint.recover(model, directory) (or dask-ipar train --resume)."
+        )
+
+
+def _zarr():
+    try:
+        import zarr
+    except ImportError:
+        raise IparError(
+            "checkpoints need zarr, which is not installed. Install it with: "
+            "pip install 'dask-ipar[checkpoint]'"
+        ) from None
+    return zarr
+
+
+# ------------------------------------------------------------- fs helpers
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    for here, dirs, files in os.walk(root, topdown=False):
+        for f in files:
+            _fsync_file(os.path.join(here, f))
+        _fsync_dir(here)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+# ---------------------------------------------------------- worker tasks
+def _owned_range(b0: int, b1: int, chunk: int, n: int):
+    """Rows ``[lo, hi)`` of the chunks whose first element lies in ``[b0, b1)``."""
+    first = -(-b0 // chunk)
+    stop = -(-b1 // chunk)
+    if first >= stop:
+        return None
+    return first * chunk, min(stop * chunk, n)
+
+
+def _write_region(path, r0, r1, c0, c1, bounds, *blocks):
+    """Write rows ``r0:r1`` x columns ``c0:c1`` of the array at ``path`` and fsync its chunks.
+
+    Runs on the worker that owns the region's first block. ``bounds[k]`` gives the
+    ``(br0, br1, bc0, bc1)`` of ``blocks[k]`` (each block overlaps the region).
+    Returns the number of bytes written (uncompressed).
+    """
+    import zarr
+
+    arr = zarr.open_array(path, mode="r+")
+    region = np.empty((r1 - r0, c1 - c0), dtype=arr.dtype)
+    filled = 0
+    for (br0, br1, bc0, bc1), blk in zip(bounds, blocks):
+        lo, hi = max(r0, br0), min(r1, br1)
+        le, ri = max(c0, bc0), min(c1, bc1)
+        region[lo - r0:hi - r0, le - c0:ri - c0] = np.asarray(blk)[lo - br0:hi - br0,
+                                                                   le - bc0:ri - bc0]
+        filled += (hi - lo) * (ri - le)
+    if filled != region.size:  # pragma: no cover - a bug in the block bookkeeping
+        raise RuntimeError(f"checkpoint region {r0}:{r1}x{c0}:{c1} of {path} not covered")
+    arr[r0:r1, c0:c1] = region
+    hook = os.environ.get("DASK_IPAR_CHECKPOINT_WRITE_HOOK")
+    if hook:  # test hook: a file to touch, then a delay, to crash mid-write on purpose
+        open(hook, "a").close()
+        time.sleep(float(os.environ.get("DASK_IPAR_CHECKPOINT_WRITE_DELAY_S", "60")))
+    ch, cw = arr.chunks
+    for ci in range(r0 // ch, -(-r1 // ch)):
+        for cj in range(c0 // cw, -(-c1 // cw)):
+            f = os.path.join(path, "c", str(ci), str(cj))
+            if os.path.exists(f):
+                _fsync_file(f)
+    return region.nbytes
+
+
+def _read_block(path, r0, r1, c0, c1, dtype):
+    """Block ``[r0:r1, c0:c1]`` of the float array at ``path``; IparError if unreadable."""
+    import zarr
+
+    try:
+        arr = zarr.open_array(path, mode="r")
+        if arr.dtype != np.dtype(dtype):
+            raise IparError(f"checkpoint array {path} has dtype {arr.dtype}, expected {dtype}.")
+        out = np.ascontiguousarray(arr[r0:r1, c0:c1])
+    except IparError:
+        raise
+    except Exception as exc:
+        raise IparError(
+            f"checkpoint array {path} could not be read ({type(exc).__name__}: {exc}); the "
+            "checkpoint is corrupted. Load an older one (see checkpoint.checkpoints(dir))."
+        ) from None
+    if out.dtype != np.dtype(dtype) or not np.isfinite(out).all():
+        raise IparError(
+            f"checkpoint array {path} has missing or non-finite values in rows {r0}:{r1}, "
+            f"columns {c0}:{c1} (a chunk file is missing or damaged). Load an older checkpoint."
+        )
+    return out
+
+
+# --------------------------------------------------------- client helpers
+def _alive(client) -> set:
+    return set(client.scheduler_info(n_workers=-1)["workers"])
+
+
+def _gone_soon(client, workers, grace_s=5.0):
+    """Grid workers missing from the scheduler, allowing it ``grace_s`` to notice a death."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        gone = [w for w in workers if w not in _alive(client)]
+        if gone or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.1)
+
+
+def _wait_alive(client, futures, workers, what, timeout_s=None, poll_s=0.5):
+    """Wait for ``futures`` while checking that every grid worker is still there.
+
+    Raises :class:`WorkerLost` when one left (its pinned tasks would wait forever),
+    IparError on timeout, and re-raises a task's own error.
+    """
+    from distributed import wait
+
+    futures = list(futures)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        try:
+            wait(futures, timeout=poll_s)
+            break
+        except TimeoutError:
+            pass
+        except Exception:  # cancelled: lost dependencies, forgotten keys
+            gone = _gone_soon(client, workers)
+            if gone:
+                raise WorkerLost(gone, what) from None
+            raise
+        gone = [w for w in workers if w not in _alive(client)]
+        if gone:
+            raise WorkerLost(gone, what)
+        if deadline is not None and time.monotonic() > deadline:
+            raise IparError(f"{what} did not finish within {timeout_s:.0f} s.")
+    bad = [f for f in futures if f.status != "finished"]
+    if bad:
+        gone = _gone_soon(client, workers)
+        if gone:
+            raise WorkerLost(gone, what)
+        bad[0].result()  # raises the task's error
+        raise WorkerLost([], what)  # pragma: no cover - cancelled without a visible cause
+    return futures
+
+
+def _model_meta(model) -> dict:
+    sizes = [None if s is None else int(s) for s in model.sizes]
+    return {
+        "sizes": sizes,
+        "dtype": str(model.dtype),
+        "layers": [
+            {"name": f"dense{k}", "n_in": sizes[k], "n_out": int(lay.units),
+             "bias": bool(lay.bias), "activation": lay.activation}
+            for k, lay in enumerate(model.layers)
+        ],
+    }
+
+
+def checkpoints(directory) -> list[tuple[int, str]]:
+    """Complete checkpoints in ``directory`` as ``[(step, path), ...]``, oldest first.
+
+    ``.tmp-*`` directories (unfinished or crashed writes) are never listed.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in os.listdir(directory):
+        m = _NAME.match(name)
+        path = os.path.join(directory, name)
+        if m and os.path.isfile(os.path.join(path, "zarr.json")):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def latest(directory) -> str | None:
+    """Path of the newest complete checkpoint in ``directory``, or None when there is none.
+
+    Follows the ``LATEST`` pointer when it names a complete checkpoint, else takes the
+    highest step on disk; never a ``.tmp`` directory.
+    """
+    directory = os.fspath(directory)
+    pointer = os.path.join(directory, _LATEST)
+    try:
+        with open(pointer, encoding="utf-8") as f:
+            name = f.read().strip()
+    except OSError:
+        name = ""
+    if _NAME.match(name) and os.path.isfile(os.path.join(directory, name, "zarr.json")):
+        return os.path.join(directory, name)
+    found = checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def read_metadata(path) -> dict:
+    """The metadata of the checkpoint at ``path`` (checked for format and version)."""
+    zarr = _zarr()
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "zarr.json")):
+        raise IparError(
+            f"{path!r} is not a dask-ipar checkpoint (no zarr.json). Pass a ckpt-<step> "
+            "directory or the checkpoint directory that holds them."
+        )
+    try:
+        attrs = dict(zarr.open_group(path, mode="r").attrs)
+    except Exception as exc:
+        raise IparError(
+            f"the metadata of checkpoint {path!r} could not be read ({type(exc).__name__}: "
+            f"{exc}); the checkpoint is corrupted. Load an older one."
+        ) from None
+    if attrs.get("format") != FORMAT:
+        raise IparError(
+            f"{path!r} is a Zarr group but not a dask-ipar checkpoint (format "
+            f"{attrs.get('format')!r}, expected {FORMAT!r})."
+        )
+    if attrs.get("version") != VERSION:
+        raise IparError(
+            f"checkpoint {path!r} has format version {attrs.get('version')!r}; this dask-ipar "
+            f"reads version {VERSION}. Use the dask-ipar release that wrote it."
+        )
+    need = ("step", "grid", "dtype", "sizes", "layers", "has_velocity")
+    missing = [k for k in need if k not in attrs]
+    if missing or not isinstance(attrs["layers"], list):
+        raise IparError(f"checkpoint {path!r} metadata lacks {missing or ['layers']}; corrupted.")
+    return attrs
+
+
+# ------------------------------------------------------------------ save
+def save(model, directory, *, step: int | None = None, keep: int | None = None,
+         extra: dict | None = None, timeout_s: float | None = None) -> str:
+    """Write the model's weights and momentum to ``<directory>/ckpt-<step>``, atomically.
+
+    Parameters
+    ----------
+    model : Sequential
+        A distributed model (``model.distribute(client, grid)`` done).
+    directory : str or path-like
+        Created if needed; also holds the ``LATEST`` pointer.
+    step : int, optional
+        Training steps done (recorded, and part of the name). Default: one more than the
+        newest checkpoint in ``directory`` (0 for the first).
+    keep : int, optional
+        Keep only the newest ``keep`` checkpoints (older ones are deleted afterwards).
+    extra : dict, optional
+        JSON-serialisable metadata stored with the checkpoint (e.g. optimizer settings).
+    timeout_s : float, optional
+        Give up (IparError) when the block writes take longer.
+
+    Returns
+    -------
+    str
+        Path of the new checkpoint.
+
+    Raises
+    ------
+    WorkerLost
+        A grid worker died during the write (the checkpoint is not published).
+    """
+    zarr = _zarr()
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    if model.binding is None:
+        raise IparError("save needs a distributed model: call model.distribute(client, grid).")
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    if step is None:
+        found = checkpoints(directory)
+        step = found[-1][0] + 1 if found else 0
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+        raise IparError(f"checkpoint step must be an integer >= 0, got {step!r}.")
+    step = int(step)
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise IparError(f"keep must be a positive integer or None, got {keep!r}.")
+    sb = model.state_blocks()
+    client = model.client
+    pr, pc = sb["grid"]
+    has_v = all(lay["v"] is not None for lay in sb["layers"])
+    meta = {
+        "format": FORMAT, "version": VERSION, "step": step, "grid": [pr, pc],
+        "has_velocity": has_v, **_model_meta(model),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "extra": extra or {},
+    }
+    try:
+        json.dumps(meta)
+    except TypeError as exc:
+        raise IparError(f"checkpoint extra metadata must be JSON-serialisable: {exc}") from None
+
+    final = os.path.join(directory, f"ckpt-{step}")
+    tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+    group = zarr.create_group(tmp, zarr_format=3, attributes=meta, overwrite=False)
+    futures = []
+    workers = sorted({w for lay in sb["layers"] for w in lay["workers"].values()})
+    try:
+        for lay in sb["layers"]:
+            n_rows, n_cols = lay["n_out"], lay["n_in"] + int(lay["bias"])
+            rows, cols = lay["rows"], lay["wcols"]
+            ch = max(b - a for a, b in rows)
+            cw = max(b - a for a, b in cols)
+            g = group.require_group(lay["name"])
+            for kind in ("w", "v") if has_v else ("w",):
+                g.create_array(kind, shape=(n_rows, n_cols), chunks=(ch, cw),
+                               dtype=sb["dtype"], fill_value=np.nan,
+                               compressors=[ZstdCodec(level=1), Crc32cCodec()])
+                path = os.path.join(tmp, lay["name"], kind)
+                for i, (r0, r1) in enumerate(rows):
+                    rr = _owned_range(r0, r1, ch, n_rows)
+                    for j, (c0, c1) in enumerate(cols):
+                        cc = _owned_range(c0, c1, cw, n_cols)
+                        if rr is None or cc is None:
+                            continue
+                        bounds, blocks = [], []
+                        for ii, (a0, a1) in enumerate(rows):
+                            for jj, (b0, b1) in enumerate(cols):
+                                if a0 < rr[1] and a1 > rr[0] and b0 < cc[1] and b1 > cc[0]:
+                                    bounds.append((a0, a1, b0, b1))
+                                    blocks.append(lay[kind][(ii, jj)])
+                        futures.append(client.submit(
+                            _write_region, path, *rr, *cc, bounds, *blocks,
+                            workers=[lay["workers"][(i, j)]], allow_other_workers=False,
+                            pure=False, key=f"ckpt-write-{uuid.uuid4().hex}",
+                        ))
+        _wait_alive(client, futures, workers, f"checkpoint write {final}", timeout_s)
+        del futures
+        _fsync_tree(tmp)
+        _publish(tmp, final, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep is not None:
+        for _, old in checkpoints(directory)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _publish(tmp: str, final: str, directory: str) -> None:
+    """Rename the finished ``tmp`` to ``final``, then point ``LATEST`` at it."""
+    aside = None
+    if os.path.exists(final):  # re-saving the same step: move the old one aside first
+        aside = f"{final}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    _fsync_dir(directory)
+    _write_atomic(os.path.join(directory, _LATEST), os.path.basename(final) + "\n")
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ load
+def _resolve(path) -> str:
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, "zarr.json")):
+        return path
+    if os.path.isdir(path):
+        found = latest(path)
+        if found is None:
+            raise IparError(
+                f"no complete checkpoint in {path!r} (looked for ckpt-<step> directories). "
+                "Train with checkpoints first, or pass the right directory."
+            )
+        return found
+    raise IparError(f"checkpoint {path!r} does not exist.")
+
+
+def _check_model(model, meta, path):
+    mine = _model_meta(model)
+    theirs_layers = meta["layers"]
+    if len(theirs_layers) != len(mine["layers"]):
+        raise IparError(
+            f"checkpoint {path!r} holds a model of {len(theirs_layers)} layers (sizes "
+            f"{meta['sizes']}), but this model has {len(mine['layers'])} (sizes {model.sizes}). "
+            "Build the model with the same layers as the checkpoint."
+        )
+    if model.input_dim is not None and meta["sizes"][0] != model.input_dim:
+        raise IparError(
+            f"checkpoint {path!r} was saved for {meta['sizes'][0]} input features, this model "
+            f"has input_dim={model.input_dim}. Build the model with input_dim="
+            f"{meta['sizes'][0]}."
+        )
+    for k, (a, b) in enumerate(zip(theirs_layers, mine["layers"])):
+        for field in ("n_out", "bias", "activation"):
+            if a.get(field) != b[field]:
+                raise IparError(
+                    f"checkpoint {path!r} does not match this model: layer {k} has "
+                    f"{field}={a.get(field)!r} in the checkpoint but {b[field]!r} here "
+                    f"(checkpoint sizes {meta['sizes']}, model sizes {model.sizes}). Build "
+                    "the model with the checkpoint's layers."
+                )
+    if meta["dtype"] != mine["dtype"]:
+        raise IparError(
+            f"checkpoint {path!r} holds {meta['dtype']} weights but the model is "
+            f"{mine['dtype']}. Build the model with dtype={meta['dtype']!r}."
+        )
+
+
+def _check_array(zarr, path, shape, dtype):
+    try:
+        arr = zarr.open_array(path, mode="r")
+    except Exception as exc:
+        raise IparError(
+            f"checkpoint array {path!r} is missing or unreadable ({type(exc).__name__}); the "
+            "checkpoint is incomplete or corrupted. Load an older one."
+        ) from None
+    if arr.dtype.kind != "f":
+        raise IparError(
+            f"checkpoint array {path!r} has dtype {arr.dtype}; only float arrays are read "
+            "(object and other non-numeric arrays are refused: no pickle)."
+        )
+    if arr.dtype != np.dtype(dtype):
+        raise IparError(f"checkpoint array {path!r} has dtype {arr.dtype}, metadata says {dtype}.")
+    if tuple(arr.shape) != tuple(shape):
+        raise IparError(
+            f"checkpoint array {path!r} has shape {tuple(arr.shape)}, expected {tuple(shape)} "
+            "for this model (n_out x (n_in + bias)). The checkpoint is of another model or "
+            "corrupted."
+        )
+    if arr.nchunks_initialized != arr.nchunks:
+        raise IparError(
+            f"checkpoint array {path!r} has {arr.nchunks_initialized} of {arr.nchunks} chunk "
+            "files; the checkpoint is incomplete or corrupted. Load an older one."
+        )
+
+
+def load(model, path, *, timeout_s: float | None = None) -> dict:
+    """Restore weights and momentum from a checkpoint onto the model's current grid.
+
+    Parameters
+    ----------
+    model : Sequential
+        Same layers and dtype as the saved model, distributed on any grid.
+    path : str or path-like
+        A ``ckpt-<step>`` directory, or a directory of checkpoints (its :func:`latest`).
+    timeout_s : float, optional
+        Give up (IparError) when the block reads take longer.
+
+    Returns
+    -------
+    dict
+        The checkpoint metadata (``step``, ``grid``, ``extra``, ...).
+
+    Raises
+    ------
+    IparError
+        No checkpoint, another model's checkpoint, wrong shapes or dtypes, missing or
+        damaged chunk files.
+    WorkerLost
+        A grid worker died while reading.
+    """
+    zarr = _zarr()
+    if model.binding is None:
+        raise IparError("load needs a distributed model: call model.distribute(client, grid).")
+    path = _resolve(path)
+    meta = read_metadata(path)
+    _check_model(model, meta, path)
+    if model.input_dim is None:
+        model.input_dim = int(meta["sizes"][0])
+    has_v = bool(meta["has_velocity"])
+    for lay in meta["layers"]:
+        shape = (lay["n_out"], lay["n_in"] + int(lay["bias"]))
+        for kind in ("w", "v") if has_v else ("w",):
+            _check_array(zarr, os.path.join(path, lay["name"], kind), shape, meta["dtype"])
+    w_names, v_names = model.reserve_state_keys(has_v)
+    sb = model.state_blocks()
+    client = model.client
+    futures = {}
+    for lay, wn, vn in zip(sb["layers"], w_names, v_names):
+        for kind, name in (("w", wn), ("v", vn)):
+            if name is None:
+                continue
+            apath = os.path.join(path, lay["name"], kind)
+            for (i, j), owner in lay["workers"].items():
+                r0, r1 = lay["rows"][i]
+                c0, c1 = lay["wcols"][j]
+                key = (name, i, j)
+                futures[key] = client.submit(
+                    _read_block, apath, r0, r1, c0, c1, meta["dtype"], key=key,
+                    workers=[owner], allow_other_workers=False,
+                )
+    workers = sorted({w for lay in sb["layers"] for w in lay["workers"].values()})
+    _wait_alive(client, futures.values(), workers, f"checkpoint load {path}", timeout_s)
+    model.adopt_state(w_names, v_names, futures)
+    return meta
+
+
+def recover(model, directory, *, grid=None, wait_timeout_s: float = 120.0, log=None) -> dict:
+    """After a worker died: re-bind ``model`` to the live workers and load the last checkpoint.
+
+    The model's blocks on the cluster are dropped (some are lost), the cluster is given
+    up to ``wait_timeout_s`` to have ``Pr*Pc`` workers again (a nanny restarts a killed
+    worker under a new address), the grid is bound afresh and :func:`latest` is loaded.
+    Returns the checkpoint metadata.
+    """
+    from dask_ipar.cluster import wait_for_workers
+
+    grid = model.grid if grid is None else grid
+    client = model.client
+    if grid is None or client is None:
+        raise IparError("recover needs a model that was distributed before.")
+    model.close()
+    wait_for_workers(client, grid.size, wait_timeout_s, log)
+    model.distribute(client, grid)
+    return load(model, directory)
+
+
+# -------------------------------------------------------------- training
+def batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """Sample indices of training step ``step`` (0-based): a pure function of its arguments.
+
+    Epoch ``e = step // (n // batch_size)`` shuffles the samples with
+    ``default_rng([seed, e])``; the step takes the next ``batch_size`` of them (a short
+    last batch is dropped), so a resumed run sees exactly the batches of an
+    uninterrupted one.
+    """
+    per_epoch = n // batch_size
+    if per_epoch < 1:
+        raise IparError(f"batch size {batch_size} exceeds the {n} samples.")
+    epoch, k = divmod(step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return order[k * batch_size:(k + 1) * batch_size]
+
+
+def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
+                           batch_size: int = 32, optimizer=None, seed: int = 0,
+                           resume: bool = True, keep: int | None = 2, max_restarts: int = 3,
+                           wait_timeout_s: float = 120.0, step_timeout_s: float | None = None,
+                           log=None, on_step=None) -> dict:
+    """Train ``steps`` SGD steps, saving a checkpoint every ``every`` steps and at the end.
+
+    When a grid worker dies, the step (or save) in flight fails with :class:`WorkerLost`;
+    the loop reports it through ``log``, calls :func:`recover` (re-bind to the live
+    workers, load :func:`latest`) and replays the steps since that checkpoint. Batches
+    come from :func:`batch_indices`, so the result equals an uninterrupted run's.
+
+    Parameters
+    ----------
+    model : Sequential
+        Distributed (``model.distribute(client, grid)``).
+    X, y : arrays
+        Features ``(n, d)`` and integer labels ``(n,)``.
+    steps, every : int
+        Total steps, and steps between checkpoints (``every >= 1``).
+    directory : str or path-like
+        Checkpoint directory.
+    batch_size, optimizer, seed
+        As for :meth:`Sequential.fit`; ``seed`` drives the batch order.
+    resume : bool
+        Start from :func:`latest` in ``directory`` when there is one (else from step 0,
+        saved first as ``ckpt-0`` so a fault before the first checkpoint is recoverable).
+    keep : int or None
+        Checkpoints kept on disk.
+    max_restarts : int
+        Worker faults survived before the last one is re-raised.
+    log : callable, optional
+        Gets one line per checkpoint, fault and recovery.
+    on_step : callable, optional
+        ``on_step(step, loss)`` after each step completes (1-based step).
+
+    Returns
+    -------
+    dict
+        ``{"steps", "restarts", "losses" (per step, final run), "checkpoint"}``.
+    """
+    from dask_ipar.data import as_features, as_labels
+    from dask_ipar.optim import SGD
+
+    optimizer = optimizer or SGD()
+    for name, v, lo in (("steps", steps, 1), ("every", every, 1), ("batch_size", batch_size, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise IparError(f"{name} must be an integer >= {lo}, got {v!r}.")
+    if model.binding is None:
+        raise IparError("train_with_checkpoints needs model.distribute(client, grid) first.")
+    X = as_features(X, model.input_dim, model.dtype)
+    y = as_labels(y, X.shape[0], model.n_classes)
+    if model.input_dim is None:
+        model.input_dim = X.shape[1]
+    grid = model.grid
+    if batch_size < grid.pc:
+        raise IparError(
+            f"batch size {batch_size} is smaller than the grid's Pc = {grid.pc} columns; use "
+            f"a batch of at least {grid.pc}."
+        )
+    say = log or (lambda msg: None)
+    extra = {"optimizer": {"lr": optimizer.lr, "momentum": optimizer.momentum,
+                           "weight_decay": optimizer.weight_decay},
+             "batch_size": batch_size, "seed": seed}
+    directory = os.fspath(directory)
+    start = 0
+    if resume and latest(directory) is not None:
+        meta = load(model, directory)
+        start = int(meta["step"])
+        say(f"resumed from {latest(directory)} (step {start})")
+    else:
+        model.state_blocks()  # builds the initial weights
+        save(model, directory, step=0, keep=keep, extra=extra)
+    losses: dict[int, float] = {}
+    restarts = 0
+    step = start
+    last_ckpt = latest(directory)
+    while True:
+        try:
+            while step < steps:
+                idx = batch_indices(X.shape[0], batch_size, step, seed)
+                futs = model.train_step(X[idx], y[idx], optimizer)
+                _wait_alive(model.client, futs, model.binding.workers,
+                            f"training step {step + 1}", step_timeout_s)
+                loss_sum, correct = np.sum(model.client.gather(futs), axis=0)
+                if not math.isfinite(loss_sum):
+                    raise IparError(
+                        f"training diverged at step {step + 1}: the loss is {loss_sum}. "
+                        "Lower the learning rate or standardize the inputs."
+                    )
+                step += 1
+                losses[step] = float(loss_sum / len(idx))
+                if on_step is not None:
+                    on_step(step, losses[step])
+                if step % every == 0 or step == steps:
+                    last_ckpt = save(model, directory, step=step, keep=keep, extra=extra,
+                                     timeout_s=step_timeout_s)
+                    say(f"checkpoint {last_ckpt} (step {step})")
+            break
+        except WorkerLost as exc:
+            restarts += 1
+            say(f"step {step + 1}: {exc}")
+            if restarts > max_restarts:
+                raise
+            meta = recover(model, directory, grid=grid, wait_timeout_s=wait_timeout_s, log=say)
+            step = int(meta["step"])
+            last_ckpt = latest(directory)
+            say(f"recovered on workers {', '.join(model.binding.workers)}; resuming after "
+                f"step {step} from {last_ckpt} (restart {restarts} of at most {max_restarts})")
+            for s in [s for s in losses if s > step]:
+                del losses[s]
+    return {"steps": step, "restarts": restarts,
+            "losses": [losses[s] for s in sorted(losses)], "checkpoint": last_ckpt}
