@@ -205,7 +205,12 @@ def _read_block(path, r0, r1, c0, c1, dtype):
 
 # --------------------------------------------------------- client helpers
 def _alive(client) -> set:
-    return set(client.scheduler_info(n_workers=-1)["workers"])
+    """Addresses of the workers connected now.
+
+    Asks the scheduler directly: ``client.scheduler_info()`` returns a cache that the
+    client's periodic refresh may overwrite with a worker-less summary meanwhile.
+    """
+    return set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
 
 
 def _gone_soon(client, workers, grace_s=5.0):

@@ -1,16 +1,24 @@
 """Local kernels run inside tasks on the workers.
 
-Every function here is module level (so it pickles by reference) and
-array-module generic: it takes the array namespace from its inputs
-(``x.__array_namespace__()``), so the same code runs on NumPy and CuPy
-blocks. Layout follows the paper: activations are ``features x samples``.
+Every function here is module level (so it pickles by reference) and written
+against the Python array API standard: it takes the array namespace from its
+inputs, so the same code runs on NumPy blocks on CPUs and CuPy blocks on
+GPUs (the tests run every kernel on ``array_api_strict`` arrays too, which
+reject anything outside the standard). Layout follows the paper: activations
+are ``features x samples``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+try:  # the compat layer gives CuPy and older NumPy the standard names
+    from array_api_compat import array_namespace as _compat_namespace
+except ImportError:  # pragma: no cover - depends on the environment
+    _compat_namespace = None
+
 __all__ = [
+    "ACTIVATIONS",
     "xp_of",
     "concat_rows",
     "concat_cols",
@@ -24,14 +32,15 @@ __all__ = [
     "dw_reduce",
     "sgd_velocity",
     "sgd_weight",
-    "take_rows",
 ]
 
 ACTIVATIONS = ("linear", "relu", "tanh")
 
 
 def xp_of(x):
-    """The array namespace of ``x`` (NumPy or CuPy)."""
+    """The array namespace of ``x`` (NumPy, CuPy, or any array API library)."""
+    if _compat_namespace is not None:
+        return _compat_namespace(x)
     ns = getattr(x, "__array_namespace__", None)
     return ns() if ns is not None else np
 
@@ -40,25 +49,20 @@ def concat_rows(*blocks):
     """Stack blocks along the feature axis (an all-gather's local result)."""
     if len(blocks) == 1:
         return blocks[0]
-    return xp_of(blocks[0]).concatenate(blocks, axis=0)
+    return xp_of(blocks[0]).concat(list(blocks), axis=0)
 
 
 def concat_cols(*blocks):
     """Join column slices of a weight block row (an all-gather's local result)."""
     if len(blocks) == 1:
         return blocks[0]
-    return xp_of(blocks[0]).concatenate(blocks, axis=1)
-
-
-def take_rows(x, start, stop):
-    """Rows ``start:stop`` of ``x``, copied so the slice owns its memory."""
-    return x[start:stop].copy()
+    return xp_of(blocks[0]).concat(list(blocks), axis=1)
 
 
 def _activate(z, activation):
     xp = xp_of(z)
     if activation == "relu":
-        return xp.maximum(z, 0)
+        return xp.where(z > 0, z, xp.zeros_like(z))
     if activation == "tanh":
         return xp.tanh(z)
     return z
@@ -77,19 +81,24 @@ def dense_forward(wrow, x, n_in, activation):
 
 
 def activation_grad(a, activation):
-    """Derivative of the activation, written in terms of its output ``a``."""
+    """Derivative of the activation, written in terms of its output ``a`` (None: identity)."""
     if activation == "relu":
-        return (a > 0).astype(a.dtype)
+        return xp_of(a).astype(a > 0, a.dtype)
     if activation == "tanh":
         return 1 - a * a
     return None
 
 
-def _softmax(logits):
+def _softmax_parts(logits):
     xp = xp_of(logits)
-    z = logits - logits.max(axis=0, keepdims=True)
+    z = logits - xp.max(logits, axis=0, keepdims=True)
     e = xp.exp(z)
-    return e / e.sum(axis=0, keepdims=True), z, e
+    return xp, z, e, xp.sum(e, axis=0, keepdims=True)
+
+
+def _one_hot(xp, labels, start, stop, dtype):
+    rows = xp.arange(start, stop, dtype=labels.dtype)
+    return xp.astype(rows[:, None] == labels[None, :], dtype)
 
 
 def softmax_xent_grad(logits, labels, row_start, row_stop, batch_total):
@@ -98,24 +107,18 @@ def softmax_xent_grad(logits, labels, row_start, row_stop, batch_total):
     ``logits`` is the gathered ``classes x b`` column block, ``labels`` its
     ``b`` integer labels, ``batch_total`` the global batch size B.
     """
-    xp = xp_of(logits)
-    p, _, _ = _softmax(logits)
-    g = p[row_start:row_stop].copy()
-    cols = xp.arange(labels.shape[0])
-    mask = (labels >= row_start) & (labels < row_stop)
-    g[labels[mask] - row_start, cols[mask]] -= 1
-    g /= batch_total
-    return g
+    xp, _, e, s = _softmax_parts(logits)
+    p = e[row_start:row_stop, :] / s
+    return (p - _one_hot(xp, labels, row_start, row_stop, p.dtype)) / batch_total
 
 
 def softmax_xent_stats(logits, labels):
     """``[sum of cross-entropy, number correct]`` of one column block, as float64 NumPy."""
-    xp = xp_of(logits)
-    _, z, e = _softmax(logits)
-    cols = xp.arange(labels.shape[0])
-    logp = z[labels, cols] - xp.log(e.sum(axis=0))
-    correct = (logits.argmax(axis=0) == labels).sum()
-    return np.array([float(-logp.sum()), float(correct)], dtype=np.float64)
+    xp, z, e, s = _softmax_parts(logits)
+    onehot = _one_hot(xp, labels, 0, logits.shape[0], z.dtype)
+    logp = xp.sum(onehot * z, axis=0) - xp.log(s[0, :])
+    correct = xp.sum(xp.astype(xp.argmax(logits, axis=0) == labels, xp.int64))
+    return np.array([float(-xp.sum(logp)), float(correct)], dtype=np.float64)
 
 
 def dx_piece(wrow, dz, c0, c1):
@@ -134,7 +137,7 @@ def dz_from_pieces(x_full, r0, r1, activation, wrow, dz, c0, c1, *remote):
     g = dx_piece(wrow, dz, c0, c1)
     for r in remote:
         g += r
-    d = activation_grad(x_full[r0:r1], activation)
+    d = activation_grad(x_full[r0:r1, :], activation)
     return g if d is None else g * d
 
 
@@ -143,10 +146,10 @@ def dw_piece(dz, x, c0, c1, n_in):
     xp = xp_of(dz)
     parts = []
     if c0 < n_in:
-        parts.append(dz @ x[c0:min(c1, n_in)].T)
+        parts.append(dz @ x[c0:min(c1, n_in), :].T)
     if c1 > n_in:
-        parts.append(dz.sum(axis=1, keepdims=True))
-    return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)
+        parts.append(xp.sum(dz, axis=1, keepdims=True))
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)
 
 
 def dw_reduce(dz, x, c0, c1, n_in, *remote):
