@@ -60,6 +60,10 @@ def _add_train(sub):
     p.add_argument("--hidden", type=_widths, default=[128, 64],
                    help="hidden layer widths, comma separated (default 128,64)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: CuPy blocks in GPU memory (needs the gpu extra); the local "
+                   "cluster then uses dask-cuda's LocalCUDACluster when there is a GPU per "
+                   "worker, else workers that share the GPUs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduler-address",
                    help="use the dask cluster at this address instead of starting a LocalCluster")
@@ -139,7 +143,8 @@ def run_train(args) -> int:
             f"columns; use --batch {grid.pc} or more, or a grid with fewer columns."
         )
     layers = [Dense(w, "relu") for w in args.hidden] + [Dense(10)]
-    model = Sequential(layers, input_dim=Xtr.shape[1], dtype=args.dtype, seed=args.seed)
+    model = Sequential(layers, input_dim=Xtr.shape[1], dtype=args.dtype, seed=args.seed,
+                       device=args.device)
     widths = "-".join(map(str, model.sizes))
     t_start = time.perf_counter()
     # The cluster's own start-up and shutdown chatter is not the user's business.
@@ -148,6 +153,7 @@ def run_train(args) -> int:
         None if args.scheduler_address else grid.size,
         args.scheduler_address,
         dashboard=not args.no_dashboard,
+        device=args.device,
         connect_timeout_s=args.connect_timeout,
         wait_timeout_s=args.wait_timeout,
         log=_eprint,
@@ -177,6 +183,7 @@ def run_train(args) -> int:
         "pc": grid.pc,
         "model": widths,
         "dtype": args.dtype,
+        "device": args.device,
         "batch": args.batch,
         "epochs": args.epochs,
         "train_loss": history.last["loss"],

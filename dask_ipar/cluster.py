@@ -40,13 +40,15 @@ def wait_for_workers(client, n: int, timeout_s: float, log=None) -> None:
 
 @contextlib.contextmanager
 def open_client(n_workers: int | None = None, scheduler_address: str | None = None, *,
-                threads_per_worker: int = 1, dashboard: bool = True,
+                threads_per_worker: int = 1, dashboard: bool = True, device: str = "cpu",
                 connect_timeout_s: float = 10.0, wait_timeout_s: float = 60.0, log=None):
     """Yield a ``distributed.Client`` on a new LocalCluster or an existing scheduler.
 
     A LocalCluster started here (worker processes, dashboard on 127.0.0.1) is
     closed on exit, whatever happens; a remote cluster is left running and
-    only the client disconnects.
+    only the client disconnects. With ``device="cuda"`` the local cluster is
+    dask-cuda's LocalCUDACluster (one worker per GPU) when dask-cuda is
+    installed and there are enough GPUs, else worker processes sharing the GPUs.
     """
     from distributed import Client, LocalCluster
 
@@ -73,15 +75,16 @@ def open_client(n_workers: int | None = None, scheduler_address: str | None = No
     # (the link printed says which). Without a dashboard, the scheduler's small HTTP
     # server (health, metrics) takes a random local port.
     dash = "127.0.0.1:8787" if dashboard and _has_bokeh() else "127.0.0.1:0"
+    cluster_cls = LocalCluster
+    if device == "cuda":
+        cluster_cls = _cuda_cluster_class(n_workers) or LocalCluster
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Port .* is already in use")
-        cluster = LocalCluster(
-            n_workers=n_workers,
-            threads_per_worker=threads_per_worker,
-            processes=True,
-            host="127.0.0.1",
-            dashboard_address=dash,
-        )
+        kwargs = dict(n_workers=n_workers, threads_per_worker=threads_per_worker,
+                      host="127.0.0.1", dashboard_address=dash)
+        if cluster_cls is LocalCluster:
+            kwargs["processes"] = True
+        cluster = cluster_cls(**kwargs)
     try:
         client = Client(cluster)
         try:
@@ -90,6 +93,20 @@ def open_client(n_workers: int | None = None, scheduler_address: str | None = No
             client.close()
     finally:
         cluster.close()
+
+
+def _cuda_cluster_class(n_workers: int):
+    """dask-cuda's LocalCUDACluster when it is installed and there is a GPU per worker."""
+    try:
+        import cupy
+        from dask_cuda import LocalCUDACluster
+    except ImportError:
+        return None
+    try:
+        n_gpus = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return None
+    return LocalCUDACluster if n_gpus >= n_workers else None
 
 
 def dashboard_link(client) -> str | None:

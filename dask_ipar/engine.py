@@ -95,6 +95,7 @@ TASK_SPAN = {
     "stats": "loss",
     "x": "input",
     "y": "input",
+    "fetch": "to_host",
 }
 
 

@@ -32,6 +32,8 @@ __all__ = [
     "dw_reduce",
     "sgd_velocity",
     "sgd_weight",
+    "to_device",
+    "to_host",
 ]
 
 ACTIVATIONS = ("linear", "relu", "tanh")
@@ -178,3 +180,16 @@ def sgd_velocity(wrow, momentum, weight_decay, n_decay, v, dz, x, c0, c1, n_in, 
 def sgd_weight(wrow, c0, c1, v, lr):
     """``w <- w - lr * v`` for the owned slice ``w = wrow[:, c0:c1]``."""
     return wrow[:, c0:c1] - lr * v
+
+
+def to_device(x):
+    """Copy a host (NumPy) block into GPU memory (CuPy), on the worker that owns it."""
+    import cupy
+
+    return cupy.asarray(x)
+
+
+def to_host(x):
+    """A NumPy copy of a block (CuPy blocks leave the GPU; NumPy blocks pass through)."""
+    get = getattr(x, "get", None)
+    return get() if callable(get) and not isinstance(x, np.ndarray) else np.asarray(x)

@@ -12,6 +12,7 @@ import numpy as np
 from dask._task_spec import TaskRef
 
 from dask_ipar.data import as_features, as_labels
+from dask_ipar import kernels as K
 from dask_ipar.engine import Engine, LayerLayout, StepGraph
 from dask_ipar.errors import IparError
 from dask_ipar.grid import Grid, GridBinding, bind_grid, parse_grid
@@ -66,6 +67,10 @@ class Sequential:
         Dtype of weights, activations and gradients.
     seed : int
         Seed of the weight initialization (Glorot uniform, zero biases).
+    device : {"cpu", "cuda"}
+        Where the blocks live: NumPy arrays in host memory, or CuPy arrays in the
+        memory of each worker's GPU (needs ``pip install 'dask-ipar[gpu]'``). Data
+        comes in and results go out as NumPy either way.
 
     Examples
     --------
@@ -76,7 +81,8 @@ class Sequential:
     >>> # model.distribute(client, "2x2").fit(X, y, epochs=5)   # doctest: +SKIP
     """
 
-    def __init__(self, layers, input_dim: int | None = None, *, dtype="float32", seed: int = 0):
+    def __init__(self, layers, input_dim: int | None = None, *, dtype="float32", seed: int = 0,
+                 device: str = "cpu"):
         layers = list(layers)
         if not layers:
             raise IparError("Sequential needs at least one layer, got an empty list.")
@@ -95,6 +101,17 @@ class Sequential:
         dt = np.dtype(dtype)
         if dt not in (np.float32, np.float64):
             raise IparError(f"dtype must be float32 or float64, got {dtype!r}.")
+        if device not in ("cpu", "cuda"):
+            raise IparError(f"device must be 'cpu' or 'cuda', got {device!r}.")
+        if device == "cuda":
+            try:
+                import cupy  # noqa: F401
+            except ImportError as exc:
+                raise IparError(
+                    "device='cuda' needs CuPy on the client and the workers: "
+                    "pip install 'dask-ipar[gpu]'."
+                ) from exc
+        self.device = device
         self.layers = tuple(layers)
         self.input_dim = input_dim
         self.dtype = dt
@@ -223,9 +240,22 @@ class Sequential:
                         np.ascontiguousarray(Wa[r0:r1, c0:c1])
                     )
         old = (self._w or []) + (self._v or [])
+        if self.device == "cuda":  # host blocks go up, then each owner copies its own to the GPU
+            per_worker = {w: {(f"{k[0]}-host", *k[1:]): v for k, v in blocks.items()}
+                          for w, blocks in per_worker.items()}
+        scattered = {}
         for worker, blocks in per_worker.items():
-            futs = self.client.scatter(blocks, workers=[worker], hash=False)
-            self._futures.update(futs)
+            scattered.update(self.client.scatter(blocks, workers=[worker], hash=False))
+        if self.device == "cuda":
+            g = StepGraph()
+            keys = []
+            for hkey in scattered:
+                key = (hkey[0][: -len("-host")], *hkey[1:])
+                g.add(key, self.binding.worker(*hkey[1:]), K.to_device, TaskRef(hkey))
+                keys.append(key)
+            futs = self._submit(g, f"to-device-{self.uid}-s{step}", keys)
+            scattered = dict(zip(keys, futs))
+        self._futures.update(scattered)
         self._release(old)
         self._w = names
         self._v = [None] * len(names)
@@ -259,9 +289,33 @@ class Sequential:
                 futures.update(
                     self.client.scatter(mine, workers=[self.binding.worker(i, j)], hash=False)
                 )
+        if self.device == "cuda":  # each cell copies its block to its GPU: one task, no hop
+            for key in blocks:
+                g.add((key[0] + "-dev", *key[1:]), self.binding.worker(*key[1:]), K.to_device,
+                      TaskRef(key))
+            xname, yname = xname + "-dev", yname + "-dev"
         x_keys = {(i, j): TaskRef((xname, i, j)) for i, j in grid.cells()}
         y_keys = None if yb is None else {(i, j): TaskRef((yname, i, j)) for i, j in grid.cells()}
         return x_keys, y_keys, futures
+
+    def _fetch(self, keys, futures) -> list:
+        """Results of ``futures`` (keys ``(name, i, j, ...)`` on cell (i, j)) as NumPy arrays.
+
+        On GPUs each owner first copies its block to host memory, so the client
+        never needs CuPy or a GPU to receive results.
+        """
+        if self.device == "cpu":
+            return self.client.gather(list(futures))
+        step = self._next_step()
+        g = StepGraph()
+        out = []
+        for n, key in enumerate(keys):
+            hkey = (f"host.fetch-{self.uid}-s{step}", n)
+            g.add(hkey, self.binding.worker(*key[1:3]), K.to_host, TaskRef(key))
+            out.append(hkey)
+        fetched = self._submit(g, f"to-host-{self.uid}-s{step}", out)
+        del futures
+        return self.client.gather(fetched)
 
     def _submit(self, graph, name, keys):
         return self.client.get(graph.to_hlg(name), keys, sync=False)
@@ -429,7 +483,8 @@ class Sequential:
         g = StepGraph()
         x_keys, y_keys, data = self._place_batch(Xb, yb, step, g)
         g, logit_keys, stats = self.engine.forward(x_keys, self._w, step, y_keys, g=g)
-        return self._submit(g, f"fwd-{self.uid}-s{step}", logit_keys + stats), len(logit_keys)
+        futs = self._submit(g, f"fwd-{self.uid}-s{step}", logit_keys + stats)
+        return futs, logit_keys
 
     def forward(self, X, batch_size: int | None = 4096) -> np.ndarray:
         """Logits ``(n_samples, classes)``, computed on the grid batch by batch."""
@@ -438,8 +493,8 @@ class Sequential:
         self._require(X.shape[1])
         out = []
         for Xb, _ in self._batches(X, None, batch_size):
-            futs, _ = self._forward_batch(Xb, None)
-            out.extend(self.client.gather(futs))
+            futs, keys = self._forward_batch(Xb, None)
+            out.extend(self._fetch(keys, futs))
         return np.concatenate([np.asarray(o).T for o in out], axis=0)
 
     def predict(self, X, batch_size: int | None = 4096) -> np.ndarray:
@@ -454,8 +509,8 @@ class Sequential:
         self._require(X.shape[1])
         totals = np.zeros(2)
         for Xb, yb in self._batches(X, y, batch_size):
-            futs, nl = self._forward_batch(Xb, yb)
-            totals += np.sum(self.client.gather(futs[nl:]), axis=0)
+            futs, keys = self._forward_batch(Xb, yb)
+            totals += np.sum(self.client.gather(futs[len(keys):]), axis=0)
         return {"loss": totals[0] / len(y), "accuracy": totals[1] / len(y)}
 
     def gradients(self, X, y):
@@ -474,7 +529,7 @@ class Sequential:
         g, names, stats = self.engine.gradient(x_keys, y_keys, X.shape[0], self._w, step, g=g)
         keys = [(n, i, j) for n in names for i, j in self.binding.grid.cells()]
         futs = self._submit(g, f"grad-{self.uid}-s{step}", keys + stats)
-        blocks = dict(zip(keys, self.client.gather(futs[: len(keys)])))
+        blocks = dict(zip(keys, self._fetch(keys, futs[: len(keys)])))
         loss_sum, correct = np.sum(self.client.gather(futs[len(keys):]), axis=0)
         grads = [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.layouts, names)]
         return loss_sum / len(y), correct / len(y), grads
@@ -500,7 +555,13 @@ class Sequential:
         for lay, name in zip(self.engine.layouts, self._w):
             dsk = {(name, i, j): self._futures[(name, i, j)] for i, j in self.binding.grid.cells()}
             chunks = (tuple(b - a for a, b in lay.rows), tuple(b - a for a, b in lay.wcols))
-            out.append(da.Array(dsk, name, chunks, dtype=self.dtype))
+            if self.device == "cuda":
+                import cupy
+
+                meta = cupy.empty((0, 0), dtype=self.dtype)
+            else:
+                meta = np.empty((0, 0), dtype=self.dtype)
+            out.append(da.Array(dsk, name, chunks, meta=meta))
         return out
 
     def get_weights(self):
@@ -511,7 +572,7 @@ class Sequential:
             else:
                 return [(W.copy(), None if b is None else b.copy()) for W, b in self._init_params]
         keys = [(n, i, j) for n in self._w for i, j in self.binding.grid.cells()]
-        blocks = dict(zip(keys, self.client.gather([self._futures[k] for k in keys])))
+        blocks = dict(zip(keys, self._fetch(keys, [self._futures[k] for k in keys])))
         return [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.layouts, self._w)]
 
     def set_weights(self, params):

@@ -1,0 +1,115 @@
+"""Short GPU benchmark: MLP SGD step time on 1 GPU (dask-ipar, CuPy blocks) against NumPy on
+the CPU and PyTorch on the GPU when present; gradient equality CuPy vs NumPy in float32.
+
+Run by scripts/gpu_check.sh; writes one JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def _median_step(fn, warmup=2, reps=5):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def numpy_step(widths, batch, dtype):
+    """One single-process NumPy MLP SGD step (the CPU reference)."""
+    from dask_ipar.reference import mlp_loss_and_grads, sgd_step
+
+    rng = np.random.default_rng(0)
+    params = [(rng.standard_normal((o, i)).astype(dtype) * 0.01, np.zeros(o, dtype))
+              for i, o in zip(widths[:-1], widths[1:])]
+    X = rng.standard_normal((widths[0], batch)).astype(dtype)
+    y = rng.integers(0, widths[-1], batch)
+    acts = ["relu"] * (len(widths) - 2) + ["linear"]
+
+    def step():
+        nonlocal params
+        _, _, g = mlp_loss_and_grads(params, acts, X, y)
+        params, _ = sgd_step(params, [None] * len(params), g, 0.01)
+    return step
+
+
+def torch_step(widths, batch):
+    import torch
+
+    layers = []
+    for i, o in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(i, o), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1]).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    X = torch.randn(batch, widths[0], device="cuda")
+    y = torch.randint(0, widths[-1], (batch,), device="cuda")
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(X), y).backward()
+        opt.step()
+        torch.cuda.synchronize()
+    return step
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/gpu.json")
+    ap.add_argument("--tests-rc", type=int, default=None)
+    ap.add_argument("--widths", default="4096,4096,4096,4096,10")
+    ap.add_argument("--batch", type=int, default=1024)
+    args = ap.parse_args()
+    widths = [int(w) for w in args.widths.split(",")]
+    from distributed import Client, LocalCluster
+
+    from dask_ipar import SGD, Dense, Sequential
+    from dask_ipar.testing import awkward_problem, rel_err
+
+    res = {"widths": widths, "batch": args.batch, "gpu_tests_rc": args.tests_rc}
+    flops = 6 * args.batch * sum(i * o for i, o in zip(widths[:-1], widths[1:]))
+    res["numpy_cpu_step_s"] = _median_step(numpy_step(widths, args.batch, np.float32), 1, 3)
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None) as cl, \
+            Client(cl) as client:
+        # gradient equality CuPy vs NumPy, float32
+        X, y = awkward_problem()
+        grads = {}
+        for device in ("cpu", "cuda"):
+            m = Sequential([Dense(29, "relu"), Dense(13, "tanh"), Dense(10)], input_dim=37,
+                           dtype="float32", device=device).distribute(client, "1x1")
+            grads[device] = m.gradients(X, y)[2]
+            m.close()
+        res["grad_rel_err_cupy_vs_numpy_f32"] = max(
+            max(rel_err(g[0], c[0]), rel_err(g[1], c[1]))
+            for g, c in zip(grads["cuda"], grads["cpu"]))
+        rng = np.random.default_rng(0)
+        Xb = rng.standard_normal((args.batch, widths[0])).astype(np.float32)
+        yb = rng.integers(0, widths[-1], args.batch)
+        m = Sequential([Dense(w, "relu") for w in widths[1:-1]] + [Dense(widths[-1])],
+                       input_dim=widths[0], device="cuda").distribute(client, "1x1")
+        m.embed_bytes = 0
+        opt = SGD(lr=0.01)
+        res["dask_ipar_cuda_step_s"] = _median_step(
+            lambda: client.gather(m.train_step(Xb, yb, opt)))
+        m.close()
+    try:
+        res["torch_cuda_step_s"] = _median_step(torch_step(widths, args.batch))
+    except Exception as exc:  # torch absent or without CUDA
+        res["torch_cuda_step_s"] = None
+        res["torch_note"] = f"{type(exc).__name__}: {exc}"
+    res["dask_ipar_cuda_tflops"] = flops / res["dask_ipar_cuda_step_s"] / 1e12
+    print(json.dumps(res, indent=1))
+    with open(args.out, "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

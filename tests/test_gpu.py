@@ -1,0 +1,80 @@
+"""CuPy blocks end to end (skipped without CuPy and a CUDA device).
+
+On a GPU machine: ``pytest -m gpu``. Several workers share one GPU, so grids can be
+tested on a single device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def _cupy_with_device():
+    cupy = pytest.importorskip("cupy")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no driver
+        n = 0
+    if n < 1:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["1x1", "2x1", "1x2", "2x2"])
+def test_cuda_matches_cpu(client, grid):
+    _cupy_with_device()
+    from dask_ipar import SGD, Dense, Sequential
+    from dask_ipar.testing import awkward_problem, rel_err
+
+    X, y = awkward_problem()
+    out = {}
+    for device in ("cpu", "cuda"):
+        for dtype in ("float64", "float32"):
+            m = Sequential([Dense(29, "relu"), Dense(13, "tanh"), Dense(10)], input_dim=37,
+                           dtype=dtype, seed=0, device=device).distribute(client, grid)
+            loss, acc, grads = m.gradients(X, y)
+            m.fit(X, y, epochs=5, batch_size=23, optimizer=SGD(lr=0.1))
+            out[device, dtype] = (loss, grads, m.get_weights(), m.forward(X))
+            m.close()
+    for dtype, tol in (("float64", 1e-12), ("float32", 1e-5)):
+        c, g = out["cpu", dtype], out["cuda", dtype]
+        assert abs(c[0] - g[0]) <= tol * abs(c[0])
+        for (cw, cb), (gw, gb) in zip(c[1], g[1]):
+            assert rel_err(gw, cw) <= tol and rel_err(gb, cb) <= tol
+        for (cw, cb), (gw, gb) in zip(c[2], g[2]):
+            assert rel_err(gw, cw) <= 10 * tol
+        assert rel_err(g[3], c[3]) <= 10 * tol
+
+
+@pytest.mark.gpu
+def test_blocks_live_on_the_gpu(client):
+    cupy = _cupy_with_device()
+    from dask_ipar import Dense, Sequential
+
+    m = Sequential([Dense(9, "relu"), Dense(4)], input_dim=6, device="cuda").distribute(client,
+                                                                                       "2x1")
+    W = m.weight_arrays()[0]
+    assert isinstance(W._meta, cupy.ndarray)
+    kinds = client.run(lambda dask_worker=None: sorted({type(v).__module__.split(".")[0]
+                                                        for v in dask_worker.data.values()}))
+    assert any("cupy" in k for k in kinds.values())
+    m.close()
+
+
+def test_cuda_without_cupy_is_a_clear_error(monkeypatch):
+    import builtins
+
+    from dask_ipar import Dense, IparError, Sequential
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *a, **k):
+        if name == "cupy":
+            raise ImportError("no cupy")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(IparError, match=r"pip install 'dask-ipar\[gpu\]'"):
+        Sequential([Dense(4)], input_dim=3, device="cuda")
