@@ -245,7 +245,8 @@ class Sequential:
                           for w, blocks in per_worker.items()}
         scattered = {}
         for worker, blocks in per_worker.items():
-            scattered.update(self.client.scatter(blocks, workers=[worker], hash=False))
+            scattered.update(self.client.scatter(blocks, workers=[worker], hash=False,
+                                                    direct=True))
         if self.device == "cuda":
             g = StepGraph()
             keys = []
@@ -287,7 +288,8 @@ class Sequential:
             for i, j in grid.cells():
                 mine = {k: v for k, v in blocks.items() if k[1:] == (i, j)}
                 futures.update(
-                    self.client.scatter(mine, workers=[self.binding.worker(i, j)], hash=False)
+                    self.client.scatter(mine, workers=[self.binding.worker(i, j)], hash=False,
+                                        direct=True)
                 )
         if self.device == "cuda":  # each cell copies its block to its GPU: one task, no hop
             for key in blocks:
