@@ -35,10 +35,10 @@ def test_train_defaults_reach_95_percent_on_digits():
 
 def test_train_on_existing_scheduler(client):
     address = client.scheduler.address
-    proc, out = _train("--scheduler-address", address, "--grid", "2x1", "--epochs", "2", "--batch", "128",
+    proc, out = _train("--scheduler-address", address, "--grid", "2x1", "--epochs", "1", "--batch", "128",
                        "--no-progress", "--json")
     assert out["grid"] == "2x1"
-    assert out["test_accuracy"] > 0.7, out
+    assert out["test_accuracy"] > 0.5, out
     # the shared cluster keeps running: our own client still works
     assert client.submit(sum, [1, 2]).result() == 3
 
