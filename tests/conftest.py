@@ -12,13 +12,17 @@ N_WORKERS = 8
 @pytest.fixture(scope="session")
 def client():
     """A client on 8 worker processes (1 thread each): enough for every grid with P <= 8."""
+    import dask
     from distributed import Client, LocalCluster
 
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    cluster = LocalCluster(
-        n_workers=N_WORKERS, threads_per_worker=1, processes=True,
-        host="127.0.0.1", dashboard_address=None,
-    )
+    # 8 processes share 2 cores: the workers' 10 ms statistical profiler is the one
+    # background cost worth switching off (nothing here reads profiles).
+    with dask.config.set({"distributed.worker.profile.enabled": False}):
+        cluster = LocalCluster(
+            n_workers=N_WORKERS, threads_per_worker=1, processes=True,
+            host="127.0.0.1", dashboard_address=None,
+        )
     c = Client(cluster)
     yield c
     c.close()
