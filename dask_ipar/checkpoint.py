@@ -34,6 +34,7 @@ resumes from the last checkpoint: the final weights equal an uninterrupted run's
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -46,6 +47,7 @@ import uuid
 import numpy as np
 
 from dask_ipar.errors import IparError
+from dask_ipar.grid import _worker_order
 
 __all__ = [
     "FORMAT",
@@ -213,7 +215,7 @@ def _alive(client) -> set:
     return set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
 
 
-def _gone_soon(client, workers, grace_s=5.0):
+def _gone_soon(client, workers, grace_s=20.0):
     """Grid workers missing from the scheduler, allowing it ``grace_s`` to notice a death."""
     deadline = time.monotonic() + grace_s
     while True:
@@ -606,19 +608,53 @@ def recover(model, directory, *, grid=None, wait_timeout_s: float = 120.0, log=N
     worker under a new address), the grid is bound afresh and :func:`latest` is loaded.
     Returns the checkpoint metadata.
     """
-    from dask_ipar.cluster import wait_for_workers
-
     grid = model.grid if grid is None else grid
     client = model.client
     if grid is None or client is None:
         raise IparError("recover needs a model that was distributed before.")
     model.close()
-    wait_for_workers(client, grid.size, wait_timeout_s, log)
-    model.distribute(client, grid)
+    deadline = time.monotonic() + wait_timeout_s
+    last = None
+    while True:
+        info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+        alive = set(info)
+        if len(alive) >= grid.size:
+            break
+        if log is not None and len(alive) != last:
+            log(f"waiting for workers: {len(alive)}/{grid.size} connected")
+            last = len(alive)
+        if time.monotonic() > deadline:
+            raise IparError(
+                f"the cluster has {len(alive)} workers {wait_timeout_s:.0f} s after a fault, "
+                f"but grid {grid} needs {grid.size}. Start workers, then resume from "
+                "the last checkpoint (dask-ipar train --resume)."
+            )
+        time.sleep(0.2)
+    # bind by worker name like bind_grid does, from this fresh listing (see _alive)
+    model.distribute(client, grid, workers=_worker_order(info))
     return load(model, directory)
 
 
 # -------------------------------------------------------------- training
+@contextlib.contextmanager
+def _faults_as_worker_lost(model, what):
+    """Turn any cluster error raised while a grid worker is gone into :class:`WorkerLost`.
+
+    A dead worker shows up in many ways (cancelled futures, lost dependencies, closed
+    comms), depending on the moment it died; the test is whether a grid worker left.
+    """
+    workers = model.binding.workers
+    try:
+        yield
+    except (WorkerLost, IparError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        gone = _gone_soon(model.client, workers)
+        if gone:
+            raise WorkerLost(gone, what) from exc
+        raise
+
+
 def batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
     """Sample indices of training step ``step`` (0-based): a pure function of its arguments.
 
@@ -716,10 +752,11 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
         try:
             while step < steps:
                 idx = batch_indices(X.shape[0], batch_size, step, seed)
-                futs = model.train_step(X[idx], y[idx], optimizer)
-                _wait_alive(model.client, futs, model.binding.workers,
-                            f"training step {step + 1}", step_timeout_s)
-                loss_sum, correct = np.sum(model.client.gather(futs), axis=0)
+                with _faults_as_worker_lost(model, f"training step {step + 1}"):
+                    futs = model.train_step(X[idx], y[idx], optimizer)
+                    _wait_alive(model.client, futs, model.binding.workers,
+                                f"training step {step + 1}", step_timeout_s)
+                    loss_sum, correct = np.sum(model.client.gather(futs), axis=0)
                 if not math.isfinite(loss_sum):
                     raise IparError(
                         f"training diverged at step {step + 1}: the loss is {loss_sum}. "
@@ -730,16 +767,25 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
                 if on_step is not None:
                     on_step(step, losses[step])
                 if step % every == 0 or step == steps:
-                    last_ckpt = save(model, directory, step=step, keep=keep, extra=extra,
-                                     timeout_s=step_timeout_s)
+                    with _faults_as_worker_lost(model, f"checkpoint of step {step}"):
+                        last_ckpt = save(model, directory, step=step, keep=keep, extra=extra,
+                                         timeout_s=step_timeout_s)
                     say(f"checkpoint {last_ckpt} (step {step})")
             break
         except WorkerLost as exc:
-            restarts += 1
-            say(f"step {step + 1}: {exc}")
-            if restarts > max_restarts:
-                raise
-            meta = recover(model, directory, grid=grid, wait_timeout_s=wait_timeout_s, log=say)
+            fault = exc
+            while True:  # a replacement worker may die too: recover again
+                restarts += 1
+                say(f"step {step + 1}: {fault}")
+                if restarts > max_restarts:
+                    raise fault
+                try:
+                    with _faults_as_worker_lost(model, "recovery"):
+                        meta = recover(model, directory, grid=grid,
+                                       wait_timeout_s=wait_timeout_s, log=say)
+                    break
+                except WorkerLost as again:
+                    fault = again
             step = int(meta["step"])
             last_ckpt = latest(directory)
             say(f"recovered on workers {', '.join(model.binding.workers)}; resuming after "
