@@ -33,10 +33,13 @@ def test_train_defaults_reach_95_percent_on_digits():
     assert "test accuracy" in proc.stderr
 
 
-def test_train_on_existing_scheduler(client):
+def test_train_on_existing_scheduler(client, tmp_path):
     address = client.scheduler.address
-    proc, out = _train("--scheduler-address", address, "--grid", "2x1", "--epochs", "1", "--batch", "128",
-                       "--no-progress", "--json")
+    card = tmp_path / "run.html"
+    proc, out = _train("--scheduler-address", address, "--grid", "2x1", "--epochs", "1",
+                       "--batch", "128", "--no-progress", "--json", "--report", str(card))
+    html = card.read_text()
+    assert "comm-table" in html and "dense0" in html
     assert out["grid"] == "2x1"
     assert out["test_accuracy"] > 0.5, out
     # the shared cluster keeps running: our own client still works
