@@ -152,6 +152,7 @@ class NumpyMLP:
 
 def time_numpy(cfg: MLPConfig, steps: int, threads: int | None = None) -> dict:
     """Median step time of :class:`NumpyMLP` (after one warm-up step)."""
+    load1 = os.getloadavg()[0]
     X, y = make_data(cfg, 1)
     net = NumpyMLP(cfg.widths, cfg.batch)
     ts = []
@@ -162,7 +163,7 @@ def time_numpy(cfg: MLPConfig, steps: int, threads: int | None = None) -> dict:
             net.step(X, y)
             ts.append(time.perf_counter() - t0)
     t = median(ts)
-    return {"step_s": t, "steps_s": ts, "gflops": cfg.flops / t / 1e9}
+    return {"step_s": t, "steps_s": ts, "gflops": cfg.flops / t / 1e9, "load1": load1}
 
 
 def time_sgemm(n: int = 4096, reps: int = 3) -> float:
@@ -335,7 +336,7 @@ def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 
     X, y = make_data(cfg, 2)
     batches = [(X[k * cfg.batch:(k + 1) * cfg.batch], y[k * cfg.batch:(k + 1) * cfg.batch])
                for k in range(2)]
-    out = {"grid": grid}
+    out = {"grid": grid, "load1": os.getloadavg()[0]}
     try:
         model.distribute(client, grid)
         for k in range(warmup):
@@ -417,13 +418,14 @@ def time_torch(cfg: MLPConfig, procs: int, cores: int, steps: int, timeout: floa
     cmd = [sys.executable, os.path.join(HERE, "torch_ddp.py"), "--procs", str(procs),
            "--widths", ",".join(map(str, cfg.widths)), "--batch", str(cfg.batch),
            "--steps", str(steps), "--cores", str(cores)]
+    load1 = os.getloadavg()[0]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     for line in reversed(r.stdout.splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
+            return dict(json.loads(line), load1=load1)
     return {"error": (r.stderr or r.stdout)[-800:]}
 
 

@@ -273,22 +273,23 @@ def render(res) -> str:
         flops = c["flops"]
         w(f"## {c['label'].capitalize()} MLP: widths {'-'.join(map(str, c['widths']))}, "
           f"B={c['batch']} ({flops / 1e9:.1f} GFLOP per step, {c['params'] / 1e6:.1f} M parameters)\n")
-        w("| implementation | procs | grid | step (s) | GFLOP/s | vs NumPy |")
-        w("|---|---|---|---|---|---|")
+        w("| implementation | procs | grid | step (s) | GFLOP/s | vs NumPy | load avg (1 min) at start |")
+        w("|---|---|---|---|---|---|---|")
         npt = res["numpy"][key]["step_s"]
-        w(f"| NumPy, one process | 1 | - | {fmt(npt)} | {flops / npt / 1e9:.1f} | 1.00 |")
+        w(f"| NumPy, one process | 1 | - | {fmt(npt)} | {flops / npt / 1e9:.1f} | 1.00 | "
+          f"{fmt(res['numpy'][key].get('load1'), 1)} |")
         tr = (res.get("torch") or {}).get(key, {})
         rows = []
         for g, r in res["dask"][key].items():
-            rows.append((_procs(g), 0, f"dask-ipar | {_procs(g)} | {g}", r["step_s"]))
+            rows.append((_procs(g), 0, f"dask-ipar | {_procs(g)} | {g}", r["step_s"], r.get("load1")))
         for p, r in tr.items():
             name = "PyTorch, one process" if p == "1" else "PyTorch DDP (gloo)"
             if "step_s" in r:
-                rows.append((int(p), 1, f"{name} | {p} | -", r["step_s"]))
+                rows.append((int(p), 1, f"{name} | {p} | -", r["step_s"], r.get("load1")))
             else:
-                w(f"| {name} | {p} | - | failed: {r.get('error', '')[:80]} | | |")
-        for _, _, name, t in sorted(rows):
-            w(f"| {name} | {fmt(t)} | {flops / t / 1e9:.1f} | {t / npt:.2f} |")
+                w(f"| {name} | {p} | - | failed: {r.get('error', '')[:80]} | | | |")
+        for _, _, name, t, ld in sorted(rows):
+            w(f"| {name} | {fmt(t)} | {flops / t / 1e9:.1f} | {t / npt:.2f} | {fmt(ld, 1)} |")
         if not tr:
             w("\nPyTorch rows skipped: torch is not installed.")
         w("")
