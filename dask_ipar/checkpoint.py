@@ -252,6 +252,9 @@ def _wait_alive(client, futures, workers, what, timeout_s=None, poll_s=0.5):
         if deadline is not None and time.monotonic() > deadline:
             raise IparError(f"{what} did not finish within {timeout_s:.0f} s.")
     bad = [f for f in futures if f.status != "finished"]
+    errored = [f for f in bad if f.status == "error"]
+    if errored and not [w for w in workers if w not in _alive(client)]:
+        errored[0].result()  # the task's own error (e.g. a damaged chunk), raised at once
     if bad:
         gone = _gone_soon(client, workers)
         if gone:
@@ -447,7 +450,8 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
         raise
     if keep is not None:
         for _, old in checkpoints(directory)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -742,6 +746,13 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
         start = int(meta["step"])
         say(f"resumed from {latest(directory)} (step {start})")
     else:
+        found = checkpoints(directory)
+        if found:
+            raise IparError(
+                f"{directory!r} already holds checkpoints (steps {found[0][0]} to "
+                f"{found[-1][0]}) and resume is off. Resume from them (resume=True, "
+                "--resume), or use an empty directory."
+            )
         model.state_blocks()  # builds the initial weights
         save(model, directory, step=0, keep=keep, extra=extra)
     losses: dict[int, float] = {}

@@ -165,7 +165,8 @@ def test_before_first_step_and_input_dim_from_checkpoint(client4, tmp_path):
     m = make_model().distribute(client4, "1x2")
     ck.save(m, tmp_path)  # step defaults to 0, no momentum yet
     assert not ck.read_metadata(ck.latest(tmp_path))["has_velocity"]
-    m2 = Sequential([Dense(9, "tanh"), Dense(5)], dtype="float64", seed=99).distribute(client4, "2x1")
+    m2 = Sequential([Dense(9, "tanh"), Dense(5)], dtype="float64", seed=99)
+    m2.distribute(client4, "2x1")
     ck.load(m2, tmp_path)
     assert m2.input_dim == 7 and close(m2.get_weights(), m.get_weights(), 0.0)
     assert ck.save(m2, tmp_path).endswith("ckpt-1")  # next step number
@@ -192,8 +193,9 @@ def test_corrupted_and_mismatched_checkpoints(client4, data, tmp_path):
                         dtype="float64")
     with pytest.raises(IparError, match="3 here|holds a model of 2 layers"):
         ck.load(deeper.distribute(client4, "2x2"), path)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(IparError, match="no complete checkpoint"):
-        ck.load(m, tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else None)
+        ck.load(m, tmp_path / "empty")
 
     fresh = make_model().distribute(client4, "4x1")
     before = fresh.get_weights()
@@ -311,7 +313,7 @@ def test_process_killed_during_checkpoint_write(client4, tmp_path):
 
 def test_worker_killed_at_a_random_step_resumes_exactly(client4, data, tmp_path):
     X, y = data
-    steps, every = 8, 3
+    steps, every = 6, 2
     plain = make_model().distribute(client4, "2x2")
     r = ck.train_with_checkpoints(plain, X, y, steps=steps, every=every, batch_size=12,
                                   optimizer=OPT, directory=tmp_path / "plain")
@@ -347,4 +349,22 @@ def test_worker_killed_at_a_random_step_resumes_exactly(client4, data, tmp_path)
                                    optimizer=OPT, directory=tmp_path / "faulty")
     assert r2["steps"] == steps and r2["losses"] == []
     assert close(again.get_weights(), expected)
+    with pytest.raises(IparError, match="already holds checkpoints"):
+        ck.train_with_checkpoints(again, X, y, steps=steps, every=every, batch_size=12,
+                                  directory=tmp_path / "faulty", resume=False)
     again.close()
+
+
+def test_worker_killed_without_restarts_left_raises(client4, data, tmp_path):
+    X, y = data
+    model = make_model().distribute(client4, "2x2")
+    victim = model.binding.worker(0, 1)
+    pid = client4.run(os.getpid, workers=[victim])[victim]
+    kill = lambda step, loss: step == 2 and os.kill(pid, signal.SIGKILL)  # noqa: E731
+    with pytest.raises(ck.WorkerLost, match="left the cluster") as err:
+        ck.train_with_checkpoints(model, X, y, steps=4, every=2, batch_size=12,
+                                  optimizer=OPT, directory=tmp_path, max_restarts=0,
+                                  on_step=kill)
+    assert err.value.workers == [victim]
+    assert ck.latest(tmp_path).endswith("ckpt-0")  # the step-2 save was never published
+    model.close()
