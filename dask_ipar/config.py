@@ -55,6 +55,8 @@ __all__ = [
     "validate",
     "register",
     "to_yaml",
+    "TRAIN_FLAGS",
+    "config_from_args",
 ]
 
 #: Environment variable naming the config file.
@@ -408,4 +410,51 @@ def validate(cfg: dict) -> dict:
     kp = ck.get("keep")
     _need(kp is None or (_is_int(kp) and kp >= 1), "checkpoint.keep", kp,
           "a positive integer or null (keep all)")
+    return cfg
+
+
+#: ``dask-ipar train`` flags (argparse ``dest``) and the config key each one overrides.
+TRAIN_FLAGS = {
+    "grid": "grid",
+    "hidden": "model.hidden",
+    "dtype": "model.dtype",
+    "lr": "optimizer.lr",
+    "momentum": "optimizer.momentum",
+    "weight_decay": "optimizer.weight_decay",
+    "epochs": "train.epochs",
+    "batch": "train.batch",
+    "seed": "train.seed",
+    "data": "data.path",
+    "machine": "machine",
+    "cluster": "cluster.kind",
+    "workers": "cluster.workers",
+    "scheduler_address": "cluster.scheduler_address",
+    "connect_timeout": "cluster.connect_timeout",
+    "wait_timeout": "cluster.wait_timeout",
+    "checkpoint_dir": "checkpoint.dir",
+    "checkpoint_every": "checkpoint.every",
+}
+
+
+def config_from_args(args) -> dict:
+    """The effective configuration of a command: ``--config FILE`` (or the usual file),
+    ``DASK_IPAR__*`` variables, then every flag of :data:`TRAIN_FLAGS` that is not None.
+
+    Flags the parser lacks are skipped; ``--no-dashboard`` sets ``cluster.dashboard``
+    to false. The result is validated and registered into ``dask.config``.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Flags must default to None so that unset ones leave the config alone.
+    """
+    cfg = load_config(getattr(args, "config", None), register_config=False, check=False)
+    over = {key: getattr(args, dest) for dest, key in TRAIN_FLAGS.items() if hasattr(args, dest)}
+    if getattr(args, "no_dashboard", False):
+        over["cluster.dashboard"] = False
+    source = cfg.pop("_file", None)
+    cfg = apply_overrides(cfg, over)
+    validate(cfg)
+    register(cfg)
+    cfg["_file"] = source
     return cfg

@@ -130,3 +130,21 @@ def test_config_show(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["checkpoint"]["dir"] == "ck"
     assert yaml.safe_load(to_yaml(shown)) == shown
+
+
+def test_config_from_args(tmp_path):
+    from dask_ipar.config import TRAIN_FLAGS, config_from_args
+
+    f = _write(tmp_path / "c.yaml", {"grid": "2x2", "train": {"epochs": 7},
+                                     "checkpoint": {"dir": "ck", "every": 5}})
+    args = argparse.Namespace(config=str(f), **{k: None for k in TRAIN_FLAGS},
+                              no_dashboard=True)
+    args.lr, args.checkpoint_every, args.cluster = 0.3, 9, "pbs"
+    cfg = config_from_args(args)
+    assert cfg["grid"] == "2x2" and cfg["train"]["epochs"] == 7  # file, flags unset
+    assert cfg["optimizer"]["lr"] == 0.3 and cfg["checkpoint"]["every"] == 9  # flags win
+    assert cfg["cluster"]["kind"] == "pbs" and cfg["cluster"]["dashboard"] is False
+    assert cfg["_file"] == str(f) and dask.config.get("ipar.optimizer.lr") == 0.3
+    args.momentum = 2.0
+    with pytest.raises(IparError, match="optimizer.momentum"):
+        config_from_args(args)
