@@ -33,7 +33,7 @@ def main(argv=None):
     cfg = {c.key: c for c in C.configs(a.quick)}[a.mlp]
     grid = a.grid or f"{a.procs}x1"
     cores = os.cpu_count()
-    out = {"mlp": cfg.key, "procs": a.procs, "grid": grid, "runs": []}
+    out = {"mlp": cfg.key, "procs": a.procs, "grid": grid, "quick": a.quick, "runs": []}
     for what in ("ddp", "dask", "ddp"):
         load = os.getloadavg()[0]
         if what == "ddp":

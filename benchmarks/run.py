@@ -45,7 +45,7 @@ def verdict(ok):
 # ------------------------------------------------------------------ measuring
 def measure(quick: bool, cores: int, netcluster: bool) -> dict:
     cfgs = C.configs(quick)
-    steps = 3 if quick else 5
+    steps = 2 if quick else 5
     res = {
         "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "quick": quick, "cores": cores, "steps": steps,
@@ -88,7 +88,7 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
                     log(f"   step {r['step_s']:.3f} s")
             if p == 4:
                 log("tiny MLP on 2x2 (overhead only)")
-                res["tiny_2x2"] = C.time_dask_grid(client, C.TINY, "2x2", max(steps, 5), warmup=2)
+                res["tiny_2x2"] = C.time_dask_grid(client, C.TINY, "2x2", 5, warmup=2)
                 res["tiny_2x2"]["widths"] = C.TINY.widths
         finally:
             client.close()
@@ -98,7 +98,7 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
         import torch
         res["host"]["torch"] = torch.__version__
         for c in cfgs:
-            for p in (1, 2, 4):
+            for p in ((2, 4) if quick else (1, 2, 4)):
                 log(f"torch {'DDP ' if p > 1 else ''}{c.label} procs={p}")
                 res["torch"][c.key][str(p)] = C.time_torch(c, p, cores, steps)
     else:
@@ -203,7 +203,7 @@ def targets(res) -> list[dict]:
     for f in sorted(glob.glob(os.path.join(HERE, "results", "paired-*.json"))):
         with open(f) as fh:
             pr = json.load(fh)
-        if "ratio_vs_mean_ddp" not in pr:
+        if "ratio_vs_mean_ddp" not in pr or bool(pr.get("quick", False)) != bool(res["quick"]):
             continue
         runs = ", ".join(f"{r['what']} {r['step_s']:.2f} s (load {r['load1']:.1f})" for r in pr["runs"])
         out.append({"id": "3 (paired)", "target": f"re-check, dask-ipar {pr['grid']} / mean PyTorch DDP, "
@@ -255,8 +255,11 @@ def render(res) -> str:
     w(f"- Every step time is the median of {res['steps']} steps after one warm-up step. "
       "dask-ipar: `model.train_step` (graph build, batch placement, submission) plus "
       "`client.gather` of the loss statistics, so one step is fully finished before the next "
-      "starts (no pipelining). PyTorch: forward, backward, `optimizer.step()` between barriers "
-      "on rank 0.")
+      "starts (no pipelining). The loss statistics depend on the forward pass only, so an "
+      "interval ends when step k's forward is done and contains the rest of step k-1's "
+      "backward and update (step k's forward needs step k-1's new weights): in steady state "
+      "one interval is one whole step. PyTorch: forward, backward, `optimizer.step()` "
+      "between barriers on rank 0.")
     w("- FLOPs per step = 6 * B * sum(d_in * d_out); GFLOP/s = FLOPs / step time.")
     w("- dask-ipar: `LocalCluster` of worker processes, one dask thread per worker, BLAS threads "
       "per worker = max(1, cores / workers) (set through `distributed.nanny.pre-spawn-environ`): "
