@@ -46,31 +46,45 @@ def _add_train(sub):
     p = sub.add_parser(
         "train",
         help="train an MLP on the bundled digits data set (the main job)",
-        description="Train an MLP classifier on scikit-learn's bundled 8x8 digits with the "
-        "integrated model+batch (1.5D) scheme on a Pr x Pc grid of dask workers.",
+        description="Train an MLP classifier (by default on scikit-learn's bundled 8x8 digits) "
+        "with the integrated model+batch (1.5D) scheme on a Pr x Pc grid of dask workers. "
+        "Settings come from dask-ipar.yaml (see `dask-ipar config show`); flags override it.",
     )
+    p.add_argument("--config", metavar="FILE",
+                   help="dask-ipar.yaml (default: $DASK_IPAR_CONFIG, else ./dask-ipar.yaml)")
     p.add_argument("--grid", help="process grid PRxPC, e.g. 2x1 (default: 1xP, pure batch)")
     p.add_argument("--workers", type=_positive_int,
                    help="number of worker processes P (default: the grid's size, else 2)")
-    p.add_argument("--epochs", type=_positive_int, default=10)
-    p.add_argument("--batch", type=_positive_int, default=64, help="global mini-batch size B")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=1e-4)
-    p.add_argument("--hidden", type=_widths, default=[128, 64],
+    p.add_argument("--epochs", type=_positive_int, help="passes over the data (default 10)")
+    p.add_argument("--batch", type=_positive_int, help="global mini-batch size B (default 64)")
+    p.add_argument("--lr", type=float, help="learning rate (default 0.05)")
+    p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
+    p.add_argument("--weight-decay", type=float, help="L2 weight decay (default 1e-4)")
+    p.add_argument("--hidden", type=_widths,
                    help="hidden layer widths, comma separated (default 128,64)")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "float64"], help="default float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: CuPy blocks in GPU memory (needs the gpu extra); the local "
                    "cluster then uses dask-cuda's LocalCUDACluster when there is a GPU per "
                    "worker, else workers that share the GPUs")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="data split, initialization, shuffling (default 0)")
+    p.add_argument("--data", metavar="PATH",
+                   help=".npz, .npy, Zarr or HDF5 with X and y (default: the bundled digits)")
+    p.add_argument("--cluster", choices=["local", "slurm", "pbs", "lsf", "sge"],
+                   help="where the workers run (default local; batch systems need the hpc "
+                   "extra and the cluster section of the config)")
     p.add_argument("--scheduler-address",
-                   help="use the dask cluster at this address instead of starting a LocalCluster")
-    p.add_argument("--connect-timeout", type=float, default=10.0,
-                   help="seconds to try reaching --scheduler-address")
-    p.add_argument("--wait-timeout", type=float, default=60.0,
-                   help="seconds to wait for enough workers on an existing cluster")
+                   help="use the dask cluster at this address instead of starting one")
+    p.add_argument("--connect-timeout", type=float,
+                   help="seconds to try reaching --scheduler-address (default 10)")
+    p.add_argument("--wait-timeout", type=float,
+                   help="seconds to wait for enough workers (default 60)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save model and optimizer state to Zarr checkpoints here")
+    p.add_argument("--checkpoint-every", type=_positive_int, metavar="N",
+                   help="steps between checkpoints (default: at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--machine", metavar="FILE",
                    help="YAML machine file (alpha, bandwidth) for the predicted seconds")
     p.add_argument("--report", metavar="FILE.html",
@@ -83,18 +97,18 @@ def _add_train(sub):
     p.set_defaults(func=run_train)
 
 
-def _resolve_grid(args):
+def _resolve_grid(grid_text, workers):
     from dask_ipar.grid import Grid, parse_grid
 
-    if args.grid is not None:
-        grid = parse_grid(args.grid)
-        if args.workers is not None and args.workers != grid.size:
+    if grid_text is not None:
+        grid = parse_grid(grid_text)
+        if workers is not None and workers != grid.size:
             raise IparError(
-                f"--grid {grid} has P = Pr*Pc = {grid.size} cells but --workers is {args.workers}; "
-                f"they must agree: use --workers {grid.size} or a grid whose Pr*Pc = {args.workers}."
+                f"--grid {grid} has P = Pr*Pc = {grid.size} cells but --workers is {workers}; "
+                f"they must agree: use --workers {grid.size} or a grid whose Pr*Pc = {workers}."
             )
         return grid
-    return Grid(1, args.workers or 2)
+    return Grid(1, workers or 2)
 
 
 @contextlib.contextmanager
@@ -119,91 +133,112 @@ def _performance_report(path):
             out["html"] = fh.read()
 
 
-def run_train(args) -> int:
-    from dask_ipar.cluster import dashboard_link, open_client
+def _load_data(cfg):
+    """Training and test data: a file from the config, else the bundled digits."""
+    import numpy as np
+
     from dask_ipar.data import load_digits_split
+
+    t = cfg["train"]
+    if not cfg["data"]["path"]:
+        return (*load_digits_split(seed=t["seed"]), 10, "digits")
+    from dask_ipar.datasets import load_dataset, train_test_split
+
+    X, y = load_dataset(cfg["data"]["path"], chunk_rows=64 * t["batch"])
+    Xtr, ytr, Xte, yte = train_test_split(X, y, cfg["data"]["test_fraction"], t["seed"])
+    return Xtr, ytr, Xte, yte, int(np.max(np.asarray(y))) + 1, cfg["data"]["path"]
+
+
+def run_train(args) -> int:
+    from dask_ipar.clusters import make_cluster
+    from dask_ipar.cluster import dashboard_link
+    from dask_ipar.config import config_from_args
     from dask_ipar.layers import Dense
     from dask_ipar.model import Sequential
     from dask_ipar.optim import SGD
 
-    grid = _resolve_grid(args)
+    cfg = config_from_args(args)
+    t, o, ck = cfg["train"], cfg["optimizer"], cfg["checkpoint"]
+    grid = _resolve_grid(cfg["grid"], cfg["cluster"]["workers"])
+    if args.resume and not ck["dir"]:
+        raise IparError("--resume needs --checkpoint-dir DIR (or checkpoint.dir in the config).")
     machine = None
-    if args.machine:
+    if cfg["machine"]:
         from dask_ipar.cost import load_machine
 
         try:
-            machine = load_machine(args.machine)
+            machine = load_machine(cfg["machine"])
         except ValueError as exc:
             raise IparError(str(exc)) from None
-    optimizer = SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    Xtr, ytr, Xte, yte = load_digits_split(seed=args.seed)
-    if args.batch < grid.pc:
+    optimizer = SGD(lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"])
+    if t["batch"] < grid.pc:
         raise IparError(
-            f"--batch {args.batch} is smaller than the grid's Pc = {grid.pc} batch-parallel "
+            f"--batch {t['batch']} is smaller than the grid's Pc = {grid.pc} batch-parallel "
             f"columns; use --batch {grid.pc} or more, or a grid with fewer columns."
         )
-    layers = [Dense(w, "relu") for w in args.hidden] + [Dense(10)]
-    model = Sequential(layers, input_dim=Xtr.shape[1], dtype=args.dtype, seed=args.seed,
-                       device=args.device)
+    Xtr, ytr, Xte, yte, n_classes, data_name = _load_data(cfg)
+    layers = [Dense(w, "relu") for w in cfg["model"]["hidden"]] + [Dense(n_classes)]
+    model = Sequential(layers, input_dim=Xtr.shape[1], dtype=cfg["model"]["dtype"],
+                       seed=t["seed"], device=args.device)
     widths = "-".join(map(str, model.sizes))
     t_start = time.perf_counter()
     # The cluster's own start-up and shutdown chatter is not the user's business.
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    with open_client(
-        None if args.scheduler_address else grid.size,
-        args.scheduler_address,
-        dashboard=not args.no_dashboard,
-        device=args.device,
-        connect_timeout_s=args.connect_timeout,
-        wait_timeout_s=args.wait_timeout,
-        log=_eprint,
-    ) as client:
-        if args.scheduler_address:
-            from dask_ipar.cluster import wait_for_workers
-
-            wait_for_workers(client, grid.size, args.wait_timeout, _eprint)
-        link = None if args.no_dashboard else dashboard_link(client)
-        _eprint(f"dask-ipar: MLP {widths} on grid {grid} ({grid.pr} model-parallel rows x "
-                f"{grid.pc} batch-parallel columns), batch {args.batch}, {args.dtype}")
+    history = None
+    with make_cluster(cfg, grid.size, device=args.device, log=_eprint) as client:
+        link = dashboard_link(client) if cfg["cluster"]["dashboard"] else None
+        _eprint(f"dask-ipar: MLP {widths} on {data_name}, grid {grid} ({grid.pr} model-parallel "
+                f"rows x {grid.pc} batch-parallel columns), batch {t['batch']}, "
+                f"{cfg['model']['dtype']}")
         if link:
             _eprint(f"dask-ipar: dashboard at {link}")
         model.distribute(client, grid)
         t_fit = time.perf_counter()
-        with _performance_report(args.report) as perf:
-            history = model.fit(Xtr, ytr, epochs=args.epochs, batch_size=args.batch,
-                                optimizer=optimizer, seed=args.seed,
-                                progress=not args.no_progress, machine=machine)
+        if ck["dir"]:
+            from dask_ipar import checkpoint
+
+            steps = t["epochs"] * (Xtr.shape[0] // t["batch"])
+            done = checkpoint.train_with_checkpoints(
+                model, Xtr, ytr, steps=steps, every=ck["every"] or steps, directory=ck["dir"],
+                batch_size=t["batch"], optimizer=optimizer, seed=t["seed"], resume=args.resume,
+                keep=ck["keep"], wait_timeout_s=cfg["cluster"]["wait_timeout"],
+                log=lambda m: _eprint(f"dask-ipar: {m}"))
+            n_seen = (done["steps"]) * t["batch"]
+            train_loss = done["losses"][-1] if done["losses"] else float("nan")
+            train_acc = None
+        else:
+            with _performance_report(args.report) as perf:
+                history = model.fit(Xtr, ytr, epochs=t["epochs"], batch_size=t["batch"],
+                                    optimizer=optimizer, seed=t["seed"],
+                                    progress=not args.no_progress, machine=machine)
+            n_seen = sum(e["samples_per_s"] * e["seconds"] for e in history.epochs)
+            train_loss, train_acc = history.last["loss"], history.last["accuracy"]
         fit_s = time.perf_counter() - t_fit
         result = model.evaluate(Xte, yte)
-    seconds = time.perf_counter() - t_start
-    n_seen = sum(e["samples_per_s"] * e["seconds"] for e in history.epochs)
-    summary = {
-        "grid": str(grid),
-        "pr": grid.pr,
-        "pc": grid.pc,
-        "model": widths,
-        "dtype": args.dtype,
-        "device": args.device,
-        "batch": args.batch,
-        "epochs": args.epochs,
-        "train_loss": history.last["loss"],
-        "train_accuracy": history.last["accuracy"],
-        "test_loss": result["loss"],
-        "test_accuracy": result["accuracy"],
-        "seconds": seconds,
-        "fit_seconds": fit_s,
-        "samples_per_s": n_seen / fit_s,
-        "comm": [r.to_dict() for r in history.comm.rows],
-    }
-    if args.report:
-        from dask_ipar.report import write_run_card
+        summary = {
+            "grid": str(grid), "pr": grid.pr, "pc": grid.pc, "model": widths,
+            "data": data_name, "dtype": cfg["model"]["dtype"], "device": args.device,
+            "batch": t["batch"], "epochs": t["epochs"],
+            "train_loss": train_loss, "train_accuracy": train_acc,
+            "test_loss": result["loss"], "test_accuracy": result["accuracy"],
+            "fit_seconds": fit_s, "samples_per_s": n_seen / fit_s,
+        }
+        if history is not None:
+            summary["comm"] = [r.to_dict() for r in history.comm.rows]
+            _eprint(history.comm.table())
+        if args.report:
+            if history is None:
+                _eprint("dask-ipar: no run card for checkpointed runs (--report needs a plain fit)")
+            else:
+                from dask_ipar.report import write_run_card
 
-        write_run_card(args.report, summary, history, model, perf.get("html"))
-        _eprint(f"dask-ipar: run card written to {args.report}")
-    model.close()
+                write_run_card(args.report, summary, history, model, perf.get("html"))
+                _eprint(f"dask-ipar: run card written to {args.report}")
+        model.close()
+    summary["seconds"] = time.perf_counter() - t_start
     line = (f"test accuracy {result['accuracy']:.4f} (loss {result['loss']:.4f}) after "
-            f"{args.epochs} epochs, {summary['samples_per_s']:.0f} samples/s, {seconds:.1f} s total")
-    _eprint(history.comm.table())
+            f"{t['epochs']} epochs, {summary['samples_per_s']:.0f} samples/s, "
+            f"{summary['seconds']:.1f} s total")
     if args.json:
         _eprint(line)
         print(json.dumps(summary))
@@ -272,7 +307,7 @@ def run_verify(args) -> int:
     from dask_ipar.cluster import open_client
     from dask_ipar.testing import compare_mlp
 
-    grid = _resolve_grid(argparse.Namespace(grid=args.grid, workers=None))
+    grid = _resolve_grid(args.grid, None)
     if len(args.model) < 2:
         raise IparError(f"--model needs at least an input and an output width, got {args.model}.")
     acts = ["relu"] * (len(args.model) - 2) + ["linear"]
@@ -323,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
         plan_cli = None
     if plan_cli is not None:
         plan_cli.add_parser(sub)
+    from dask_ipar import config_cli
+
+    config_cli.add_parser(sub)
     return parser
 
 

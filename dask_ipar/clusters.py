@@ -18,6 +18,7 @@ anything.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import math
 import os
 
@@ -153,7 +154,7 @@ def _n_jobs(n_workers: int, processes: int) -> int:
 
 
 @contextlib.contextmanager
-def make_cluster(cfg: dict, n_workers: int, *, log=None):
+def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
     """Start (or join) the cluster of ``cfg`` for ``n_workers`` workers; yield a Client.
 
     Parameters
@@ -163,6 +164,10 @@ def make_cluster(cfg: dict, n_workers: int, *, log=None):
     n_workers : int
         Workers the grid needs (``Pr*Pc``); a local cluster starts exactly these,
         a batch cluster ``ceil(n_workers / processes)`` jobs.
+    device : {"cpu", "cuda"}
+        With ``"cuda"`` a local cluster is dask-cuda's LocalCUDACluster (one worker per
+        GPU) when dask-cuda is installed and there is a GPU per worker; otherwise worker
+        processes share the GPUs.
     log : callable, optional
         Gets progress lines (``waiting for workers: 2/4 connected``).
 
@@ -181,7 +186,7 @@ def make_cluster(cfg: dict, n_workers: int, *, log=None):
     """
     from distributed import Client
 
-    from dask_ipar.cluster import _has_bokeh, wait_for_workers
+    from dask_ipar.cluster import _cuda_cluster_class, _has_bokeh, wait_for_workers
 
     _check_n(n_workers)
     c = _section(cfg)
@@ -211,11 +216,15 @@ def make_cluster(cfg: dict, n_workers: int, *, log=None):
 
         threads = local_threads(cfg, n_workers)
         blas = str(threads)
-        dash = "127.0.0.1:8787" if c["dashboard"] and _has_bokeh() else None
-        cluster = LocalCluster(
+        # The dashboard binds to localhost only; a busy 8787 falls back to a free port (the
+        # printed link says which). Without a dashboard the scheduler's small HTTP server
+        # (health, metrics) takes a random local port.
+        dash = "127.0.0.1:8787" if c["dashboard"] and _has_bokeh() else "127.0.0.1:0"
+        cluster_cls = (_cuda_cluster_class(n_workers) if device == "cuda" else None) \
+            or LocalCluster
+        kwargs = dict(
             n_workers=n_workers,
             threads_per_worker=threads,
-            processes=True,
             host="127.0.0.1",
             dashboard_address=dash,
             security=security,
@@ -223,6 +232,11 @@ def make_cluster(cfg: dict, n_workers: int, *, log=None):
             env={"OMP_NUM_THREADS": blas, "OPENBLAS_NUM_THREADS": blas,
                  "MKL_NUM_THREADS": blas},
         )
+        if cluster_cls is LocalCluster:
+            kwargs["processes"] = True
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Port .* is already in use")
+            cluster = cluster_cls(**kwargs)
     elif kind in JOBQUEUE_CLASSES:
         jq = _jobqueue()
         cls = getattr(jq, JOBQUEUE_CLASSES[kind][0])

@@ -137,7 +137,9 @@ def bind_grid(grid: Grid, client: "Client", workers: list[str] | None = None) ->
     """
     grid = parse_grid(grid)
     if workers is None:
-        workers = _worker_order(client.scheduler_info(n_workers=-1)["workers"])
+        from dask_ipar.cluster import scheduler_workers
+
+        workers = _worker_order(scheduler_workers(client))
     if len(workers) < grid.size:
         raise IparError(
             f"grid {grid} needs {grid.size} workers but the cluster has {len(workers)}. "

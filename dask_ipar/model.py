@@ -416,11 +416,13 @@ class Sequential:
                 while pending:
                     self._finish(pending.popleft(), totals, history, bar, callback, t0)
                 secs = time.perf_counter() - t0
-                if meter is not None:  # the last step's backward may still be moving
-                    from distributed import wait
+                # The loss statistics arrive after the forward pass: wait for the last
+                # step's update too, so an epoch (and fit) ends when training has.
+                from distributed import wait
 
-                    wait([self._futures[(name, i, j)] for name in self._w + self._v
-                          for i, j in self.binding.grid.cells()])
+                wait([self._futures[(name, i, j)] for name in self._w + self._v
+                      for i, j in self.binding.grid.cells()])
+                if meter is not None:
                     meter.drain()
                 history.epochs.append({
                     "epoch": epoch + 1,
