@@ -127,6 +127,8 @@ class Sequential:
         self._step = 0
         #: Batches up to this many bytes (times Pr) travel inside the step graph.
         self.embed_bytes = 2**20
+        #: Seconds between checks that every grid worker is still alive while waiting.
+        self.liveness_check_s = 5.0
         self._meter = None
 
     # ---------------------------------------------------------------- shape
@@ -439,9 +441,45 @@ class Sequential:
             history.comm = meter.report()
         return history
 
+    def _check_alive(self, step):
+        """Raise a clear error if a worker of the grid has left the cluster."""
+        from dask_ipar.cluster import scheduler_workers
+
+        alive = set(scheduler_workers(self.client))
+        gone = [(cell, w) for cell in self.binding.grid.cells()
+                if (w := self.binding.worker(*cell)) not in alive]
+        if gone:
+            cell, w = gone[0]
+            raise IparError(
+                f"worker {w} of grid cell {cell} left the cluster during step {step}; the blocks "
+                "it held are lost, so training stops here. Save checkpoints "
+                "(dask_ipar.checkpoint or `dask-ipar train --checkpoint-dir DIR`) and resume "
+                "from the last one (`--resume`) on the restarted cluster."
+            )
+
+    def _gather_step(self, futs, step):
+        """Wait for a step's results, checking every few seconds that the grid is intact.
+
+        Tasks are pinned to their cells, so a step whose worker died would otherwise wait
+        forever; one whose data was lost fails with dask's cancellation error.
+        """
+        from distributed import wait
+
+        while True:
+            try:
+                wait(futs, timeout=self.liveness_check_s)
+                break
+            except TimeoutError:
+                self._check_alive(step)
+        try:
+            return self.client.gather(futs)
+        except Exception:
+            self._check_alive(step)
+            raise
+
     def _finish(self, item, totals, history, bar, callback, t0):
         step, nb, futs = item
-        loss_sum, correct = np.sum(self.client.gather(futs), axis=0)
+        loss_sum, correct = np.sum(self._gather_step(futs, step), axis=0)
         if not np.isfinite(loss_sum):
             raise IparError(
                 f"training diverged at step {step}: the loss is {loss_sum}. "

@@ -155,3 +155,29 @@ def test_cli_error_after_cluster_start_leaves_nothing_running():
     assert "fewer than the grid's Pr = 2 rows" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert _leftovers(marker) == []
+
+
+def test_worker_lost_mid_training_stops_with_a_clear_error():
+    """A SIGKILLed worker: fit stops with a message naming the cell and the way to resume."""
+    import signal
+
+    from distributed import Client, LocalCluster
+
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((400, 37)), rng.integers(0, 10, 400)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        model = _model().distribute(c, "2x1")
+        model.liveness_check_s = 1.0
+        victim = model.binding.worker(1, 0)
+        pid = c.run(os.getpid, workers=[victim])[victim]
+        killed = []
+
+        def kill_at_step_5(stats):
+            if stats.step >= 5 and not killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(stats.step)
+
+        with pytest.raises(IparError, match=r"grid cell \(1, 0\) left the cluster.*--resume"):
+            model.fit(X, y, epochs=20, batch_size=8, progress=kill_at_step_5)
+        assert killed
