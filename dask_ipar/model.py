@@ -465,15 +465,17 @@ class Sequential:
         """
         from distributed import wait
 
-        while True:
-            try:
-                wait(futs, timeout=self.liveness_check_s)
-                break
-            except TimeoutError:
-                self._check_alive(step)
         try:
+            while True:
+                try:
+                    wait(futs, timeout=self.liveness_check_s)
+                    break
+                except TimeoutError:
+                    self._check_alive(step)
             return self.client.gather(futs)
-        except Exception:
+        except IparError:
+            raise
+        except Exception:  # e.g. futures cancelled because their inputs were lost
             self._check_alive(step)
             raise
 
