@@ -318,7 +318,6 @@ class Sequential:
             g.add(hkey, self.binding.worker(*key[1:3]), K.to_host, TaskRef(key))
             out.append(hkey)
         fetched = self._submit(g, f"to-host-{self.uid}-s{step}", out)
-        del futures
         return self.client.gather(fetched)
 
     def _submit(self, graph, name, keys):
