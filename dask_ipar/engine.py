@@ -54,8 +54,8 @@ from dask_ipar import kernels as K
 from dask_ipar.grid import GridBinding
 from dask_ipar.partition import split_bounds
 
-__all__ = ["LayerLayout", "StepGraph", "Engine", "phase_of_key", "span_of_name", "TASK_PHASE",
-           "TASK_SPAN"]
+__all__ = ["LayerLayout", "StepGraph", "Engine", "phase_of_key", "span_of_name", "sim_tasks",
+           "TASK_PHASE", "TASK_SPAN"]
 
 #: Which collective moves the blocks of each task name between workers.
 TASK_PHASE = {
@@ -388,3 +388,91 @@ class Engine:
         _, _, _, logits = self._forward(g, x_keys, w_names, step)
         stats = [] if y_keys is None else self._stats(g, logits, y_keys, step)
         return g, [logits[(0, j)].key for j in range(self.grid.pc)], stats
+
+
+# ------------------------------------------------------------ step-time model
+def _shape_cost(func, args, shape, itemsize):
+    """``(out_shape, flops, mem_bytes)`` of one kernel call, from its argument shapes.
+
+    ``shape(arg)`` gives the shape of a dependency (or None for a literal).
+    """
+    name = func.__name__
+    if name in ("concat_rows", "concat_cols"):
+        shapes = [shape(a) for a in args]
+        if name == "concat_rows":
+            out = (sum(s[0] for s in shapes), shapes[0][1])
+        else:
+            out = (shapes[0][0], sum(s[1] for s in shapes))
+        return out, 0.0, 2 * out[0] * out[1] * itemsize
+    if name == "dense_forward":
+        w, x = shape(args[0]), shape(args[1])
+        out = (w[0], x[1])
+        return out, 2.0 * w[0] * args[2] * x[1], 3 * out[0] * out[1] * itemsize
+    if name == "softmax_xent_grad":
+        lg = shape(args[0])
+        return (args[3] - args[2], lg[1]), 0.0, 6 * lg[0] * lg[1] * itemsize
+    if name == "softmax_xent_stats":
+        lg = shape(args[0])
+        return (2,), 0.0, 6 * lg[0] * lg[1] * itemsize
+    if name == "dx_piece":
+        w, dz = shape(args[0]), shape(args[1])
+        out = (args[3] - args[2], dz[1])
+        return out, 2.0 * w[0] * out[0] * out[1], out[0] * out[1] * itemsize
+    if name == "dz_from_pieces":
+        w, dz = shape(args[4]), shape(args[5])
+        out = (args[7] - args[6], dz[1])
+        nrem = len(args) - 8
+        return (out, 2.0 * w[0] * out[0] * out[1],
+                (2 + 2 * nrem) * out[0] * out[1] * itemsize)
+    if name in ("dw_piece", "dw_reduce", "sgd_velocity"):
+        off = 5 if name == "sgd_velocity" else 0
+        dz, (c0, c1, n_in) = shape(args[off]), args[off + 2:off + 5]
+        out = (dz[0], c1 - c0)
+        nrem = len(args) - off - 5
+        elementwise = (2 + 2 * nrem + (3 if name == "sgd_velocity" else 0))
+        return (out, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1],
+                elementwise * out[0] * out[1] * itemsize)
+    if name == "sgd_weight":
+        w = shape(args[0])
+        out = (w[0], args[2] - args[1])
+        return out, 0.0, 3 * out[0] * out[1] * itemsize
+    if name in ("to_device", "to_host"):
+        s = shape(args[0])
+        return s, 0.0, 2 * _numel(s) * itemsize
+    raise ValueError(f"no cost model for kernel {name}")
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def sim_tasks(g: StepGraph, external: dict, itemsize: int):
+    """The tasks of a step graph as :class:`dask_ipar.cost.SimTask` values.
+
+    ``external`` maps keys the graph uses but does not compute (the previous step's
+    weight and momentum slices) to ``(worker, shape)``.
+    """
+    from dask_ipar.cost import SimTask
+
+    shapes = {k: s for k, (_, s) in external.items()}
+
+    def shape(arg):
+        return shapes[arg.key] if isinstance(arg, TaskRef) else None
+
+    out = []
+    for key, node in g.dsk.items():  # insertion order is a topological order
+        if isinstance(node, DataNode):
+            shapes[key] = tuple(node.value.shape)
+            continue
+        oshape, flops, mem = _shape_cost(node.func, node.args, shape, itemsize)
+        shapes[key] = oshape
+        deps = tuple(a.key for a in node.args if isinstance(a, TaskRef))
+        out.append(SimTask(key, g.place[key], deps, flops, mem, _numel(oshape) * itemsize))
+    available = {k: (w, _numel(s) * itemsize) for k, (w, s) in external.items()}
+    for key, node in g.dsk.items():
+        if isinstance(node, DataNode):
+            available[key] = (g.place[key], node.value.nbytes)
+    return out, available

@@ -640,6 +640,45 @@ class Sequential:
             checked.append((W, b))
         self._scatter_weights(checked)
 
+    # ----------------------------------------------------- step-time model
+    def predict_step_s(self, batch: int, machine, *, cores: int | None = None):
+        """Predicted seconds of one training step on this grid, by simulating its task graph.
+
+        ``machine`` is a :class:`dask_ipar.cost.Machine` from ``dask-ipar calibrate``
+        (``alpha_s`` = seconds per dependent hop, ``bandwidth_Bps``, ``flops_per_s``);
+        ``cores`` shared by the workers (default: one per worker). Returns a
+        :class:`dask_ipar.cost.SimResult`. Nothing is submitted.
+        """
+        from dask_ipar.cost import simulate_step
+        from dask_ipar.engine import sim_tasks
+
+        self._require()
+        if not machine.flops_per_s:
+            raise IparError("the machine needs flops_per_s (run `dask-ipar calibrate`).")
+        grid = self.binding.grid
+        g = StepGraph()
+        bounds = split_bounds(batch, grid.pc)
+        x_keys, y_keys = {}, {}
+        for i, j in grid.cells():
+            b = bounds[j][1] - bounds[j][0]
+            w = self.binding.worker(i, j)
+            x_keys[(i, j)] = g.add_data(("sim.x", i, j), w, np.zeros((self.input_dim, b),
+                                                                     self.dtype))
+            y_keys[(i, j)] = g.add_data(("sim.y", i, j), w, np.zeros(b, np.int64))
+        v_names = [f"sim.v{k}" for k in range(len(self.layers))]
+        g, _, _, _ = self.engine.train_step(x_keys, y_keys, batch, self._w, v_names, 0,
+                                            0.1, 0.9, 0.0, g=g)
+        external = {}
+        for lay, wn, vn in zip(self.engine.layouts, self._w, v_names):
+            for i, (r0, r1) in enumerate(lay.rows):
+                for j, (c0, c1) in enumerate(lay.wcols):
+                    for name in (wn, vn):
+                        external[(name, i, j)] = (self.binding.worker(i, j), (r1 - r0, c1 - c0))
+        tasks, available = sim_tasks(g, external, self.dtype.itemsize)
+        return simulate_step(tasks, flops_per_s=machine.flops_per_s,
+                             bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
+                             cores=cores, available=available)
+
     # ------------------------------------------------------- state blocks
     def state_blocks(self) -> dict:
         """Where the training state lives, block by block (for checkpoints).

@@ -38,9 +38,14 @@ from dask_ipar.cost.model import (
     redistribute_phase,
 )
 from dask_ipar.cost.networks import NETWORKS, alexnet, count_params, from_units, get_network, mlp, resnet50, vgg16
+from dask_ipar.cost.simulate import SimResult, SimTask, simulate_step
 from dask_ipar.cost.planner import MODES, GridPlan, PlanResult, evaluate_grid, factorizations, network_flops, plan
 
 __all__ = [
+    # step-time simulation of the engine's task graph
+    "SimTask",
+    "SimResult",
+    "simulate_step",
     # machine
     "Machine",
     "PAPER_MACHINE",

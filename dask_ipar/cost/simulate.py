@@ -1,0 +1,148 @@
+"""Step-time prediction by simulating the engine's own task graph.
+
+The alpha-beta phases of :mod:`dask_ipar.cost.model` count bytes exactly, but
+on dask a step also pays a scheduler round trip for every dependent task and
+runs one task at a time per worker. This module replays a step's task graph
+(a plain list of tasks: worker, dependencies, flops, bytes) as a discrete-event
+simulation:
+
+* a task is ready ``hop_s`` after its last dependency is available on its
+  worker (the scheduler learns of the finish and sends the task: dask's fixed
+  batching intervals, measured by ``dask-ipar calibrate`` as alpha);
+* a dependency held by another worker arrives ``latency_s + nbytes / bandwidth``
+  after it finished;
+* each worker runs its ready tasks one at a time, in the order they became ready;
+* compute takes ``flops / (flops_per_s * share)`` plus ``mem_bytes / mem_Bps``,
+  where ``share = min(1, cores / workers)`` models worker processes that share
+  fewer cores.
+
+It never imports dask: the engine turns its graph into :class:`SimTask` values.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+__all__ = ["SimTask", "SimResult", "simulate_step"]
+
+
+@dataclass(frozen=True)
+class SimTask:
+    """One task of a step: where it runs, what it needs, what it costs."""
+
+    key: object
+    worker: str
+    deps: tuple = ()
+    flops: float = 0.0
+    mem_bytes: float = 0.0  # bytes read and written by copies and elementwise work
+    out_bytes: float = 0.0  # size of the result (what a remote consumer fetches)
+
+
+@dataclass
+class SimResult:
+    """Predicted step time and where it went."""
+
+    seconds: float
+    compute_s: dict = field(default_factory=dict)  # worker -> busy seconds
+    transfer_bytes: float = 0.0
+    critical_hops: int = 0
+
+
+def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, cores=None,
+                  mem_Bps=5e9, available=None) -> SimResult:
+    """Simulate one step; returns the time at which its last task finishes.
+
+    Parameters
+    ----------
+    tasks : iterable of SimTask
+        Every task of the step. Dependencies not among them are inputs in place at
+        time 0: on worker ``w`` with ``nbytes`` if ``available[key] == (w, nbytes)``,
+        else wherever they are needed.
+    flops_per_s : float
+        Matmul rate of one worker running alone.
+    bandwidth_Bps, latency_s : float
+        Worker-to-worker transfer of a dependency: ``latency_s + nbytes / bandwidth``.
+    hop_s : float
+        Scheduler round trip paid by every task after its inputs are ready.
+    cores : int, optional
+        Cores shared by the workers (default: one per worker).
+    """
+    tasks = list(tasks)
+    by_key = {t.key: t for t in tasks}
+    workers = sorted({t.worker for t in tasks})
+    share = 1.0 if cores is None else min(1.0, cores / max(len(workers), 1))
+    rate = flops_per_s * share
+    available = available or {}
+    dependents: dict = {}
+    missing = {}
+    for t in tasks:
+        inside = [d for d in t.deps if d in by_key]
+        missing[t.key] = len(inside)
+        for d in inside:
+            dependents.setdefault(d, []).append(t.key)
+    finish: dict = {}
+    hops: dict = {}
+    ready_at: dict = {}
+    transfer = 0.0
+
+    def arrival(dep, worker):
+        nonlocal transfer
+        if dep in by_key:
+            src = by_key[dep]
+            if src.worker == worker:
+                return finish[dep], hops[dep]
+            transfer += src.out_bytes
+            return finish[dep] + latency_s + src.out_bytes / bandwidth_Bps, hops[dep]
+        if dep in available:  # an input in place at time 0 on some worker
+            src_worker, nbytes = available[dep]
+            if src_worker != worker:
+                transfer += nbytes
+                return latency_s + nbytes / bandwidth_Bps, 0
+        return 0.0, 0
+
+    queue = []  # (ready time, seq, key) per worker
+    per_worker = {w: [] for w in workers}
+    free_at = {w: 0.0 for w in workers}
+    busy = {w: 0.0 for w in workers}
+    seq = 0
+
+    def make_ready(key):
+        nonlocal seq
+        t = by_key[key]
+        times = [arrival(d, t.worker) for d in t.deps] or [(0.0, 0)]
+        ready_at[key] = max(a for a, _ in times) + hop_s
+        hops[key] = max(h for _, h in times) + 1
+        heapq.heappush(per_worker[t.worker], (ready_at[key], seq, key))
+        seq += 1
+
+    for t in tasks:
+        if missing[t.key] == 0:
+            make_ready(t.key)
+    done = 0
+    while done < len(tasks):
+        # the worker whose next task can start earliest
+        best = None
+        for w, heap in per_worker.items():
+            if heap:
+                start = max(heap[0][0], free_at[w])
+                if best is None or start < best[0]:
+                    best = (start, w)
+        if best is None:
+            raise ValueError("the task graph has a cycle or a dependency that never runs")
+        start, w = best
+        _, _, key = heapq.heappop(per_worker[w])
+        t = by_key[key]
+        dur = t.flops / rate + t.mem_bytes / (mem_Bps * share)
+        finish[key] = start + dur
+        free_at[w] = finish[key]
+        busy[w] += dur
+        done += 1
+        for child in dependents.get(key, ()):
+            missing[child] -= 1
+            if missing[child] == 0:
+                make_ready(child)
+    end = max(finish.values()) if finish else 0.0
+    last = max(finish, key=finish.get) if finish else None
+    return SimResult(seconds=end, compute_s=busy, transfer_bytes=transfer,
+                     critical_hops=hops.get(last, 0))
