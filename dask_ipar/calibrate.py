@@ -80,7 +80,9 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     dtype : str
         Dtype of the matmul rate and the word size of the result.
     """
-    workers = list(workers or sorted(client.scheduler_info(n_workers=-1)["workers"]))
+    from dask_ipar.cluster import scheduler_workers
+
+    workers = list(workers or sorted(scheduler_workers(client)))
     if len(workers) < 2:
         from dask_ipar.errors import IparError
 

@@ -46,8 +46,8 @@ import uuid
 
 import numpy as np
 
+from dask_ipar.cluster import scheduler_workers, wait_for_workers
 from dask_ipar.errors import IparError
-from dask_ipar.grid import _worker_order
 
 __all__ = [
     "FORMAT",
@@ -207,12 +207,8 @@ def _read_block(path, r0, r1, c0, c1, dtype):
 
 # --------------------------------------------------------- client helpers
 def _alive(client) -> set:
-    """Addresses of the workers connected now.
-
-    Asks the scheduler directly: ``client.scheduler_info()`` returns a cache that the
-    client's periodic refresh may overwrite with a worker-less summary meanwhile.
-    """
-    return set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    """Addresses of the workers connected now (asked from the scheduler directly)."""
+    return set(scheduler_workers(client))
 
 
 def _gone_soon(client, workers, grace_s=20.0):
@@ -617,25 +613,14 @@ def recover(model, directory, *, grid=None, wait_timeout_s: float = 120.0, log=N
     if grid is None or client is None:
         raise IparError("recover needs a model that was distributed before.")
     model.close()
-    deadline = time.monotonic() + wait_timeout_s
-    last = None
-    while True:
-        info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
-        alive = set(info)
-        if len(alive) >= grid.size:
-            break
-        if log is not None and len(alive) != last:
-            log(f"waiting for workers: {len(alive)}/{grid.size} connected")
-            last = len(alive)
-        if time.monotonic() > deadline:
-            raise IparError(
-                f"the cluster has {len(alive)} workers {wait_timeout_s:.0f} s after a fault, "
-                f"but grid {grid} needs {grid.size}. Start workers, then resume from "
-                "the last checkpoint (dask-ipar train --resume)."
-            )
-        time.sleep(0.2)
-    # bind by worker name like bind_grid does, from this fresh listing (see _alive)
-    model.distribute(client, grid, workers=_worker_order(info))
+    try:
+        wait_for_workers(client, grid.size, wait_timeout_s, log)
+    except IparError as exc:
+        raise IparError(
+            f"{exc} (after a worker fault; start workers, then resume from the last "
+            "checkpoint with dask-ipar train --resume)"
+        ) from None
+    model.distribute(client, grid)  # binds by worker name, asking the scheduler directly
     return load(model, directory)
 
 
