@@ -1,0 +1,81 @@
+"""Local conv kernel (forward + backward) against PyTorch CPU conv2d, same shapes and threads.
+
+python benchmarks/conv_bench.py [--threads 1] [--batch 8]   (needs torch for the comparison)
+Prints a markdown table; the issue's target is at most 2x PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from dask_ipar import conv_kernels as C
+
+SHAPES = [  # name, C, H, W, O, k, stride, pad, groups (AlexNet's conv layers)
+    ("conv1", 3, 227, 227, 96, 11, 4, 0, 1),
+    ("conv2", 96, 27, 27, 256, 5, 1, 2, 2),
+    ("conv3", 256, 13, 13, 384, 3, 1, 1, 1),
+    ("conv4", 384, 13, 13, 384, 3, 1, 1, 2),
+]
+
+
+def _median(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    from threadpoolctl import threadpool_limits
+
+    try:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    except ImportError:
+        torch = None
+    rng = np.random.default_rng(0)
+    print(f"| layer | shape | dask-ipar fwd+bwd (s) | PyTorch fwd+bwd (s) | ratio |")
+    print("|---|---|---|---|---|")
+    with threadpool_limits(args.threads):
+        for name, c, h, w, o, k, s, p, g in SHAPES:
+            x = rng.standard_normal((args.batch, c, h, w)).astype(np.float32)
+            wt = rng.standard_normal((o, c // g, k, k)).astype(np.float32)
+            b = np.zeros(o, np.float32)
+            pad = (p, p, p, p)
+
+            def ours():
+                y = C.conv2d_forward(x, wt, b, s, pad, g)
+                C.conv2d_backward(x, wt, np.ones_like(y), s, pad, g)
+
+            t_ours = _median(ours, args.reps)
+            t_torch = None
+            if torch is not None:
+                tx = torch.from_numpy(x).requires_grad_()
+                tw = torch.from_numpy(wt).requires_grad_()
+                tb = torch.from_numpy(b).requires_grad_()
+
+                def theirs():
+                    y = torch.nn.functional.conv2d(tx, tw, tb, stride=s, padding=p, groups=g)
+                    y.backward(torch.ones_like(y))
+
+                t_torch = _median(theirs, args.reps)
+            ratio = "" if t_torch is None else f"{t_ours / t_torch:.2f}"
+            shape = f"{args.batch}x{c}x{h}x{w}, {o} {k}x{k}/{s} g{g}"
+            print(f"| {name} | {shape} | {t_ours:.3f} | "
+                  f"{'' if t_torch is None else f'{t_torch:.3f}'} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Local convolution and pooling kernels (NCHW), forward and backward.
+
+Foundation of the domain-parallel convolutions (issue 5): these are the
+per-block computations; halo exchange and the distributed graphs are not
+built yet. Written against the Python array API standard (strided slicing,
+``reshape``, ``matmul``), so the same code runs on NumPy and CuPy: im2col is
+a loop over the ``k_h * k_w`` kernel offsets, each one strided slice of the
+padded input, followed by one matmul per group; col2im is the same loop with
+slice-adds.
+
+Padding is ``(top, bottom, left, right)`` so that a block of a height-split
+image can be padded on its outer edges only.
+"""
+
+from __future__ import annotations
+
+from dask_ipar.kernels import xp_of
+
+__all__ = [
+    "conv_out_size",
+    "pad2d",
+    "conv2d_forward",
+    "conv2d_backward",
+    "pool2d_forward",
+    "pool2d_backward",
+]
+
+
+def conv_out_size(n: int, k: int, stride: int, pad_lo: int, pad_hi: int) -> int:
+    """Output length of a window of ``k`` sliding by ``stride`` over ``n + pads``."""
+    return (n + pad_lo + pad_hi - k) // stride + 1
+
+
+def pad2d(x, pad, value=0.0):
+    """Pad the last two axes of ``x`` by ``(top, bottom, left, right)``."""
+    top, bottom, left, right = pad
+    if not any(pad):
+        return x
+    xp = xp_of(x)
+    n, c, h, w = x.shape
+    out = xp.full((n, c, h + top + bottom, w + left + right), value, dtype=x.dtype)
+    out[:, :, top:top + h, left:left + w] = x
+    return out
+
+
+def _windows(xpad, kh, kw, stride, oh, ow):
+    """Yield ``(i, j, view)``: the strided slice of every kernel offset."""
+    for i in range(kh):
+        for j in range(kw):
+            yield i, j, xpad[:, :, i:i + stride * (oh - 1) + 1:stride,
+                             j:j + stride * (ow - 1) + 1:stride]
+
+
+def _im2col(xpad, kh, kw, stride, oh, ow):
+    """``(N, C * kh * kw, OH * OW)`` columns, ordered like ``w.reshape(O, -1)``."""
+    xp = xp_of(xpad)
+    n, c = xpad.shape[:2]
+    cols = xp.stack([v for _, _, v in _windows(xpad, kh, kw, stride, oh, ow)], axis=2)
+    return xp.reshape(cols, (n, c * kh * kw, oh * ow))
+
+
+def conv2d_forward(x, w, b, stride=1, pad=(0, 0, 0, 0), groups=1):
+    """``y = conv(x, w) + b`` for ``x (N, C, H, W)``, ``w (O, C // groups, kh, kw)``."""
+    xp = xp_of(x)
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    oh = conv_out_size(h, kh, stride, pad[0], pad[1])
+    ow = conv_out_size(wd, kw, stride, pad[2], pad[3])
+    cols = _im2col(pad2d(x, pad), kh, kw, stride, oh, ow)  # (N, C*kh*kw, L)
+    og = o // groups
+    outs = []
+    for gi in range(groups):
+        wg = xp.reshape(w[gi * og:(gi + 1) * og, ...], (og, cg * kh * kw))
+        cg_cols = cols[:, gi * cg * kh * kw:(gi + 1) * cg * kh * kw, :]
+        outs.append(wg @ cg_cols)  # (N, og, L) by broadcasting
+    y = outs[0] if groups == 1 else xp.concat(outs, axis=1)
+    y = xp.reshape(y, (n, o, oh, ow))
+    if b is not None:
+        y = y + xp.reshape(b, (1, o, 1, 1))
+    return y
+
+
+def conv2d_backward(x, w, dy, stride=1, pad=(0, 0, 0, 0), groups=1, bias=True):
+    """Gradients ``(dx, dw, db)`` of :func:`conv2d_forward` for the output gradient ``dy``."""
+    xp = xp_of(x)
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    _, _, oh, ow = dy.shape
+    xpad = pad2d(x, pad)
+    cols = _im2col(xpad, kh, kw, stride, oh, ow)  # (N, C*kh*kw, L)
+    dy2 = xp.reshape(dy, (n, o, oh * ow))
+    og = o // groups
+    dws, dcols = [], []
+    for gi in range(groups):
+        dyg = dy2[:, gi * og:(gi + 1) * og, :]  # (N, og, L)
+        colg = cols[:, gi * cg * kh * kw:(gi + 1) * cg * kh * kw, :]
+        dws.append(xp.sum(dyg @ xp.permute_dims(colg, (0, 2, 1)), axis=0))  # (og, cg*kh*kw)
+        wg = xp.reshape(w[gi * og:(gi + 1) * og, ...], (og, cg * kh * kw))
+        dcols.append(wg.T @ dyg)  # (N, cg*kh*kw, L)
+    dw = xp.reshape(dws[0] if groups == 1 else xp.concat(dws, axis=0), w.shape)
+    dcol = dcols[0] if groups == 1 else xp.concat(dcols, axis=1)
+    dcol = xp.reshape(dcol, (n, c, kh, kw, oh, ow))
+    dxpad = xp.zeros(xpad.shape, dtype=x.dtype)
+    for i, j, _ in _windows(xpad, kh, kw, stride, oh, ow):
+        rows = slice(i, i + stride * (oh - 1) + 1, stride)
+        cols_ = slice(j, j + stride * (ow - 1) + 1, stride)
+        dxpad[:, :, rows, cols_] += dcol[:, :, i, j, :, :]
+    dx = dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd]
+    db = xp.sum(dy, axis=(0, 2, 3)) if bias else None
+    return dx, dw, db
+
+
+def pool2d_forward(x, k, stride=None, pad=(0, 0, 0, 0), mode="max"):
+    """Max or average pooling over ``k x k`` windows (padding never wins a max; average
+    pooling counts only the real elements of each window)."""
+    xp = xp_of(x)
+    stride = stride or k
+    n, c, h, wd = x.shape
+    oh = conv_out_size(h, k, stride, pad[0], pad[1])
+    ow = conv_out_size(wd, k, stride, pad[2], pad[3])
+    if mode == "max":
+        xpad = pad2d(x, pad, value=-float("inf"))
+        out = None
+        for _, _, v in _windows(xpad, k, k, stride, oh, ow):
+            out = v if out is None else xp.maximum(out, v)
+        return out
+    xpad = pad2d(x, pad)
+    count = pad2d(xp.ones((1, 1, h, wd), dtype=x.dtype), pad)
+    total = sum(v for _, _, v in _windows(xpad, k, k, stride, oh, ow))
+    cnt = sum(v for _, _, v in _windows(count, k, k, stride, oh, ow))
+    return total / cnt
+
+
+def pool2d_backward(x, dy, k, stride=None, pad=(0, 0, 0, 0), mode="max"):
+    """Gradient of :func:`pool2d_forward` with respect to ``x``.
+
+    Max pooling routes each window's gradient to its first maximum (row-major), like
+    PyTorch.
+    """
+    xp = xp_of(x)
+    stride = stride or k
+    n, c, h, wd = x.shape
+    _, _, oh, ow = dy.shape
+    if mode == "max":
+        xpad = pad2d(x, pad, value=-float("inf"))
+        y = pool2d_forward(x, k, stride, pad, "max")
+        taken = xp.zeros(y.shape, dtype=xp.bool)
+    else:
+        xpad = pad2d(x, pad)
+        count = pad2d(xp.ones((1, 1, h, wd), dtype=x.dtype), pad)
+        cnt = sum(v for _, _, v in _windows(count, k, k, stride, oh, ow))
+        share = dy / cnt
+    dxpad = xp.zeros(xpad.shape, dtype=x.dtype)
+    for i, j, v in _windows(xpad, k, k, stride, oh, ow):
+        rows = slice(i, i + stride * (oh - 1) + 1, stride)
+        cols = slice(j, j + stride * (ow - 1) + 1, stride)
+        if mode == "max":
+            hit = (v == y) & ~taken
+            taken = taken | hit
+            dxpad[:, :, rows, cols] += xp.where(hit, dy, xp.zeros_like(dy))
+        else:
+            dxpad[:, :, rows, cols] += share
+    return dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd]
