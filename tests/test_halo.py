@@ -1,0 +1,43 @@
+"""Halo geometry: every output row block reads exactly the rows a whole-image conv reads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dask_ipar import conv_kernels as C
+from dask_ipar.halo import halo_plan, halo_rows
+
+
+@pytest.mark.parametrize("h,pr,k,s,pad", [
+    (13, 1, 3, 1, (1, 1)), (13, 2, 3, 1, (1, 1)), (13, 3, 5, 1, (2, 2)), (27, 4, 11, 4, (0, 0)),
+    (10, 4, 5, 2, (2, 1)), (9, 3, 7, 1, (3, 3)),  # blocks of 3 rows, halo of 3: thinner than k
+    (8, 8, 3, 1, (1, 1)), (11, 2, 3, 2, (1, 1)), (12, 3, 1, 1, (0, 0)),
+])
+def test_blocks_computed_from_their_rows_equal_the_whole_conv(h, pr, k, s, pad):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, h, 13))
+    w = rng.standard_normal((4, 3, k, k))
+    full = C.conv2d_forward(x, w, None, s, (pad[0], pad[1], 1, 1))
+    plan = halo_plan(h, pr, k, s, pad)
+    blocks = []
+    for need in plan:
+        # assemble the rows from the owners' pieces, then pad the outer edges only
+        rows = np.concatenate([x[:, :, a:b] for _, a, b in need.pieces], axis=2)
+        assert rows.shape[2] == need.rows[1] - need.rows[0]
+        y = C.conv2d_forward(rows, w, None, s, (need.pad[0], need.pad[1], 1, 1))
+        assert y.shape[2] == need.out[1] - need.out[0]
+        blocks.append(y)
+    np.testing.assert_allclose(np.concatenate(blocks, axis=2), full, rtol=1e-13, atol=1e-13)
+
+
+def test_stride_one_same_conv_moves_floor_k_over_2_rows_per_neighbour():
+    for k in (1, 3, 5, 7):
+        for pr in (2, 3, 4):
+            # interior boundaries: pr - 1 of them, floor(k/2) rows each way
+            assert halo_rows(24, pr, k, 1, (k // 2, k // 2)) == 2 * (pr - 1) * (k // 2)
+
+
+def test_too_many_grid_rows_is_a_clear_error():
+    with pytest.raises(ValueError, match="fewer than Pr = 8"):
+        halo_plan(13, 8, 11, 4)
