@@ -63,6 +63,8 @@ TASK_PHASE = {
     "dxp": "dx_reduce",
     "dwp": "dw_reduce",
     "w": "w_gather",
+    "xhalo": "halo_fwd",
+    "dxhalo": "halo_bwd",
 }
 
 
