@@ -1,17 +1,22 @@
-"""Domain-parallel convolution on a bound grid: height over ``Pr``, samples over ``Pc``.
+"""Domain-parallel conv and pooling on a bound grid: height over ``Pr``, samples over ``Pc``.
 
-The first piece of the integrated CNN (Eq. 7 and 9 of the paper): one conv layer's forward
-and backward as pinned task graphs, with the halo exchange of :mod:`dask_ipar.halo`:
+The first pieces of the integrated CNN (Eqs. 7 and 9 of the paper), as pinned task graphs
+with the halo geometry of :mod:`dask_ipar.halo`:
 
-* forward: each cell sends the rows its neighbours need (``conv.xhalo`` pieces, exactly the
-  halo rows, never whole blocks), then computes its output rows from its own rows plus the
-  pieces (``conv.act``);
-* backward: each cell computes the gradient of the input rows it read; rows owned by a
-  neighbour go back to their owner as ghost-row pieces (``conv.dxhalo``) and are added there
-  (``conv.dx``); the weight gradient partials are summed (``conv.dw``).
+* forward: each cell sends the rows its neighbours need (``<layer>.xhalo`` pieces, exactly
+  the halo rows, never whole blocks), assembles its rows in one local key
+  (``<layer>.xin``, read by forward and backward, so no piece is fetched twice) and applies
+  the local kernel (``<layer>.act``);
+* backward: each cell computes the gradient of the rows it read; rows owned by a neighbour
+  go back to their owner as ghost-row pieces (``<layer>.dxhalo``) and are added there
+  (``<layer>.dx``);
+* conv weight gradients: partials of every cell are summed with a balanced all-reduce over
+  all P cells (a reduce-scatter of the flattened ``[dW, db]`` onto P slice owners, then an
+  all-gather), like the dense layers' weight all-reduce: no home worker.
 
-Not yet integrated into :class:`~dask_ipar.model.Sequential`; the weight-gradient sum is a
-plain reduction onto cell (0, 0), not yet the balanced all-reduce of the dense layers.
+Keys are ``("<layer>.<task>-<token>", *cell)``, as in :mod:`dask_ipar.engine`, so the
+workers' transfer logs attribute bytes to ``halo_fwd``, ``halo_bwd``, ``dw_reduce`` and
+``w_gather``. Not yet part of :class:`~dask_ipar.model.Sequential`.
 """
 
 from __future__ import annotations
@@ -22,14 +27,20 @@ from dask_ipar import conv_kernels as CK
 from dask_ipar.engine import StepGraph
 from dask_ipar.halo import halo_plan
 from dask_ipar.kernels import xp_of
+from dask_ipar.partition import split_bounds
 
-__all__ = ["conv_forward_graph", "conv_backward_graph"]
+__all__ = [
+    "conv_forward_graph",
+    "conv_backward_graph",
+    "pool_forward_graph",
+    "pool_backward_graph",
+]
 
 
+# ------------------------------------------------------------------- kernels
 def take_rows(x, a, b):
     """Rows ``a:b`` (axis 2) of an NCHW block, as a new array."""
-    xp = xp_of(x)
-    return xp.asarray(x[:, :, a:b, :], copy=True)
+    return xp_of(x).asarray(x[:, :, a:b, :], copy=True)
 
 
 def assemble(*pieces):
@@ -43,140 +54,219 @@ def conv_block(x, w, b, stride, pad, groups):
 
 
 def conv_block_backward(x, w, dy, stride, pad, groups):
-    """``(dx_rows, dw, db)`` of the conv of a cell's assembled rows."""
-    return CK.conv2d_backward(x, w, dy, stride, pad, groups)
+    """``(dx_rows, flat [dW, db])`` of the conv of a cell's assembled rows."""
+    dx, dw, db = CK.conv2d_backward(x, w, dy, stride, pad, groups)
+    xp = xp_of(dx)
+    return dx, xp.concat([xp.reshape(dw, (-1,)), db])
 
 
-def item(t, k):
-    return t[k]
+def pool_block(x, k, stride, pad, mode):
+    return CK.pool2d_forward(x, k, stride, pad, mode)
 
 
-def add_rows(own, *ghosts_with_offsets):
+def pool_block_backward(x, dy, k, stride, pad, mode):
+    return CK.pool2d_backward(x, dy, k, stride, pad, mode)
+
+
+def rows_slice(grad, a, b):
+    """Rows ``a:b`` of a cell's input-row gradient (the first item of a backward result)."""
+    g = grad[0] if isinstance(grad, tuple) else grad
+    return xp_of(g).asarray(g[:, :, a:b, :], copy=True)
+
+
+def add_rows(own, *offsets_and_pieces):
     """The owner's input-gradient rows plus ghost rows sent back by neighbours.
 
-    ``ghosts_with_offsets`` alternates ``offset, piece``: piece rows start at ``offset``
+    ``offsets_and_pieces`` alternates ``offset, piece``: a piece's rows start at ``offset``
     of the owner's block.
     """
-    out = own
-    for k in range(0, len(ghosts_with_offsets), 2):
-        off, piece = ghosts_with_offsets[k], ghosts_with_offsets[k + 1]
-        out[:, :, off:off + piece.shape[2], :] += piece
-    return out
+    for k in range(0, len(offsets_and_pieces), 2):
+        off, piece = offsets_and_pieces[k], offsets_and_pieces[k + 1]
+        own[:, :, off:off + piece.shape[2], :] += piece
+    return own
 
 
-def sum_all(*parts):
+def zeros_like(x):
+    return xp_of(x).zeros_like(x)
+
+
+def flat_slice(grad, a, b):
+    """Elements ``a:b`` of a cell's flattened weight-gradient partial."""
+    return xp_of(grad[1]).asarray(grad[1][a:b], copy=True)
+
+
+def flat_sum(*parts):
     out = parts[0]
     for p in parts[1:]:
         out = out + p
     return out
 
 
-def _owner_bounds(plan_rows, pr):
-    from dask_ipar.partition import split_bounds
+def flat_concat(*parts):
+    xp = xp_of(parts[0])
+    return xp.concat(list(parts)) if len(parts) > 1 else parts[0]
 
-    return split_bounds(plan_rows, pr)
+
+# -------------------------------------------------------------- halo routing
+def _name(layer, task, token):
+    return f"{layer}.{task}-{token}"
 
 
-def conv_forward_graph(g: StepGraph, binding, name, token, x_keys, w_keys, b_keys, h_in, k, stride,
-                       pad, groups=1):
-    """Add a conv layer's forward to ``g``; returns the plan and the output keys per cell.
-
-    Keys are ``("<name>.<task>-<token>", *cell)`` like the dense engine's, so transfers
-    are attributed to the layer (``halo_fwd``, ``halo_bwd``).
-    ``x_keys[(i, j)]``: input rows ``owners[i]`` of sample block ``j`` on cell (i, j);
-    ``w_keys``/``b_keys[(i, j)]``: the weights and bias on every cell. ``pad`` is
-    ``(top, bottom, left, right)`` of the whole image.
-    """
-    pr, pc = binding.grid.pr, binding.grid.pc
-    plan = halo_plan(h_in, pr, k, stride, (pad[0], pad[1]))
-    owners = _owner_bounds(h_in, pr)
-    out = {}
+def _gather_rows(g, binding, layer, token, plan, owners, x_keys):
+    """Halo pieces and the local assembled-rows key of every cell; returns the xin keys."""
+    xin_keys = {}
     for need in plan:
         i = need.cell
-        for j in range(pc):
+        for j in range(binding.grid.pc):
             parts = []
             for q, a, b in need.pieces:
-                q0 = owners[q][0]
                 if q == i and (a, b) == owners[q]:
                     parts.append(TaskRef(x_keys[(q, j)]))
                     continue
-                key = (f"{name}.xhalo-{token}", i, q, j)
+                key = (_name(layer, "xhalo", token), i, q, j)
                 g.add(key, binding.worker(q, j), take_rows, TaskRef(x_keys[(q, j)]),
-                      a - q0, b - q0)
+                      a - owners[q][0], b - owners[q][0])
                 parts.append(TaskRef(key))
-            # the assembled rows are a local key that forward and backward both read, so a
-            # halo piece is fetched once even if dask drops its replica afterwards
-            xin = (f"{name}.xin-{token}", i, j)
+            xin = (_name(layer, "xin", token), i, j)
             g.add(xin, binding.worker(i, j), assemble, *parts)
-            key = (f"{name}.act-{token}", i, j)
-            g.add(key, binding.worker(i, j), conv_block, TaskRef(xin), TaskRef(w_keys[(i, j)]),
-                  TaskRef(b_keys[(i, j)]), stride, (need.pad[0], need.pad[1], pad[2], pad[3]),
-                  groups)
-            out[(i, j)] = key
-    return plan, out
+            xin_keys[(i, j)] = xin
+    return xin_keys
 
 
-def conv_backward_graph(g: StepGraph, binding, name, token, plan, x_keys, w_keys, dy_keys, h_in,
-                        stride, pad, groups=1):
-    """Add a conv layer's backward; returns ``(dx_keys per cell, dw_key, db_key)``.
-
-    Reads the assembled input rows that :func:`conv_forward_graph` added to the same graph.
-    """
-    pr, pc = binding.grid.pr, binding.grid.pc
-    owners = _owner_bounds(h_in, pr)
-    grads = {}
-    for need in plan:
-        i = need.cell
-        for j in range(pc):
-            key = (f"{name}.bwd-{token}", i, j)
-            g.add(key, binding.worker(i, j), conv_block_backward,
-                  TaskRef((f"{name}.xin-{token}", i, j)), TaskRef(w_keys[(i, j)]),
-                  TaskRef(dy_keys[(i, j)]), stride, (need.pad[0], need.pad[1], pad[2], pad[3]),
-                  groups)
-            grads[(i, j)] = key
-    # split each cell's input-row gradient by owner: own rows stay, ghost rows go home
+def _return_ghosts(g, binding, layer, token, plan, owners, grad_keys, x_keys):
+    """Send the gradient of every read row home and add it there; returns the dx keys."""
     dx = {}
-    for q in range(pr):
-        q0, q1 = owners[q]
-        for j in range(pc):
-            own = None
-            ghosts = []
+    for q, (q0, q1) in enumerate(owners):
+        for j in range(binding.grid.pc):
+            own, ghosts = None, []
             for need in plan:
-                r0 = need.rows[0]
                 for owner, a, b in need.pieces:
                     if owner != q:
                         continue
-                    key = (f"{name}.dxhalo-{token}", need.cell, q, j)
-                    g.add(key, binding.worker(need.cell, j), _dx_slice,
-                          TaskRef(grads[(need.cell, j)]), a - r0, b - r0)
+                    key = (_name(layer, "dxhalo", token), need.cell, q, j)
+                    r0 = need.rows[0]
+                    g.add(key, binding.worker(need.cell, j), rows_slice,
+                          TaskRef(grad_keys[(need.cell, j)]), a - r0, b - r0)
                     if need.cell == q and (a, b) == (q0, q1):
                         own = key
                     else:
                         ghosts += [a - q0, TaskRef(key)]
-            if own is None:  # a cell that reads none of its own rows (strides)
-                own_key = (f"{name}.dxzero-{token}", q, j)
-                g.add(own_key, binding.worker(q, j), _zeros_like_rows,
-                      TaskRef(x_keys[(q, j)]))
-                own = own_key
-            key = (f"{name}.dx-{token}", q, j)
+            if own is None:  # a cell that reads none or part of its own rows (strides)
+                own = (_name(layer, "dxzero", token), q, j)
+                g.add(own, binding.worker(q, j), zeros_like, TaskRef(x_keys[(q, j)]))
+            key = (_name(layer, "dx", token), q, j)
             g.add(key, binding.worker(q, j), add_rows, TaskRef(own), *ghosts)
             dx[(q, j)] = key
-    parts_w, parts_b = [], []
-    for (i, j), gk in grads.items():
-        for idx, lst in ((1, parts_w), (2, parts_b)):
-            key = (f"{name}.dw{idx}", i, j)
-            g.add(key, binding.worker(i, j), item, TaskRef(gk), idx)
-            lst.append(TaskRef(key))
-    dw_key, db_key = (f"{name}.dw-{token}", 0, 0), (f"{name}.db-{token}", 0, 0)
-    g.add(dw_key, binding.worker(0, 0), sum_all, *parts_w)
-    g.add(db_key, binding.worker(0, 0), sum_all, *parts_b)
-    return dx, dw_key, db_key
+    return dx
 
 
-def _dx_slice(grad, a, b):
-    xp = xp_of(grad[0])
-    return xp.asarray(grad[0][:, :, a:b, :], copy=True)
+def _plan(h_in, pr, k, stride, pad):
+    return halo_plan(h_in, pr, k, stride, (pad[0], pad[1])), split_bounds(h_in, pr)
 
 
-def _zeros_like_rows(x):
-    return xp_of(x).zeros_like(x)
+# -------------------------------------------------------------------- layers
+def conv_forward_graph(g: StepGraph, binding, layer, token, x_keys, w_keys, b_keys, h_in, k,
+                       stride, pad, groups=1):
+    """Add a conv layer's forward to ``g``; returns ``(plan, output keys per cell)``.
+
+    ``x_keys[(i, j)]``: input rows ``i`` (balanced over Pr) of sample block ``j`` on cell
+    (i, j); ``w_keys``/``b_keys[(i, j)]``: weights and bias on every cell; ``pad`` is
+    ``(top, bottom, left, right)`` of the whole image.
+    """
+    plan, owners = _plan(h_in, binding.grid.pr, k, stride, pad)
+    xin = _gather_rows(g, binding, layer, token, plan, owners, x_keys)
+    out = {}
+    for need in plan:
+        for j in range(binding.grid.pc):
+            cell = (need.cell, j)
+            key = (_name(layer, "act", token), *cell)
+            g.add(key, binding.worker(*cell), conv_block, TaskRef(xin[cell]),
+                  TaskRef(w_keys[cell]), TaskRef(b_keys[cell]), stride,
+                  (need.pad[0], need.pad[1], pad[2], pad[3]), groups)
+            out[cell] = key
+    return plan, out
+
+
+def conv_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, w_keys, dy_keys,
+                        h_in, stride, pad, groups=1, *, w_shape):
+    """Add a conv layer's backward; returns ``(dx keys per cell, dwb keys per cell)``.
+
+    ``dwb[(i, j)]`` is the all-reduced flat ``[dW.ravel(), db]`` (``w_shape`` gives dW's
+    shape) on every cell. Reads the assembled rows that :func:`conv_forward_graph` added to
+    the same graph.
+    """
+    grid = binding.grid
+    owners = split_bounds(h_in, grid.pr)
+    grads = {}
+    for need in plan:
+        for j in range(grid.pc):
+            cell = (need.cell, j)
+            key = (_name(layer, "bwd", token), *cell)
+            g.add(key, binding.worker(*cell), conv_block_backward,
+                  TaskRef((_name(layer, "xin", token), *cell)), TaskRef(w_keys[cell]),
+                  TaskRef(dy_keys[cell]), stride, (need.pad[0], need.pad[1], pad[2], pad[3]),
+                  groups)
+            grads[cell] = key
+    dx = _return_ghosts(g, binding, layer, token, plan, owners, grads, x_keys)
+    size = w_shape[0] * w_shape[1] * w_shape[2] * w_shape[3] + w_shape[0]
+    return dx, _allreduce_weights(g, binding, layer, token, grads, size)
+
+
+def _allreduce_weights(g, binding, layer, token, grads, size):
+    """Balanced all-reduce of the flat ``size``-long gradient partials over all P cells."""
+    grid = binding.grid
+    cells = grid.cells()
+    bounds = split_bounds(size, grid.size)
+    pieces = {}
+    for src in cells:
+        for d, dst in enumerate(cells):
+            a, b = bounds[d]
+            key = (_name(layer, "dwp", token), *src, *dst)
+            g.add(key, binding.worker(*src), flat_slice, TaskRef(grads[src]), a, b)
+            pieces[(src, dst)] = key
+    owned = {}
+    for dst in cells:
+        key = (_name(layer, "dws", token), *dst)
+        g.add(key, binding.worker(*dst), flat_sum,
+              *[TaskRef(pieces[(src, dst)]) for src in cells])
+        owned[dst] = key
+    out = {}
+    for cell in cells:
+        key = (_name(layer, "dwb", token), *cell)
+        g.add(key, binding.worker(*cell), flat_concat, *[TaskRef(owned[c]) for c in cells])
+        out[cell] = key
+    return out
+
+
+def pool_forward_graph(g: StepGraph, binding, layer, token, x_keys, h_in, k, stride=None,
+                       pad=(0, 0, 0, 0), mode="max"):
+    """Add a pooling layer's forward (windows straddling blocks use halo rows)."""
+    stride = stride or k
+    plan, owners = _plan(h_in, binding.grid.pr, k, stride, pad)
+    xin = _gather_rows(g, binding, layer, token, plan, owners, x_keys)
+    out = {}
+    for need in plan:
+        for j in range(binding.grid.pc):
+            cell = (need.cell, j)
+            key = (_name(layer, "act", token), *cell)
+            g.add(key, binding.worker(*cell), pool_block, TaskRef(xin[cell]), k, stride,
+                  (need.pad[0], need.pad[1], pad[2], pad[3]), mode)
+            out[cell] = key
+    return plan, out
+
+
+def pool_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, dy_keys, h_in, k,
+                        stride=None, pad=(0, 0, 0, 0), mode="max"):
+    """Add a pooling layer's backward; returns the input-gradient keys per cell."""
+    stride = stride or k
+    owners = split_bounds(h_in, binding.grid.pr)
+    grads = {}
+    for need in plan:
+        for j in range(binding.grid.pc):
+            cell = (need.cell, j)
+            key = (_name(layer, "bwd", token), *cell)
+            g.add(key, binding.worker(*cell), pool_block_backward,
+                  TaskRef((_name(layer, "xin", token), *cell)), TaskRef(dy_keys[cell]), k,
+                  stride, (need.pad[0], need.pad[1], pad[2], pad[3]), mode)
+            grads[cell] = key
+    return _return_ghosts(g, binding, layer, token, plan, owners, grads, x_keys)

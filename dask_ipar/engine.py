@@ -63,6 +63,7 @@ TASK_PHASE = {
     "dxp": "dx_reduce",
     "dwp": "dw_reduce",
     "w": "w_gather",
+    "dws": "w_gather",  # owned slices of an all-reduce, gathered by every cell
     "xhalo": "halo_fwd",
     "dxhalo": "halo_bwd",
 }

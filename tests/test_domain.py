@@ -65,13 +65,13 @@ def test_domain_conv_matches_whole_image(client, grid, h, k, s, pad):
             dy_keys[(need.cell, j)] = g.add_data((f"{t}.dy", need.cell, j),
                                                  binding.worker(need.cell, j),
                                                  dy[n0:n1, :, o0:o1]).key
-    dx_keys, dw_key, db_key = conv_backward_graph(g, binding, "conv0", f"{t}-s1", plan,
-                                                  x_keys, w_keys, dy_keys, h, s, pad)
-    keys = list(y_keys.values()) + list(dx_keys.values()) + [dw_key, db_key]
+    dx_keys, dwb_keys = conv_backward_graph(g, binding, "conv0", f"{t}-s1", plan,
+                                            x_keys, w_keys, dy_keys, h, s, pad, w_shape=w.shape)
+    keys = list(y_keys.values()) + list(dx_keys.values()) + list(dwb_keys.values())
     client.run(_drain)
     out = dict(zip(keys, client.gather(client.get(g.to_hlg(f"{t}-domain"), keys, sync=False))))
     # bytes moved by the halo exchanges: exactly the halo rows, forward and back
-    moved = {"halo_fwd": 0, "halo_bwd": 0}
+    moved = {"halo_fwd": 0, "halo_bwd": 0, "dw_reduce": 0, "w_gather": 0}
     for entries in client.run(_drain).values():
         for key, nbytes in entries:
             lp = phase_of_key(key)
@@ -79,6 +79,8 @@ def test_domain_conv_matches_whole_image(client, grid, h, k, s, pad):
                 moved[lp[1]] += nbytes
     rows = halo_rows(h, grid.pr, k, s, (pad[0], pad[1]))
     assert moved["halo_fwd"] == moved["halo_bwd"] == rows * n * c * wd * 8
+    # the weight all-reduce over all P cells: (P-1) copies of |W| each way, no home worker
+    assert moved["dw_reduce"] == moved["w_gather"] == (grid.size - 1) * (w.size + o) * 8
     y = np.concatenate([np.concatenate([out[y_keys[(i, j)]] for i in range(grid.pr)], axis=2)
                         for j in range(grid.pc)], axis=0)
     assert rel_err(y, y_full) <= 1e-12
@@ -86,6 +88,48 @@ def test_domain_conv_matches_whole_image(client, grid, h, k, s, pad):
     dx = np.concatenate([np.concatenate([out[dx_keys[(i, j)]] for i in range(grid.pr)], axis=2)
                          for j in range(grid.pc)], axis=0)
     assert rel_err(dx, dx_full) <= 1e-12  # max error over the largest value
-    assert rel_err(out[dw_key], dw_full) <= 1e-12
-    assert rel_err(out[db_key], db_full) <= 1e-12
+    for key in dwb_keys.values():  # every cell holds the same reduced gradient
+        assert rel_err(out[key][: w.size].reshape(w.shape), dw_full) <= 1e-12
+        assert rel_err(out[key][w.size:], db_full) <= 1e-12
     del futs
+
+
+@pytest.mark.parametrize("mode", ["max", "avg"])
+@pytest.mark.parametrize("grid,h,k,s,pad", [
+    ("2x1", 13, 3, 2, (0, 0, 0, 0)),   # windows straddle the block boundary
+    ("3x2", 27, 3, 2, (1, 1, 1, 1)),
+    ("4x1", 11, 2, 2, (0, 0, 0, 0)),
+])
+def test_domain_pooling_matches_whole_image(client, mode, grid, h, k, s, pad):
+    from dask_ipar.domain import pool_backward_graph, pool_forward_graph
+
+    grid = parse_grid(grid)
+    binding = bind_grid(grid, client)
+    t = f"t{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng(1)
+    n, c, wd = 4, 3, 9
+    x = rng.standard_normal((n, c, h, wd))
+    rows, samples = split_bounds(h, grid.pr), split_bounds(n, grid.pc)
+    g = StepGraph()
+    x_keys = {(i, j): g.add_data((f"{t}.x", i, j), binding.worker(i, j),
+                                 x[samples[j][0]:samples[j][1], :, rows[i][0]:rows[i][1]]).key
+              for i, j in grid.cells()}
+    plan, y_keys = pool_forward_graph(g, binding, "pool0", f"{t}-s1", x_keys, h, k, s, pad,
+                                      mode)
+    y_full = C.pool2d_forward(x, k, s, pad, mode)
+    dy = rng.standard_normal(y_full.shape)
+    dy_keys = {(nd.cell, j): g.add_data((f"{t}.dy", nd.cell, j), binding.worker(nd.cell, j),
+                                        dy[samples[j][0]:samples[j][1], :,
+                                           nd.out[0]:nd.out[1]]).key
+               for nd in plan for j in range(grid.pc)}
+    dx_keys = pool_backward_graph(g, binding, "pool0", f"{t}-s1", plan, x_keys, dy_keys, h, k,
+                                  s, pad, mode)
+    keys = list(y_keys.values()) + list(dx_keys.values())
+    out = dict(zip(keys, client.gather(client.get(g.to_hlg(f"{t}-pool"), keys, sync=False))))
+
+    def assemble(ks):
+        return np.concatenate([np.concatenate([out[ks[(i, j)]] for i in range(grid.pr)], axis=2)
+                               for j in range(grid.pc)], axis=0)
+
+    assert rel_err(assemble(y_keys), y_full) <= 1e-13
+    assert rel_err(assemble(dx_keys), C.pool2d_backward(x, dy, k, s, pad, mode)) <= 1e-13
