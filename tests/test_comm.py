@@ -50,7 +50,7 @@ def test_nothing_lost_when_a_step_overflows_the_log_cap():
 
     with dask.config.set({"distributed.admin.low-level-log-length": 5}):
         with LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
-                          dashboard_address=None) as cluster, Client(cluster) as c:
+                          dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as c:
             caps = c.run(lambda dask_worker: dask_worker.transfer_incoming_log.maxlen)
             assert set(caps.values()) == {5}
             model, comm = _fit(c, "2x2")

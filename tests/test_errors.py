@@ -166,7 +166,7 @@ def test_worker_lost_mid_training_stops_with_a_clear_error():
     rng = np.random.default_rng(0)
     X, y = rng.standard_normal((400, 37)), rng.integers(0, 10, 400)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=None) as cluster, Client(cluster) as c:
+                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as c:
         model = _model().distribute(c, "2x1")
         model.liveness_check_s = 1.0
         victim = model.binding.worker(1, 0)
