@@ -174,12 +174,17 @@ def sgd_velocity(wrow, momentum, weight_decay, n_decay, v, dz, x, c0, c1, n_in, 
         g[:, :n_decay] += weight_decay * wrow[:, c0:c0 + n_decay]
     if v is None:
         return g
-    return momentum * v + g
+    # g is this task's own array: scale-and-add into it (one allocation fewer than
+    # momentum * v + g, same arithmetic); v itself is never modified.
+    g += momentum * v
+    return g
 
 
 def sgd_weight(wrow, c0, c1, v, lr):
-    """``w <- w - lr * v`` for the owned slice ``w = wrow[:, c0:c1]``."""
-    return wrow[:, c0:c1] - lr * v
+    """``w <- w - lr * v`` for the owned slice ``w = wrow[:, c0:c1]`` (one new array)."""
+    out = v * (-lr)
+    out += wrow[:, c0:c1]
+    return out
 
 
 def to_device(x):
