@@ -79,6 +79,18 @@ def grids_of(p: int) -> list[tuple[int, int]]:
     return [(p // pc, pc) for pc in range(p, 0, -1) if p % pc == 0]
 
 
+def median_time(fn, warmup: int = 1, reps: int = 3) -> float:
+    """Median wall time of ``fn()`` over ``reps`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return median(ts)
+
+
 def median(xs):
     return float(statistics.median(xs)) if xs else float("nan")
 

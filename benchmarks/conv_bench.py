@@ -7,9 +7,9 @@ Prints a markdown table; the issue's target is at most 2x PyTorch.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from common import median_time
 
 from dask_ipar import conv_kernels as C
 
@@ -19,16 +19,6 @@ SHAPES = [  # name, C, H, W, O, k, stride, pad, groups (AlexNet's conv layers)
     ("conv3", 256, 13, 13, 384, 3, 1, 1, 1),
     ("conv4", 384, 13, 13, 384, 3, 1, 1, 2),
 ]
-
-
-def _median(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
 
 
 def main():
@@ -59,7 +49,7 @@ def main():
                 y = C.conv2d_forward(x, wt, b, s, pad, g)
                 C.conv2d_backward(x, wt, np.ones_like(y), s, pad, g)
 
-            t_ours = _median(ours, args.reps)
+            t_ours = median_time(ours, 1, args.reps)
             t_torch = None
             if torch is not None:
                 tx = torch.from_numpy(x).requires_grad_()
@@ -70,7 +60,7 @@ def main():
                     y = torch.nn.functional.conv2d(tx, tw, tb, stride=s, padding=p, groups=g)
                     y.backward(torch.ones_like(y))
 
-                t_torch = _median(theirs, args.reps)
+                t_torch = median_time(theirs, 1, args.reps)
             ratio = "" if t_torch is None else f"{t_ours / t_torch:.2f}"
             shape = f"{args.batch}x{c}x{h}x{w}, {o} {k}x{k}/{s} g{g}"
             print(f"| {name} | {shape} | {t_ours:.3f} | "

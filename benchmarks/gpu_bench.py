@@ -8,20 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
-
-
-def _median_step(fn, warmup=2, reps=5):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+from common import median_time
 
 
 def numpy_step(widths, batch, dtype):
@@ -76,7 +65,7 @@ def main():
 
     res = {"widths": widths, "batch": args.batch, "gpu_tests_rc": args.tests_rc}
     flops = 6 * args.batch * sum(i * o for i, o in zip(widths[:-1], widths[1:]))
-    res["numpy_cpu_step_s"] = _median_step(numpy_step(widths, args.batch, np.float32), 1, 3)
+    res["numpy_cpu_step_s"] = median_time(numpy_step(widths, args.batch, np.float32), 1, 3)
     with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None) as cl, \
             Client(cl) as client:
         # gradient equality CuPy vs NumPy, float32
@@ -97,11 +86,11 @@ def main():
                        input_dim=widths[0], device="cuda").distribute(client, "1x1")
         m.embed_bytes = 0
         opt = SGD(lr=0.01)
-        res["dask_ipar_cuda_step_s"] = _median_step(
-            lambda: client.gather(m.train_step(Xb, yb, opt)))
+        res["dask_ipar_cuda_step_s"] = median_time(
+            lambda: client.gather(m.train_step(Xb, yb, opt)), 2, 5)
         m.close()
     try:
-        res["torch_cuda_step_s"] = _median_step(torch_step(widths, args.batch))
+        res["torch_cuda_step_s"] = median_time(torch_step(widths, args.batch), 2, 5)
     except Exception as exc:  # torch absent or without CUDA
         res["torch_cuda_step_s"] = None
         res["torch_note"] = f"{type(exc).__name__}: {exc}"
