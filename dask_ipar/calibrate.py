@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from dask._task_spec import Task, TaskRef
+from dask._task_spec import TaskRef
 
 from dask_ipar.cost import Machine
 from dask_ipar.engine import StepGraph

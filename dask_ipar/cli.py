@@ -114,13 +114,10 @@ def _resolve_grid(grid_text, workers):
 @contextlib.contextmanager
 def _performance_report(path):
     """Record dask's performance report (inline bokeh) when a run card is asked for."""
+    from dask_ipar.cluster import _has_bokeh
+
     out = {}
-    if not path:
-        yield out
-        return
-    try:
-        import bokeh  # noqa: F401
-    except ImportError:
+    if not path or not _has_bokeh():
         yield out
         return
     from distributed import performance_report

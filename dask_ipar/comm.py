@@ -121,6 +121,7 @@ class CommMeter:
         self.layouts = layouts
         self.word_bytes = word_bytes
         self.machine = machine or LOOPBACK_MACHINE
+        self._phases: dict = {}
         client.run(_widen_logs, WIDE_LOG, workers=self.workers)
         self.reset()
 
@@ -139,8 +140,10 @@ class CommMeter:
     def add_step(self, batch: int):
         """Count one step of ``batch`` samples in the prediction."""
         self.steps += 1
-        for p in predict_step(self.layouts, self.grid.pr, self.grid.pc, batch, self.machine,
-                              self.word_bytes):
+        if batch not in self._phases:  # one prediction per batch size, not per step
+            self._phases[batch] = predict_step(self.layouts, self.grid.pr, self.grid.pc, batch,
+                                               self.machine, self.word_bytes)
+        for p in self._phases[batch]:
             acc = self._pred[(p.layer, p.phase)]
             acc[0] += p.total_bytes
             acc[1] += p.seconds

@@ -164,6 +164,21 @@ def _plan(h_in, pr, k, stride, pad):
     return halo_plan(h_in, pr, k, stride, (pad[0], pad[1])), split_bounds(h_in, pr)
 
 
+def _each_cell(g, binding, layer, token, plan, task, func, args_of):
+    """One ``task`` per cell of the plan: ``func(*args_of(cell, pad))`` pinned to the cell.
+
+    ``pad`` is the cell's own ``(top, bottom)`` padding (outer image edges only).
+    """
+    out = {}
+    for need in plan:
+        for j in range(binding.grid.pc):
+            cell = (need.cell, j)
+            key = (_name(layer, task, token), *cell)
+            g.add(key, binding.worker(*cell), func, *args_of(cell, need.pad))
+            out[cell] = key
+    return out
+
+
 # -------------------------------------------------------------------- layers
 def conv_forward_graph(g: StepGraph, binding, layer, token, x_keys, w_keys, b_keys, h_in, k,
                        stride, pad, groups=1):
@@ -175,15 +190,9 @@ def conv_forward_graph(g: StepGraph, binding, layer, token, x_keys, w_keys, b_ke
     """
     plan, owners = _plan(h_in, binding.grid.pr, k, stride, pad)
     xin = _gather_rows(g, binding, layer, token, plan, owners, x_keys)
-    out = {}
-    for need in plan:
-        for j in range(binding.grid.pc):
-            cell = (need.cell, j)
-            key = (_name(layer, "act", token), *cell)
-            g.add(key, binding.worker(*cell), conv_block, TaskRef(xin[cell]),
-                  TaskRef(w_keys[cell]), TaskRef(b_keys[cell]), stride,
-                  (need.pad[0], need.pad[1], pad[2], pad[3]), groups)
-            out[cell] = key
+    out = _each_cell(g, binding, layer, token, plan, "act", conv_block, lambda cell, p: (
+        TaskRef(xin[cell]), TaskRef(w_keys[cell]), TaskRef(b_keys[cell]), stride,
+        (p[0], p[1], pad[2], pad[3]), groups))
     return plan, out
 
 
@@ -197,16 +206,10 @@ def conv_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, w_key
     """
     grid = binding.grid
     owners = split_bounds(h_in, grid.pr)
-    grads = {}
-    for need in plan:
-        for j in range(grid.pc):
-            cell = (need.cell, j)
-            key = (_name(layer, "bwd", token), *cell)
-            g.add(key, binding.worker(*cell), conv_block_backward,
-                  TaskRef((_name(layer, "xin", token), *cell)), TaskRef(w_keys[cell]),
-                  TaskRef(dy_keys[cell]), stride, (need.pad[0], need.pad[1], pad[2], pad[3]),
-                  groups)
-            grads[cell] = key
+    grads = _each_cell(g, binding, layer, token, plan, "bwd", conv_block_backward,
+                       lambda cell, p: (TaskRef((_name(layer, "xin", token), *cell)),
+                                        TaskRef(w_keys[cell]), TaskRef(dy_keys[cell]), stride,
+                                        (p[0], p[1], pad[2], pad[3]), groups))
     dx = _return_ghosts(g, binding, layer, token, plan, owners, grads, x_keys)
     size = w_shape[0] * w_shape[1] * w_shape[2] * w_shape[3] + w_shape[0]
     return dx, _allreduce_weights(g, binding, layer, token, grads, size)
@@ -244,14 +247,8 @@ def pool_forward_graph(g: StepGraph, binding, layer, token, x_keys, h_in, k, str
     stride = stride or k
     plan, owners = _plan(h_in, binding.grid.pr, k, stride, pad)
     xin = _gather_rows(g, binding, layer, token, plan, owners, x_keys)
-    out = {}
-    for need in plan:
-        for j in range(binding.grid.pc):
-            cell = (need.cell, j)
-            key = (_name(layer, "act", token), *cell)
-            g.add(key, binding.worker(*cell), pool_block, TaskRef(xin[cell]), k, stride,
-                  (need.pad[0], need.pad[1], pad[2], pad[3]), mode)
-            out[cell] = key
+    out = _each_cell(g, binding, layer, token, plan, "act", pool_block, lambda cell, p: (
+        TaskRef(xin[cell]), k, stride, (p[0], p[1], pad[2], pad[3]), mode))
     return plan, out
 
 
@@ -260,13 +257,8 @@ def pool_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, dy_ke
     """Add a pooling layer's backward; returns the input-gradient keys per cell."""
     stride = stride or k
     owners = split_bounds(h_in, binding.grid.pr)
-    grads = {}
-    for need in plan:
-        for j in range(binding.grid.pc):
-            cell = (need.cell, j)
-            key = (_name(layer, "bwd", token), *cell)
-            g.add(key, binding.worker(*cell), pool_block_backward,
-                  TaskRef((_name(layer, "xin", token), *cell)), TaskRef(dy_keys[cell]), k,
-                  stride, (need.pad[0], need.pad[1], pad[2], pad[3]), mode)
-            grads[cell] = key
+    grads = _each_cell(g, binding, layer, token, plan, "bwd", pool_block_backward,
+                       lambda cell, p: (TaskRef((_name(layer, "xin", token), *cell)),
+                                        TaskRef(dy_keys[cell]), k, stride,
+                                        (p[0], p[1], pad[2], pad[3]), mode))
     return _return_ghosts(g, binding, layer, token, plan, owners, grads, x_keys)

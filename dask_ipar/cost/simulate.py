@@ -101,8 +101,7 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
                 return latency_s + nbytes / bandwidth_Bps, 0
         return 0.0, 0
 
-    queue = []  # (ready time, seq, key) per worker
-    per_worker = {w: [] for w in workers}
+    per_worker = {w: [] for w in workers}  # heap of (ready time, seq, key) per worker
     free_at = {w: 0.0 for w in workers}
     busy = {w: 0.0 for w in workers}
     seq = 0
