@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from dask_ipar.cost import FC, Machine, dense_layer_phases
+from dask_ipar.cost import (FC, Machine, batch_layer_phases, dense_layer_phases, halo_phases,
+                            redistribute_phase)
 from dask_ipar.engine import phase_of_key
 
 __all__ = ["CommMeter", "CommRow", "CommReport", "predict_step", "LOOPBACK_MACHINE"]
@@ -99,14 +100,36 @@ class CommReport:
         return "\n".join(lines)
 
 
-def predict_step(layouts, pr, pc, batch, machine, word_bytes):
-    """Cost-model phases of one step of the engine's dense layers (engine convention)."""
+def predict_step(engine, pr, pc, batch, machine, word_bytes):
+    """Cost-model phases of one training step of ``engine``'s layers (engine convention).
+
+    Dense layers: Eq. 8. Conv and pooling layers (domain-parallel): the halo exchanges
+    of their exact window geometry and, for convs, the weight all-reduce over all P;
+    then the flatten redistribution (Eq. 6).
+    """
+    from dask_ipar.halo import halo_plan
+
     m = Machine(alpha_s=machine.alpha_s, bandwidth_Bps=machine.bandwidth_Bps,
                 word_bytes=word_bytes)
     out = []
-    for lay in layouts:
+    front = engine.front
+    if front is not None:
+        for f in front.layouts:
+            c, h, w = f.in_shape
+            plan = halo_plan(h, pr, f.k[0], f.stride, f.pad[:2])
+            rows = sum(n.halo_rows for n in plan)
+            halo = halo_phases(f.name, rows, c * w, pr, pc, batch, m,
+                               max_rows=max(n.halo_rows for n in plan))
+            # the first layer needs no input gradient: no ghost rows go back
+            out.extend(halo[:1] if f is front.layouts[0] else halo)
+            if f.kind == "conv":
+                out.extend(batch_layer_phases(FC(f.weights.n_in, f.weights.n_out,
+                                                 bias=f.weights.bias), pr * pc, m, name=f.name))
+        c, h, w = front.out_shape
+        out.append(redistribute_phase(c * h * w, pr, pc, batch, m, name=front.flatten))
+    for k, lay in enumerate(engine.layouts):
         out.extend(dense_layer_phases(FC(lay.n_in, lay.n_out, bias=lay.bias), pr, pc, batch, m,
-                                      first_layer=lay.index == 0, convention="engine",
+                                      first_layer=k == 0 and front is None, convention="engine",
                                       name=lay.name))
     return out
 
@@ -114,11 +137,11 @@ def predict_step(layouts, pr, pc, batch, machine, word_bytes):
 class CommMeter:
     """Accumulates measured transfers and predicted phases over the steps of a run."""
 
-    def __init__(self, client, binding, layouts, word_bytes, machine: Machine | None = None):
+    def __init__(self, client, binding, engine, word_bytes, machine: Machine | None = None):
         self.client = client
         self.workers = list(binding.workers)
         self.grid = binding.grid
-        self.layouts = layouts
+        self.engine = engine
         self.word_bytes = word_bytes
         self.machine = machine or LOOPBACK_MACHINE
         self._phases: dict = {}
@@ -141,7 +164,7 @@ class CommMeter:
         """Count one step of ``batch`` samples in the prediction."""
         self.steps += 1
         if batch not in self._phases:  # one prediction per batch size, not per step
-            self._phases[batch] = predict_step(self.layouts, self.grid.pr, self.grid.pc, batch,
+            self._phases[batch] = predict_step(self.engine, self.grid.pr, self.grid.pc, batch,
                                                self.machine, self.word_bytes)
         for p in self._phases[batch]:
             acc = self._pred[(p.layer, p.phase)]

@@ -80,8 +80,11 @@ def conv2d_forward(x, w, b, stride=1, pad=(0, 0, 0, 0), groups=1):
     return y
 
 
-def conv2d_backward(x, w, dy, stride=1, pad=(0, 0, 0, 0), groups=1, bias=True):
-    """Gradients ``(dx, dw, db)`` of :func:`conv2d_forward` for the output gradient ``dy``."""
+def conv2d_backward(x, w, dy, stride=1, pad=(0, 0, 0, 0), groups=1, bias=True, need_dx=True):
+    """Gradients ``(dx, dw, db)`` of :func:`conv2d_forward` for the output gradient ``dy``.
+
+    ``need_dx=False`` skips the input gradient (a network's first layer): dx is None.
+    """
     xp = xp_of(x)
     n, c, h, wd = x.shape
     o, cg, kh, kw = w.shape
@@ -95,9 +98,14 @@ def conv2d_backward(x, w, dy, stride=1, pad=(0, 0, 0, 0), groups=1, bias=True):
         dyg = dy2[:, gi * og:(gi + 1) * og, :]  # (N, og, L)
         colg = cols[:, gi * cg * kh * kw:(gi + 1) * cg * kh * kw, :]
         dws.append(xp.sum(dyg @ xp.permute_dims(colg, (0, 2, 1)), axis=0))  # (og, cg*kh*kw)
+        if not need_dx:
+            continue
         wg = xp.reshape(w[gi * og:(gi + 1) * og, ...], (og, cg * kh * kw))
         dcols.append(wg.T @ dyg)  # (N, cg*kh*kw, L)
     dw = xp.reshape(dws[0] if groups == 1 else xp.concat(dws, axis=0), w.shape)
+    db = xp.sum(dy, axis=(0, 2, 3)) if bias else None
+    if not need_dx:
+        return None, dw, db
     dcol = dcols[0] if groups == 1 else xp.concat(dcols, axis=1)
     dcol = xp.reshape(dcol, (n, c, kh, kw, oh, ow))
     dxpad = xp.zeros(xpad.shape, dtype=x.dtype)
@@ -106,7 +114,6 @@ def conv2d_backward(x, w, dy, stride=1, pad=(0, 0, 0, 0), groups=1, bias=True):
         cols_ = slice(j, j + stride * (ow - 1) + 1, stride)
         dxpad[:, :, rows, cols_] += dcol[:, :, i, j, :, :]
     dx = dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd]
-    db = xp.sum(dy, axis=(0, 2, 3)) if bias else None
     return dx, dw, db
 
 

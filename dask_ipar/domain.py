@@ -10,13 +10,14 @@ with the halo geometry of :mod:`dask_ipar.halo`:
 * backward: each cell computes the gradient of the rows it read; rows owned by a neighbour
   go back to their owner as ghost-row pieces (``<layer>.dxhalo``) and are added there
   (``<layer>.dx``);
-* conv weight gradients: partials of every cell are summed with a balanced all-reduce over
-  all P cells (a reduce-scatter of the flattened ``[dW, db]`` onto P slice owners, then an
-  all-gather), like the dense layers' weight all-reduce: no home worker.
+* conv weight gradients: each cell returns its partial ``dW``; :mod:`dask_ipar.front`
+  sums them over all P cells with a balanced all-reduce (reduce-scatter onto the owners
+  of the weight blocks, update there, all-gather before the next forward).
 
 Keys are ``("<layer>.<task>-<token>", *cell)``, as in :mod:`dask_ipar.engine`, so the
 workers' transfer logs attribute bytes to ``halo_fwd``, ``halo_bwd``, ``dw_reduce`` and
-``w_gather``. Not yet part of :class:`~dask_ipar.model.Sequential`.
+``w_gather``. :mod:`dask_ipar.front` strings these layers together for
+:class:`~dask_ipar.model.Sequential`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dask._task_spec import TaskRef
 
 from dask_ipar import conv_kernels as CK
+from dask_ipar import kernels as K
 from dask_ipar.engine import StepGraph
 from dask_ipar.halo import halo_plan
 from dask_ipar.kernels import xp_of
@@ -49,15 +51,36 @@ def assemble(*pieces):
     return xp.concat(list(pieces), axis=2) if len(pieces) > 1 else pieces[0]
 
 
-def conv_block(x, w, b, stride, pad, groups):
-    return CK.conv2d_forward(x, w, b, stride, pad, groups)
+def _split_weights(wmat, wshape):
+    """Filters ``(O, C/g, kh, kw)`` and bias (or None) from a weight matrix ``(O, n [+ 1])``."""
+    xp = xp_of(wmat)
+    n = wshape[1] * wshape[2] * wshape[3]
+    w = xp.reshape(wmat[:, :n], wshape)
+    return w, (wmat[:, n] if wmat.shape[1] > n else None)
 
 
-def conv_block_backward(x, w, dy, stride, pad, groups):
-    """``(dx_rows, flat [dW, db])`` of the conv of a cell's assembled rows."""
-    dx, dw, db = CK.conv2d_backward(x, w, dy, stride, pad, groups)
-    xp = xp_of(dx)
-    return dx, xp.concat([xp.reshape(dw, (-1,)), db])
+def conv_block(x, wmat, wshape, stride, pad, groups, activation):
+    """``f(conv(x, W) + b)`` of a cell's assembled rows; weights as one matrix."""
+    w, b = _split_weights(wmat, wshape)
+    return K._activate(CK.conv2d_forward(x, w, b, stride, pad, groups), activation)
+
+
+def conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups, activation, need_dx):
+    """``(dx_rows or None, dW matrix)`` of :func:`conv_block` for the output gradient ``dy``.
+
+    ``a`` is the block's forward output (the activation's derivative is taken from it);
+    the dW matrix has the weight matrix's layout (bias gradient as the last column).
+    """
+    w, b = _split_weights(wmat, wshape)
+    d = K.activation_grad(a, activation)
+    dz = dy if d is None else dy * d
+    dx, dw, db = CK.conv2d_backward(x, w, dz, stride, pad, groups, bias=b is not None,
+                                    need_dx=need_dx)
+    xp = xp_of(dw)
+    dwm = xp.reshape(dw, (wshape[0], -1))
+    if db is not None:
+        dwm = xp.concat([dwm, xp.reshape(db, (-1, 1))], axis=1)
+    return dx, dwm
 
 
 def pool_block(x, k, stride, pad, mode):
@@ -88,23 +111,6 @@ def add_rows(own, *offsets_and_pieces):
 
 def zeros_like(x):
     return xp_of(x).zeros_like(x)
-
-
-def flat_slice(grad, a, b):
-    """Elements ``a:b`` of a cell's flattened weight-gradient partial."""
-    return xp_of(grad[1]).asarray(grad[1][a:b], copy=True)
-
-
-def flat_sum(*parts):
-    out = parts[0]
-    for p in parts[1:]:
-        out = out + p
-    return out
-
-
-def flat_concat(*parts):
-    xp = xp_of(parts[0])
-    return xp.concat(list(parts)) if len(parts) > 1 else parts[0]
 
 
 # -------------------------------------------------------------- halo routing
@@ -180,65 +186,43 @@ def _each_cell(g, binding, layer, token, plan, task, func, args_of):
 
 
 # -------------------------------------------------------------------- layers
-def conv_forward_graph(g: StepGraph, binding, layer, token, x_keys, w_keys, b_keys, h_in, k,
-                       stride, pad, groups=1):
+def conv_forward_graph(g: StepGraph, binding, layer, token, x_keys, w_keys, h_in, wshape,
+                       stride, pad, groups=1, activation="linear"):
     """Add a conv layer's forward to ``g``; returns ``(plan, output keys per cell)``.
 
     ``x_keys[(i, j)]``: input rows ``i`` (balanced over Pr) of sample block ``j`` on cell
-    (i, j); ``w_keys``/``b_keys[(i, j)]``: weights and bias on every cell; ``pad`` is
-    ``(top, bottom, left, right)`` of the whole image.
+    (i, j); ``w_keys[(i, j)]``: the whole weight matrix ``(O, C/g*kh*kw [+ bias])`` on
+    every cell; ``wshape`` the filters' shape; ``pad`` is ``(top, bottom, left, right)``
+    of the whole image.
     """
-    plan, owners = _plan(h_in, binding.grid.pr, k, stride, pad)
+    plan, owners = _plan(h_in, binding.grid.pr, wshape[2], stride, pad)
     xin = _gather_rows(g, binding, layer, token, plan, owners, x_keys)
     out = _each_cell(g, binding, layer, token, plan, "act", conv_block, lambda cell, p: (
-        TaskRef(xin[cell]), TaskRef(w_keys[cell]), TaskRef(b_keys[cell]), stride,
-        (p[0], p[1], pad[2], pad[3]), groups))
+        TaskRef(xin[cell]), TaskRef(w_keys[cell]), wshape, stride,
+        (p[0], p[1], pad[2], pad[3]), groups, activation))
     return plan, out
 
 
-def conv_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, w_keys, dy_keys,
-                        h_in, stride, pad, groups=1, *, w_shape):
-    """Add a conv layer's backward; returns ``(dx keys per cell, dwb keys per cell)``.
+def conv_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, w_keys, a_keys,
+                        dy_keys, h_in, wshape, stride, pad, groups=1, activation="linear",
+                        need_dx=True):
+    """Add a conv layer's backward; returns ``(dx keys per cell or None, grad keys per cell)``.
 
-    ``dwb[(i, j)]`` is the all-reduced flat ``[dW.ravel(), db]`` (``w_shape`` gives dW's
-    shape) on every cell. Reads the assembled rows that :func:`conv_forward_graph` added to
-    the same graph.
+    ``a_keys`` are the forward outputs (:func:`conv_forward_graph`), ``dy_keys`` the
+    gradients of the cell's output rows. ``grad[(i, j)]`` holds ``(dx_rows, dW)``: the
+    cell's partial weight gradient, to be summed over all cells by the caller. Reads
+    the assembled rows that the forward added to the same graph.
     """
-    grid = binding.grid
-    owners = split_bounds(h_in, grid.pr)
+    owners = split_bounds(h_in, binding.grid.pr)
     grads = _each_cell(g, binding, layer, token, plan, "bwd", conv_block_backward,
                        lambda cell, p: (TaskRef((_name(layer, "xin", token), *cell)),
-                                        TaskRef(w_keys[cell]), TaskRef(dy_keys[cell]), stride,
-                                        (p[0], p[1], pad[2], pad[3]), groups))
-    dx = _return_ghosts(g, binding, layer, token, plan, owners, grads, x_keys)
-    size = w_shape[0] * w_shape[1] * w_shape[2] * w_shape[3] + w_shape[0]
-    return dx, _allreduce_weights(g, binding, layer, token, grads, size)
-
-
-def _allreduce_weights(g, binding, layer, token, grads, size):
-    """Balanced all-reduce of the flat ``size``-long gradient partials over all P cells."""
-    grid = binding.grid
-    cells = grid.cells()
-    bounds = split_bounds(size, grid.size)
-    pieces = {}
-    for src in cells:
-        for d, dst in enumerate(cells):
-            a, b = bounds[d]
-            key = (_name(layer, "dwp", token), *src, *dst)
-            g.add(key, binding.worker(*src), flat_slice, TaskRef(grads[src]), a, b)
-            pieces[(src, dst)] = key
-    owned = {}
-    for dst in cells:
-        key = (_name(layer, "dws", token), *dst)
-        g.add(key, binding.worker(*dst), flat_sum,
-              *[TaskRef(pieces[(src, dst)]) for src in cells])
-        owned[dst] = key
-    out = {}
-    for cell in cells:
-        key = (_name(layer, "dwb", token), *cell)
-        g.add(key, binding.worker(*cell), flat_concat, *[TaskRef(owned[c]) for c in cells])
-        out[cell] = key
-    return out
+                                        TaskRef(w_keys[cell]), TaskRef(a_keys[cell]),
+                                        TaskRef(dy_keys[cell]), wshape, stride,
+                                        (p[0], p[1], pad[2], pad[3]), groups, activation,
+                                        need_dx))
+    if not need_dx:
+        return None, grads
+    return _return_ghosts(g, binding, layer, token, plan, owners, grads, x_keys), grads
 
 
 def pool_forward_graph(g: StepGraph, binding, layer, token, x_keys, h_in, k, stride=None,

@@ -66,6 +66,7 @@ TASK_PHASE = {
     "dws": "w_gather",  # owned slices of an all-reduce, gathered by every cell
     "xhalo": "halo_fwd",
     "dxhalo": "halo_bwd",
+    "rd": "redistribute",
 }
 
 
@@ -99,6 +100,15 @@ TASK_SPAN = {
     "x": "input",
     "y": "input",
     "fetch": "to_host",
+    "cw": "w_gather",
+    "xhalo": "halo_fwd",
+    "xin": "halo_fwd",
+    "bwd": "backward",
+    "dxhalo": "halo_bwd",
+    "dx": "halo_bwd",
+    "dxzero": "halo_bwd",
+    "rd": "redistribute",
+    "xg": "redistribute",
 }
 
 
@@ -205,12 +215,32 @@ class Engine:
         One per dense layer, in order.
     uid : str
         Hex token unique to the model, part of every key.
+    front : dask_ipar.front.Front, optional
+        Conv and pooling layers in front of the dense ones (a CNN).
     """
 
-    def __init__(self, binding: GridBinding, layouts: list[LayerLayout], uid: str):
+    def __init__(self, binding: GridBinding, layouts: list[LayerLayout], uid: str, front=None):
         self.binding = binding
         self.layouts = layouts
         self.uid = uid
+        self.front = front
+
+    @property
+    def param_layouts(self) -> list[LayerLayout]:
+        """Weight-matrix layouts of every layer with weights, in order (convs first)."""
+        convs = [] if self.front is None else [f.weights for f in self.front.convs]
+        return convs + list(self.layouts)
+
+    def _split(self, names):
+        nf = 0 if self.front is None else len(self.front.convs)
+        return list(names[:nf]), list(names[nf:])
+
+    def _inputs(self, g, x_keys, w_names, step):
+        """The first dense layer's inputs (after the front, if any); returns ``(ctx, x_in)``."""
+        front_w, _ = self._split(w_names)
+        if self.front is None:
+            return None, x_keys
+        return self.front.forward(g, {c: r.key for c, r in x_keys.items()}, front_w, step)
 
     # ------------------------------------------------------------------ names
     def name(self, owner: str, task: str, step: int) -> str:
@@ -309,6 +339,8 @@ class Engine:
 
             reduce_fn(g, lay, l, dw_args)
             if l == 0:
+                if self.front is not None:
+                    return self.front.image_grad(g, wrows[0], dz, step, lay)
                 break
             # dX pieces, reduce-scattered over the column onto the row owners
             prev = self.layouts[l - 1]
@@ -335,7 +367,9 @@ class Engine:
                    weight_decay, g=None):
         """Graph of one SGD step. Returns ``(StepGraph, new_w_names, new_v_names, stats_keys)``."""
         g = StepGraph() if g is None else g
-        inputs, _, wrows, logits = self._forward(g, x_keys, w_names, step)
+        ctx, x_in = self._inputs(g, x_keys, w_names, step)
+        (front_w, w_names), (front_v, v_names) = self._split(w_names), self._split(v_names)
+        inputs, _, wrows, logits = self._forward(g, x_in, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         new_w, new_v = [], []
@@ -356,8 +390,35 @@ class Engine:
             new_w.append(w_name)
             new_v.append(v_name)
 
-        self._backward(g, inputs, wrows, dz, step, update)
+        dimg = self._backward(g, inputs, wrows, dz, step, update)
+        if self.front is not None:
+            fw, fv = self._front_update(g, ctx, dimg, front_v, step, lr, momentum, weight_decay)
+            new_w += fw
+            new_v += fv
         return g, new_w[::-1], new_v[::-1], stats
+
+    def _front_update(self, g, ctx, dimg, v_names, step, lr, momentum, weight_decay):
+        """Backward of the front with momentum SGD on every conv weight block."""
+        new_w, new_v = [], []
+
+        def update(g, lay, c, grads, wk, pieces):
+            wl = lay.weights
+            v_name = self.name(lay.name, "v", step)
+            w_name = self.name(lay.name, "w", step)
+            for i, j in self.grid.cells():
+                worker = self.binding.worker(i, j)
+                (r0, r1), (c0, c1) = wl.rows[i], wl.wcols[j]
+                old_v = None if v_names[c] is None else TaskRef((v_names[c], i, j))
+                g.add((v_name, i, j), worker, K.block_sgd_velocity, TaskRef(wk[(i, j)]),
+                      r0, r1, c0, c1, momentum, weight_decay, wl.n_decay(j), old_v,
+                      TaskRef(grads[(i, j)]), *pieces(i, j))
+                g.add((w_name, i, j), worker, K.block_sgd_weight, TaskRef(wk[(i, j)]),
+                      r0, r1, c0, c1, TaskRef((v_name, i, j)), lr)
+            new_w.append(w_name)
+            new_v.append(v_name)
+
+        self.front.backward(g, ctx, dimg, step, update)
+        return new_w, new_v
 
     def gradient(self, x_keys, y_keys, batch, w_names, step, g=None):
         """Graph of forward + backward without update. Returns ``(StepGraph, grad_names, stats)``.
@@ -365,7 +426,9 @@ class Engine:
         Gradient block ``(i, j)`` of layer ``l`` lies where weight block ``(i, j)`` does.
         """
         g = StepGraph() if g is None else g
-        inputs, _, wrows, logits = self._forward(g, x_keys, w_names, step)
+        ctx, x_in = self._inputs(g, x_keys, w_names, step)
+        _, w_names = self._split(w_names)
+        inputs, _, wrows, logits = self._forward(g, x_in, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         names = []
@@ -378,7 +441,17 @@ class Engine:
                           *dw_args(i, jj))
             names.append(gname)
 
-        self._backward(g, inputs, wrows, dz, step, reduce)
+        dimg = self._backward(g, inputs, wrows, dz, step, reduce)
+        if self.front is not None:
+            def reduce_front(g, lay, c, grads, wk, pieces):
+                gname = self.name(lay.name, "grad", step)
+                for i, j in self.grid.cells():
+                    (r0, r1), (c0, c1) = lay.weights.rows[i], lay.weights.wcols[j]
+                    g.add((gname, i, j), self.binding.worker(i, j), K.block_reduce,
+                          TaskRef(grads[(i, j)]), r0, r1, c0, c1, *pieces(i, j))
+                names.append(gname)
+
+            self.front.backward(g, ctx, dimg, step, reduce_front)
         return g, names[::-1], stats
 
     def forward(self, x_keys, w_names, step, y_keys=None, g=None):
@@ -388,7 +461,8 @@ class Engine:
         ``stats`` is empty unless labels are given.
         """
         g = StepGraph() if g is None else g
-        _, _, _, logits = self._forward(g, x_keys, w_names, step)
+        _, x_in = self._inputs(g, x_keys, w_names, step)
+        _, _, _, logits = self._forward(g, x_in, self._split(w_names)[1], step)
         stats = [] if y_keys is None else self._stats(g, logits, y_keys, step)
         return g, [logits[(0, j)].key for j in range(self.grid.pc)], stats
 

@@ -34,6 +34,15 @@ __all__ = [
     "sgd_weight",
     "to_device",
     "to_host",
+    "assemble_blocks",
+    "grad_block",
+    "block_reduce",
+    "block_sgd_velocity",
+    "block_sgd_weight",
+    "identity",
+    "flatten_gather",
+    "dx_image_piece",
+    "dz_image_from_pieces",
 ]
 
 ACTIVATIONS = ("linear", "relu", "tanh")
@@ -185,6 +194,99 @@ def sgd_weight(wrow, c0, c1, v, lr):
     out = v * (-lr)
     out += wrow[:, c0:c1]
     return out
+
+
+# ------------------------------------------- replicated (conv) weight matrices
+def assemble_blocks(pr, pc, *blocks):
+    """The whole matrix from its ``pr x pc`` blocks, given row by row (an all-gather)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    rows = [concat_cols(*blocks[i * pc:(i + 1) * pc]) for i in range(pr)]
+    return concat_rows(*rows)
+
+
+def grad_block(grad, r0, r1, c0, c1):
+    """Block ``[r0:r1, c0:c1]`` of the weight-gradient partial ``grad[1]`` (a piece to send)."""
+    g = grad[1]
+    return xp_of(g).asarray(g[r0:r1, c0:c1], copy=True)
+
+
+def block_reduce(grad, r0, r1, c0, c1, *remote):
+    """This cell's block of the summed weight gradient: its own partial plus the pieces."""
+    out = grad_block(grad, r0, r1, c0, c1)
+    for r in remote:
+        out += r
+    return out
+
+
+def block_sgd_velocity(wfull, r0, r1, c0, c1, momentum, weight_decay, n_decay, v, grad,
+                       *remote):
+    """:func:`sgd_velocity` for block ``[r0:r1, c0:c1]`` of a replicated weight matrix.
+
+    ``wfull`` is this cell's gathered copy of the whole matrix; weight decay applies to
+    the first ``n_decay`` columns of the block (not to the bias column).
+    """
+    g = block_reduce(grad, r0, r1, c0, c1, *remote)
+    if weight_decay and n_decay:
+        g[:, :n_decay] += weight_decay * wfull[r0:r1, c0:c0 + n_decay]
+    if v is not None:
+        g += momentum * v
+    return g
+
+
+def block_sgd_weight(wfull, r0, r1, c0, c1, v, lr):
+    """``w <- w - lr * v`` for block ``[r0:r1, c0:c1]`` of ``wfull``."""
+    out = v * (-lr)
+    out += wfull[r0:r1, c0:c1]
+    return out
+
+
+# ------------------------------------------- images to features and back (Eq. 6)
+def identity(x):
+    """The block itself (a task whose key names the phase that moves it)."""
+    return x
+
+
+def flatten_gather(*strips):
+    """``(C*H*W, b)`` features, in ``(C, H, W)`` order, from the height strips of ``b`` images.
+
+    ``strips`` are NCHW blocks ``(b, C, h_k, W)`` of consecutive rows: the all-gather of
+    the redistribution in front of the first dense layer.
+    """
+    xp = xp_of(strips[0])
+    x = xp.concat(list(strips), axis=2) if len(strips) > 1 else strips[0]
+    n = x.shape[0]
+    return xp.asarray(xp.reshape(x, (n, -1)).T, copy=True)
+
+
+def _rows_of_strip(wrow, chw, h0, h1):
+    """The columns of ``wrow`` that read rows ``h0:h1`` of every channel, as a matrix."""
+    c, h, w = chw
+    xp = xp_of(wrow)
+    m = wrow.shape[0]
+    block = xp.reshape(wrow[:, :c * h * w], (m, c, h, w))[:, :, h0:h1, :]
+    return xp.reshape(block, (m, c * (h1 - h0) * w))
+
+
+def _as_strip(cols, chw, h0, h1):
+    """``(C*(h1-h0)*W, b)`` features back to an NCHW strip ``(b, C, h1-h0, W)``."""
+    c, _, w = chw
+    xp = xp_of(cols)
+    n = cols.shape[1]
+    return xp.permute_dims(xp.reshape(cols, (c, h1 - h0, w, n)), (3, 0, 1, 2))
+
+
+def dx_image_piece(wrow, dz, chw, h0, h1):
+    """``W(i, strip)^T dZ(i, j)``: the part of the input gradient on image rows ``h0:h1``."""
+    return _as_strip(_rows_of_strip(wrow, chw, h0, h1).T @ dz, chw, h0, h1)
+
+
+def dz_image_from_pieces(wrow, dz, chw, h0, h1, *remote):
+    """The owner's input-gradient strip: its own piece plus those of the other grid rows."""
+    g = dx_image_piece(wrow, dz, chw, h0, h1)
+    for r in remote:
+        g = g + r
+    return xp_of(g).asarray(g, copy=True)
 
 
 def to_device(x):

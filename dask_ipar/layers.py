@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from dask_ipar.errors import IparError
 from dask_ipar.kernels import ACTIVATIONS
 
-__all__ = ["Dense"]
+__all__ = ["Dense", "Conv2d", "MaxPool2d", "AvgPool2d", "Flatten", "resolve_padding"]
 
 
 @dataclass(frozen=True)
@@ -48,3 +48,153 @@ class Dense:
                 f"unknown activation {self.activation!r}; expected one of {', '.join(ACTIVATIONS)}."
             )
         object.__setattr__(self, "activation", act)
+
+
+def _pair(value, what):
+    """``(a, b)`` from an int or a pair of positive ints."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    if (not isinstance(value, tuple) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
+        raise IparError(f"{what} must be a positive integer or a pair of them, got {value!r}.")
+    return value
+
+
+def _padding(padding, what):
+    """'same', 'valid', an int, ``(rows, cols)`` or ``(top, bottom, left, right)``."""
+    if padding in ("same", "valid"):
+        return padding
+    if isinstance(padding, int) and not isinstance(padding, bool):
+        padding = (padding,) * 4
+    elif isinstance(padding, tuple) and len(padding) == 2:
+        padding = (padding[0], padding[0], padding[1], padding[1])
+    if (not isinstance(padding, tuple) or len(padding) != 4
+            or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0
+                       for p in padding)):
+        raise IparError(
+            f"{what} padding must be 'same', 'valid', a non-negative int, (rows, cols) or "
+            f"(top, bottom, left, right), got {padding!r}."
+        )
+    return padding
+
+
+def resolve_padding(padding, in_hw, k, stride):
+    """Explicit ``(top, bottom, left, right)`` padding of a window layer.
+
+    'same' gives ``ceil(n / stride)`` outputs per axis (the extra row/column of an odd
+    total goes to the bottom/right, as in TensorFlow and PyTorch).
+    """
+    if padding == "valid":
+        return (0, 0, 0, 0)
+    if padding == "same":
+        out = []
+        for n, kk, s in zip(in_hw, k, stride):
+            total = max((-(-n // s) - 1) * s + kk - n, 0)
+            out += [total // 2, total - total // 2]
+        return tuple(out)
+    return padding
+
+
+@dataclass(frozen=True)
+class Conv2d:
+    """A 2-D convolution ``y = f(conv(x, W) + b)`` on NCHW images.
+
+    Domain-parallel on a grid: image rows are split over ``Pr`` (with a halo
+    exchange of the rows each window needs from a neighbour), samples over
+    ``Pc``; the filters are replicated and their gradient is all-reduced over
+    all P.
+
+    Parameters
+    ----------
+    filters : int
+        Output channels.
+    kernel_size : int or (kh, kw)
+    stride : int
+        The same in both directions.
+    padding : 'same', 'valid', int, (rows, cols) or (top, bottom, left, right)
+    activation : {"linear", "relu", "tanh"} or None
+    groups : int
+        Grouped convolution; must divide the input channels and ``filters``.
+    bias : bool
+
+    Examples
+    --------
+    >>> Conv2d(16, 3, activation="relu")
+    Conv2d(filters=16, kernel_size=(3, 3), stride=1, padding='same', activation='relu', groups=1, bias=True)
+    """
+
+    filters: int
+    kernel_size: int | tuple = 3
+    stride: int = 1
+    padding: str | int | tuple = "same"
+    activation: str | None = "linear"
+    groups: int = 1
+    bias: bool = True
+
+    def __post_init__(self):
+        for name in ("filters", "stride", "groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise IparError(f"Conv2d {name} must be a positive integer, got {v!r}.")
+        object.__setattr__(self, "kernel_size", _pair(self.kernel_size, "Conv2d kernel_size"))
+        object.__setattr__(self, "padding", _padding(self.padding, "Conv2d"))
+        if self.filters % self.groups:
+            raise IparError(f"Conv2d groups={self.groups} must divide filters={self.filters}.")
+        act = "linear" if self.activation is None else self.activation
+        if act not in ACTIVATIONS:
+            raise IparError(
+                f"unknown activation {self.activation!r}; expected one of {', '.join(ACTIVATIONS)}."
+            )
+        object.__setattr__(self, "activation", act)
+
+
+@dataclass(frozen=True)
+class _Pool2d:
+    kernel_size: int
+    stride: int | None = None
+    padding: str | int | tuple = 0
+
+    mode = "max"
+
+    def __post_init__(self):
+        k = self.kernel_size
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise IparError(f"{type(self).__name__} kernel_size must be a positive integer, "
+                            f"got {k!r}.")
+        s = k if self.stride is None else self.stride
+        if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+            raise IparError(f"{type(self).__name__} stride must be a positive integer, got {s!r}.")
+        object.__setattr__(self, "stride", s)
+        object.__setattr__(self, "padding", _padding(self.padding, type(self).__name__))
+
+
+@dataclass(frozen=True)
+class MaxPool2d(_Pool2d):
+    """Max pooling over ``kernel_size`` windows (stride defaults to the window).
+
+    Windows that straddle two grid rows read the neighbour's rows through the halo
+    exchange; the gradient goes to each window's first maximum, as in PyTorch.
+
+    >>> MaxPool2d(2)
+    MaxPool2d(kernel_size=2, stride=2, padding=(0, 0, 0, 0))
+    """
+
+    mode = "max"
+
+
+@dataclass(frozen=True)
+class AvgPool2d(_Pool2d):
+    """Average pooling (windows cut by padding average their real elements only)."""
+
+    mode = "avg"
+
+
+@dataclass(frozen=True)
+class Flatten:
+    """NCHW images to feature vectors in ``(C, H, W)`` order, as ``torch.flatten(x, 1)``.
+
+    On a grid this is the redistribution of Eq. 6: each grid row holds a strip of
+    every image, the dense layer after it needs whole images, so the strips are
+    all-gathered over ``Pr`` (phase ``redistribute``); its gradient goes back to
+    the strips' owners as a reduce-scatter.
+    """

@@ -16,7 +16,7 @@ from dask_ipar import kernels as K
 from dask_ipar.engine import Engine, LayerLayout, StepGraph
 from dask_ipar.errors import IparError
 from dask_ipar.grid import Grid, GridBinding, bind_grid, parse_grid
-from dask_ipar.layers import Dense
+from dask_ipar.layers import AvgPool2d, Conv2d, Dense, Flatten, MaxPool2d
 from dask_ipar.optim import SGD
 from dask_ipar.partition import split_bounds
 
@@ -54,15 +54,32 @@ def _glorot(rng, n_out, n_in, dtype):
     return rng.uniform(-lim, lim, size=(n_out, n_in)).astype(dtype)
 
 
+def _glorot_conv(rng, wshape, dtype):
+    o, cg, kh, kw = wshape
+    lim = math.sqrt(6.0 / (cg * kh * kw + o * kh * kw))
+    return rng.uniform(-lim, lim, size=wshape).astype(dtype)
+
+
+_FRONT = (Conv2d, MaxPool2d, AvgPool2d)
+
+
 class Sequential:
-    """A stack of :class:`~dask_ipar.layers.Dense` layers ending in softmax cross-entropy.
+    """A network ending in softmax cross-entropy: dense layers, or a CNN.
+
+    An MLP is a list of :class:`~dask_ipar.layers.Dense` layers. A CNN starts with
+    :class:`~dask_ipar.layers.Conv2d`, :class:`~dask_ipar.layers.MaxPool2d` and
+    :class:`~dask_ipar.layers.AvgPool2d` layers (domain-parallel: image rows over
+    ``Pr``, samples over ``Pc``), then :class:`~dask_ipar.layers.Flatten`, then the
+    dense layers (model-parallel over ``Pr``, batch-parallel over ``Pc``).
 
     Parameters
     ----------
-    layers : list of Dense
-        The last layer produces the logits and must be linear.
+    layers : list of layers
+        The last layer produces the logits and must be a linear Dense layer.
     input_dim : int, optional
-        Number of input features; inferred from the first data seen if omitted.
+        Number of input features of an MLP; inferred from the first data seen if omitted.
+    input_shape : (C, H, W), required for a CNN
+        Image shape; data may come as ``(n, C, H, W)`` or flattened ``(n, C*H*W)``.
     dtype : {"float32", "float64"}
         Dtype of weights, activations and gradients.
     seed : int
@@ -79,18 +96,55 @@ class Sequential:
     >>> model.sizes
     [64, 32, 10]
     >>> # model.distribute(client, "2x2").fit(X, y, epochs=5)   # doctest: +SKIP
+    >>> cnn = Sequential([Conv2d(8, 3, activation="relu"), MaxPool2d(2), Flatten(),
+    ...                   Dense(10)], input_shape=(1, 8, 8))
+    >>> cnn.sizes
+    [64, 512, 128, 128, 10]
     """
 
-    def __init__(self, layers, input_dim: int | None = None, *, dtype="float32", seed: int = 0,
-                 device: str = "cpu"):
+    def __init__(self, layers, input_dim: int | None = None, *, input_shape=None,
+                 dtype="float32", seed: int = 0, device: str = "cpu"):
         layers = list(layers)
         if not layers:
             raise IparError("Sequential needs at least one layer, got an empty list.")
-        for k, lay in enumerate(layers):
-            if not isinstance(lay, Dense):
+        n_front = 0
+        while n_front < len(layers) and isinstance(layers[n_front], _FRONT):
+            n_front += 1
+        if n_front:
+            if n_front == len(layers) or not isinstance(layers[n_front], Flatten):
                 raise IparError(
-                    f"layer {k} is {type(lay).__name__}; Sequential takes dask_ipar.Dense layers."
+                    f"layer {n_front} must be Flatten(): conv and pooling layers (layers "
+                    f"0-{n_front - 1}) are followed by Flatten() and then Dense layers."
                 )
+            if input_shape is None:
+                raise IparError("a CNN needs input_shape=(channels, height, width).")
+        elif layers and isinstance(layers[0], Flatten):
+            raise IparError("Flatten() comes after conv or pooling layers, not first.")
+        for k, lay in enumerate(layers[n_front + bool(n_front):], start=n_front + bool(n_front)):
+            if not isinstance(lay, Dense):
+                what = ("conv and pooling layers come before Flatten()"
+                        if isinstance(lay, _FRONT + (Flatten,)) else
+                        "Sequential takes dask_ipar Dense, Conv2d, MaxPool2d, AvgPool2d and "
+                        "Flatten layers")
+                raise IparError(f"layer {k} is {type(lay).__name__}; {what}.")
+        if input_shape is not None:
+            if (not isinstance(input_shape, (tuple, list)) or len(input_shape) != 3
+                    or not all(isinstance(v, int) and v >= 1 for v in input_shape)):
+                raise IparError(
+                    f"input_shape must be (channels, height, width) of positive integers, got "
+                    f"{input_shape!r}."
+                )
+            if not n_front:
+                raise IparError("input_shape is for CNNs; an MLP takes input_dim=.")
+            input_shape = tuple(int(v) for v in input_shape)
+            dim = input_shape[0] * input_shape[1] * input_shape[2]
+            if input_dim is not None and input_dim != dim:
+                raise IparError(f"input_dim={input_dim} contradicts input_shape={input_shape} "
+                                f"({dim} features); give input_shape only.")
+            input_dim = dim
+        if not isinstance(layers[-1], Dense):
+            raise IparError(f"the last layer must be Dense (the logits), got "
+                            f"{type(layers[-1]).__name__}.")
         if layers[-1].activation != "linear":
             raise IparError(
                 f"the last layer must be linear (it produces the logits; softmax is part of the "
@@ -113,7 +167,15 @@ class Sequential:
                 ) from exc
         self.device = device
         self.layers = tuple(layers)
+        self.input_shape = input_shape
+        self._n_front = n_front
+        #: the Dense layers (after Flatten in a CNN)
+        self.dense_layers = self.layers[n_front + bool(n_front):]
         self.input_dim = input_dim
+        if n_front:
+            from dask_ipar.front import front_layouts
+
+            self._shapes = front_layouts(self.layers[:n_front], input_shape, 1, 1)
         self.dtype = dt
         self.seed = seed
         self.uid = uuid.uuid4().hex[:8]
@@ -134,8 +196,20 @@ class Sequential:
     # ---------------------------------------------------------------- shape
     @property
     def sizes(self) -> list[int]:
-        """Layer widths ``[d_0, d_1, ..., d_L]`` (``d_0`` is None until known)."""
-        return [self.input_dim] + [lay.units for lay in self.layers]
+        """Layer widths ``[d_0, d_1, ..., d_L]`` (``d_0`` is None until known).
+
+        For a CNN, conv and pooling layers count ``C*H*W`` of their output, Flatten the
+        same as the layer before it.
+        """
+        front = []
+        if self._n_front:
+            front = [c * h * w for c, h, w in (f.out_shape for f in self._shapes)]
+            front.append(front[-1])
+        return [self.input_dim] + front + [lay.units for lay in self.dense_layers]
+
+    @property
+    def is_cnn(self) -> bool:
+        return bool(self._n_front)
 
     @property
     def n_classes(self) -> int:
@@ -157,13 +231,18 @@ class Sequential:
         Returns ``self``. Weights already on a previous grid are moved to the new one.
         """
         grid = parse_grid(grid)
-        for k, lay in enumerate(self.layers):
+        first = len(self.layers) - len(self.dense_layers)
+        for k, lay in enumerate(self.dense_layers, start=first):
             if lay.units < grid.pr:
                 raise IparError(
                     f"layer {k} has {lay.units} outputs, fewer than the grid's Pr = {grid.pr} rows; "
                     "each grid row must own at least one output row. Use a grid with "
-                    f"Pr <= {min(l.units for l in self.layers)}."
+                    f"Pr <= {min(l.units for l in self.dense_layers)}."
                 )
+        if self._n_front:
+            from dask_ipar.front import front_layouts
+
+            front_layouts(self.layers[:self._n_front], self.input_shape, grid.pr, grid.pc)
         binding = bind_grid(grid, client, workers)
         params = self.get_weights() if self._w is not None else self._init_params
         self.close()
@@ -176,7 +255,8 @@ class Sequential:
     def _build(self):
         grid = self.binding.grid
         sizes = self.sizes
-        for k, lay in enumerate(self.layers):
+        first = len(self.layers) - len(self.dense_layers)
+        for k, lay in enumerate(self.dense_layers, start=first):
             cols = sizes[k] + int(lay.bias)
             if cols < grid.pc:
                 raise IparError(
@@ -185,15 +265,26 @@ class Sequential:
                 )
         layouts = [
             LayerLayout.build(k, sizes[k], lay, grid.pr, grid.pc)
-            for k, lay in enumerate(self.layers)
+            for k, lay in enumerate(self.dense_layers, start=first)
         ]
-        self.engine = Engine(self.binding, layouts, self.uid)
+        front = None
+        if self._n_front:
+            from dask_ipar.front import Front, front_layouts
+
+            flayouts = front_layouts(self.layers[:self._n_front], self.input_shape, grid.pr,
+                                     grid.pc)
+            front = Front(self.binding, flayouts, f"flatten{self._n_front}", self.uid)
+        self.engine = Engine(self.binding, layouts, self.uid, front=front)
         if self._init_params is None:
             rng = np.random.default_rng(self.seed)
             self._init_params = [
+                (_glorot_conv(rng, f.wshape, self.dtype),
+                 np.zeros(f.wshape[0], self.dtype) if f.weights.bias else None)
+                for f in ([] if front is None else front.convs)
+            ] + [
                 (_glorot(rng, lay.units, sizes[k], self.dtype),
                  np.zeros(lay.units, self.dtype) if lay.bias else None)
-                for k, lay in enumerate(self.layers)
+                for k, lay in enumerate(self.dense_layers, start=first)
             ]
         self._scatter_weights(self._init_params)
         self._init_params = None
@@ -209,6 +300,21 @@ class Sequential:
                     raise IparError("input_dim is unknown: pass input_dim= or fit on data first.")
                 self.input_dim = n_features
             self._build()
+
+    def _as_inputs(self, X):
+        """Checked inputs: ``(n, features)``, or ``(n, C, H, W)`` images for a CNN."""
+        if not self._n_front:
+            return as_features(X, self.input_dim, self.dtype)
+        shape = getattr(X, "shape", None)
+        if shape is not None and len(shape) == 4:
+            if tuple(shape[1:]) != self.input_shape:
+                raise IparError(
+                    f"images have shape {tuple(shape[1:])} (C, H, W), the model expects "
+                    f"{self.input_shape} (input_shape)."
+                )
+            X = X.reshape(shape[0], -1)
+        X = as_features(X, self.input_dim, self.dtype)
+        return X.reshape(X.shape[0], *self.input_shape)
 
     def _next_step(self) -> int:
         self._step += 1
@@ -230,8 +336,8 @@ class Sequential:
         step = self._next_step()
         per_worker: dict[str, dict] = {}
         names = []
-        for lay, (W, b) in zip(self.engine.layouts, params):
-            Wa = np.asarray(W, dtype=self.dtype)
+        for lay, (W, b) in zip(self.engine.param_layouts, params):
+            Wa = np.asarray(W, dtype=self.dtype).reshape(lay.n_out, lay.n_in)
             if b is not None:
                 Wa = np.concatenate([Wa, np.asarray(b, dtype=self.dtype)[:, None]], axis=1)
             name = self.engine.name(lay.name, "w", step)
@@ -274,14 +380,23 @@ class Sequential:
         xname = f"input.x-{self.uid}-s{step}"
         yname = f"input.y-{self.uid}-s{step}"
         bounds = split_bounds(Xb.shape[0], grid.pc)
-        cols = [np.ascontiguousarray(Xb[b0:b1].T) for b0, b1 in bounds]
         labs = None if yb is None else [yb[b0:b1] for b0, b1 in bounds]
         blocks = {}
-        for i, j in grid.cells():
-            blocks[(xname, i, j)] = cols[j]
-            if labs is not None:
+        if self._n_front:  # image strips: rows i of sample block j on cell (i, j)
+            rows = split_bounds(Xb.shape[2], grid.pr)
+            for i, j in grid.cells():
+                (b0, b1), (r0, r1) = bounds[j], rows[i]
+                blocks[(xname, i, j)] = np.ascontiguousarray(Xb[b0:b1, :, r0:r1])
+            copies = 1
+        else:
+            cols = [np.ascontiguousarray(Xb[b0:b1].T) for b0, b1 in bounds]
+            for i, j in grid.cells():
+                blocks[(xname, i, j)] = cols[j]
+            copies = grid.pr
+        if labs is not None:
+            for i, j in grid.cells():
                 blocks[(yname, i, j)] = labs[j]
-        if Xb.nbytes * grid.pr <= self.embed_bytes:
+        if Xb.nbytes * copies <= self.embed_bytes:
             for key, value in blocks.items():
                 g.add_data(key, self.binding.worker(*key[1:]), value)
             futures = {}
@@ -383,7 +498,7 @@ class Sequential:
         if not isinstance(epochs, int) or epochs < 1:
             raise IparError(f"epochs must be a positive integer, got {epochs!r}.")
         self._require_bound()
-        X = as_features(X, self.input_dim, self.dtype)
+        X = self._as_inputs(X)
         y = as_labels(y, X.shape[0], self.n_classes)
         self._require(X.shape[1])
         batch = self._check_batch(batch_size, X.shape[0])
@@ -397,7 +512,7 @@ class Sequential:
         if measure:
             from dask_ipar.comm import CommMeter
 
-            meter = CommMeter(self.client, self.binding, self.engine.layouts,
+            meter = CommMeter(self.client, self.binding, self.engine,
                               self.dtype.itemsize, machine)
         self._meter = meter
         try:
@@ -532,7 +647,7 @@ class Sequential:
     def forward(self, X, batch_size: int | None = 4096) -> np.ndarray:
         """Logits ``(n_samples, classes)``, computed on the grid batch by batch."""
         self._require_bound()
-        X = as_features(X, self.input_dim, self.dtype)
+        X = self._as_inputs(X)
         self._require(X.shape[1])
         out = []
         for Xb, _ in self._batches(X, None, batch_size):
@@ -547,7 +662,7 @@ class Sequential:
     def evaluate(self, X, y, batch_size: int | None = 4096) -> dict:
         """Mean cross-entropy ``loss`` and ``accuracy`` on ``(X, y)``."""
         self._require_bound()
-        X = as_features(X, self.input_dim, self.dtype)
+        X = self._as_inputs(X)
         y = as_labels(y, X.shape[0], self.n_classes)
         self._require(X.shape[1])
         totals = np.zeros(2)
@@ -562,7 +677,7 @@ class Sequential:
         Computed on the grid exactly as a training step does, without the update.
         """
         self._require_bound()
-        X = as_features(X, self.input_dim, self.dtype)
+        X = self._as_inputs(X)
         y = as_labels(y, X.shape[0], self.n_classes)
         self._require(X.shape[1])
         self._check_batch(X.shape[0], X.shape[0])
@@ -574,7 +689,7 @@ class Sequential:
         futs = self._submit(g, f"grad-{self.uid}-s{step}", keys + stats)
         blocks = dict(zip(keys, self._fetch(keys, futs[: len(keys)])))
         loss_sum, correct = np.sum(self.client.gather(futs[len(keys):]), axis=0)
-        grads = [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.layouts, names)]
+        grads = [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.param_layouts, names)]
         return loss_sum / len(y), correct / len(y), grads
 
     # -------------------------------------------------------------- weights
@@ -584,7 +699,18 @@ class Sequential:
             np.concatenate([np.asarray(blocks[(name, i, j)]) for j in range(grid.pc)], axis=1)
             for i in range(grid.pr)
         ], axis=0)
-        return (full[:, : lay.n_in], full[:, lay.n_in] if lay.bias else None)
+        W = full[:, : lay.n_in]
+        if lay.name.startswith("conv"):
+            W = W.reshape(self._wshape(lay))
+        return (W, full[:, lay.n_in] if lay.bias else None)
+
+    def _wshape(self, lay):
+        """Shape of a layer's ``W`` as users see it (filters for a conv)."""
+        if self.engine is not None and self.engine.front is not None:
+            for f in self.engine.front.convs:
+                if f.weights.name == lay.name:
+                    return f.wshape
+        return (lay.n_out, lay.n_in)
 
     def weight_arrays(self):
         """The master weights as dask arrays (``d_out x (d_in + bias)``), block (i, j) on cell (i, j).
@@ -595,7 +721,7 @@ class Sequential:
 
         self._require()
         out = []
-        for lay, name in zip(self.engine.layouts, self._w):
+        for lay, name in zip(self.engine.param_layouts, self._w):
             dsk = {(name, i, j): self._futures[(name, i, j)] for i, j in self.binding.grid.cells()}
             chunks = (tuple(b - a for a, b in lay.rows), tuple(b - a for a, b in lay.wcols))
             if self.device == "cuda":
@@ -616,21 +742,24 @@ class Sequential:
                 return [(W.copy(), None if b is None else b.copy()) for W, b in self._init_params]
         keys = [(n, i, j) for n in self._w for i, j in self.binding.grid.cells()]
         blocks = dict(zip(keys, self._fetch(keys, [self._futures[k] for k in keys])))
-        return [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.layouts, self._w)]
+        return [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.param_layouts, self._w)]
 
     def set_weights(self, params):
         """Replace all weights (``[(W, b), ...]``, ``W`` is ``d_out x d_in``); resets momentum."""
         self._require()
         params = list(params)
-        if len(params) != len(self.layers):
-            raise IparError(f"expected {len(self.layers)} (W, b) pairs, got {len(params)}.")
+        layouts = self.engine.param_layouts
+        if len(params) != len(layouts):
+            raise IparError(f"expected {len(layouts)} (W, b) pairs (one per layer with weights), "
+                            f"got {len(params)}.")
         checked = []
-        for k, (lay, (W, b)) in enumerate(zip(self.engine.layouts, params)):
+        for k, (lay, (W, b)) in enumerate(zip(layouts, params)):
             W = np.asarray(W)
-            if W.shape != (lay.n_out, lay.n_in):
+            if W.shape != self._wshape(lay):
                 raise IparError(
-                    f"layer {k}: W has shape {W.shape}, expected {(lay.n_out, lay.n_in)} "
-                    "(d_out x d_in)."
+                    f"{lay.name}: W has shape {W.shape}, expected {self._wshape(lay)} "
+                    + ("(filters, channels / groups, kh, kw)." if lay.name.startswith("conv")
+                       else "(d_out x d_in).")
                 )
             if lay.bias:
                 if b is None or np.shape(b) != (lay.n_out,):
@@ -653,6 +782,9 @@ class Sequential:
         from dask_ipar.engine import sim_tasks
 
         self._require()
+        if self._n_front:
+            raise IparError("step-time prediction covers dense networks only, not conv layers "
+                            "yet.")
         if not machine.flops_per_s:
             raise IparError("the machine needs flops_per_s (run `dask-ipar calibrate`).")
         grid = self.binding.grid
@@ -669,7 +801,7 @@ class Sequential:
         g, _, _, _ = self.engine.train_step(x_keys, y_keys, batch, self._w, v_names, 0,
                                             0.1, 0.9, 0.0, g=g)
         external = {}
-        for lay, wn, vn in zip(self.engine.layouts, self._w, v_names):
+        for lay, wn, vn in zip(self.engine.param_layouts, self._w, v_names):
             for i, (r0, r1) in enumerate(lay.rows):
                 for j, (c0, c1) in enumerate(lay.wcols):
                     for name in (wn, vn):
@@ -693,7 +825,7 @@ class Sequential:
         self._require()
         cells = self.binding.grid.cells()
         layers = []
-        for lay, wn, vn in zip(self.engine.layouts, self._w, self._v):
+        for lay, wn, vn in zip(self.engine.param_layouts, self._w, self._v):
             layers.append({
                 "name": lay.name, "n_in": lay.n_in, "n_out": lay.n_out, "bias": lay.bias,
                 "activation": lay.activation, "rows": lay.rows, "wcols": lay.wcols,
@@ -712,8 +844,8 @@ class Sequential:
         """
         self._require()
         step = self._next_step()
-        w = [self.engine.name(lay.name, "w", step) for lay in self.engine.layouts]
-        v = ([self.engine.name(lay.name, "v", step) for lay in self.engine.layouts]
+        w = [self.engine.name(lay.name, "w", step) for lay in self.engine.param_layouts]
+        v = ([self.engine.name(lay.name, "v", step) for lay in self.engine.param_layouts]
              if with_velocity else [None] * len(w))
         return w, v
 

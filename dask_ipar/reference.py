@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mlp_forward", "mlp_loss_and_grads", "sgd_step"]
+__all__ = ["mlp_forward", "mlp_loss_and_grads", "sgd_step", "cnn_loss_and_grads"]
 
 
 def _act(z, name):
@@ -76,3 +76,141 @@ def sgd_step(params, velocity, grads, lr, momentum=0.0, weight_decay=0.0):
         new_p.append((W - lr * vW, None if b is None else b - lr * vb))
         new_v.append((vW, vb))
     return new_p, new_v
+
+
+# ----------------------------------------------------------------------- CNNs
+# Whole-batch NumPy definitions through ``sliding_window_view`` (not the im2col
+# kernels of the engine). Images are NCHW; Flatten is (C, H, W) order.
+
+
+def _windows(xpad, kh, kw, s):
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    return sliding_window_view(xpad, (kh, kw), axis=(2, 3))[:, :, ::s, ::s]
+
+
+def _conv_fwd(x, W, b, s, pad, groups):
+    t, bo, l, r = pad
+    win = _windows(np.pad(x, ((0, 0), (0, 0), (t, bo), (l, r))), W.shape[2], W.shape[3], s)
+    o, cg = W.shape[0], W.shape[1]
+    og = o // groups
+    y = np.concatenate([np.einsum("ncpqij,ocij->nopq", win[:, g * cg:(g + 1) * cg],
+                                  W[g * og:(g + 1) * og]) for g in range(groups)], axis=1)
+    return y if b is None else y + b[None, :, None, None]
+
+
+def _conv_bwd(x, W, dz, s, pad, groups, bias):
+    t, bo, l, r = pad
+    xpad = np.pad(x, ((0, 0), (0, 0), (t, bo), (l, r)))
+    kh, kw = W.shape[2], W.shape[3]
+    win = _windows(xpad, kh, kw, s)
+    o, cg = W.shape[0], W.shape[1]
+    og = o // groups
+    dW = np.concatenate([np.einsum("nopq,ncpqij->ocij", dz[:, g * og:(g + 1) * og],
+                                   win[:, g * cg:(g + 1) * cg]) for g in range(groups)], axis=0)
+    dwin = np.concatenate([np.einsum("ocij,nopq->ncpqij", W[g * og:(g + 1) * og],
+                                     dz[:, g * og:(g + 1) * og]) for g in range(groups)], axis=1)
+    dxpad = np.zeros_like(xpad)
+    oh, ow = dz.shape[2], dz.shape[3]
+    for i in range(kh):
+        for j in range(kw):
+            dxpad[:, :, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s] += dwin[..., i, j]
+    h, w = x.shape[2], x.shape[3]
+    return dxpad[:, :, t:t + h, l:l + w], dW, (dz.sum(axis=(0, 2, 3)) if bias else None)
+
+
+def _pool_fwd(x, k, s, pad, mode):
+    t, bo, l, r = pad
+    fill = -np.inf if mode == "max" else 0.0
+    xpad = np.pad(x, ((0, 0), (0, 0), (t, bo), (l, r)), constant_values=fill)
+    win = _windows(xpad, k, k, s)
+    if mode == "max":
+        return win.max(axis=(4, 5))
+    ones = np.pad(np.ones((1, 1) + x.shape[2:]), ((0, 0), (0, 0), (t, bo), (l, r)))
+    return win.sum(axis=(4, 5)) / _windows(ones, k, k, s).sum(axis=(4, 5))
+
+
+def _pool_bwd(x, dy, k, s, pad, mode):
+    t, bo, l, r = pad
+    fill = -np.inf if mode == "max" else 0.0
+    xpad = np.pad(x, ((0, 0), (0, 0), (t, bo), (l, r)), constant_values=fill)
+    n, c, oh, ow = dy.shape
+    dxpad = np.zeros_like(xpad)
+    if mode == "max":  # the first maximum of each window (row-major) takes the gradient
+        win = _windows(xpad, k, k, s).reshape(n, c, oh, ow, k * k)
+        first = win.argmax(axis=4)
+        for p in range(oh):
+            for q in range(ow):
+                i, j = np.divmod(first[:, :, p, q], k)
+                nn, cc = np.meshgrid(np.arange(n), np.arange(c), indexing="ij")
+                np.add.at(dxpad, (nn, cc, p * s + i, q * s + j), dy[:, :, p, q])
+    else:
+        ones = np.pad(np.ones((1, 1) + x.shape[2:]), ((0, 0), (0, 0), (t, bo), (l, r)))
+        share = dy / _windows(ones, k, k, s).sum(axis=(4, 5))
+        for i in range(k):
+            for j in range(k):
+                dxpad[:, :, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s] += share
+    h, w = x.shape[2], x.shape[3]
+    return dxpad[:, :, t:t + h, l:l + w]
+
+
+def cnn_loss_and_grads(layers, params, X, y):
+    """Loss, accuracy, logits ``(B, classes)`` and gradients ``[(dW, db), ...]`` of a CNN.
+
+    ``layers``: the model's layer descriptions (dask_ipar Conv2d, MaxPool2d, AvgPool2d,
+    Flatten, Dense); ``params``: ``(W, b)`` of every layer with weights, in order (conv
+    ``W`` is ``(O, C/groups, kh, kw)``); ``X``: images ``(B, C, H, W)``; ``y``: labels.
+    """
+    from dask_ipar.layers import Conv2d, Dense, Flatten, resolve_padding
+
+    a, cache, it = X, [], iter(params)
+    for lay in layers:
+        if isinstance(lay, Conv2d):
+            W, b = next(it)
+            pad = resolve_padding(lay.padding, a.shape[2:], lay.kernel_size,
+                                  (lay.stride, lay.stride))
+            z = _conv_fwd(a, W, b, lay.stride, pad, lay.groups)
+            cache.append((a, z, pad))
+            a = _act(z, lay.activation)
+        elif isinstance(lay, Flatten):
+            cache.append((a, None, None))
+            a = a.reshape(a.shape[0], -1).T
+        elif isinstance(lay, Dense):
+            W, b = next(it)
+            z = W @ a + (b[:, None] if b is not None else 0)
+            cache.append((a, z, None))
+            a = _act(z, lay.activation)
+        else:
+            k, s = lay.kernel_size, lay.stride
+            pad = resolve_padding(lay.padding, a.shape[2:], (k, k), (s, s))
+            cache.append((a, None, pad))
+            a = _pool_fwd(a, k, s, pad, lay.mode)
+    logits = a
+    B = logits.shape[1]
+    m = logits.max(axis=0, keepdims=True)
+    lse = np.log(np.exp(logits - m).sum(axis=0)) + m[0]
+    loss = float(np.mean(lse - logits[y, np.arange(B)]))
+    acc = float(np.mean(logits.argmax(axis=0) == y))
+    d = np.exp(logits - lse[None, :])
+    d[y, np.arange(B)] -= 1
+    d /= B
+    grads = []
+    wi = len(params)
+    for lay, (x, z, pad) in zip(layers[::-1], cache[::-1]):
+        if isinstance(lay, Dense):
+            wi -= 1
+            W, b = params[wi]
+            d = d * _act_grad(z, lay.activation)
+            grads.append((d @ x.T, d.sum(axis=1) if b is not None else None))
+            d = W.T @ d
+        elif isinstance(lay, Flatten):
+            d = d.T.reshape(x.shape)
+        elif isinstance(lay, Conv2d):
+            wi -= 1
+            W, b = params[wi]
+            d = d * _act_grad(z, lay.activation)
+            d, dW, db = _conv_bwd(x, W, d, lay.stride, pad, lay.groups, b is not None)
+            grads.append((dW, db))
+        else:
+            d = _pool_bwd(x, d, lay.kernel_size, lay.stride, pad, lay.mode)
+    return loss, acc, logits.T, grads[::-1]

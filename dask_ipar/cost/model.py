@@ -43,6 +43,7 @@ __all__ = [
     "dense_layer_phases",
     "conv_model_phases",
     "domain_layer_phases",
+    "halo_phases",
     "batch_layer_phases",
     "redistribute_phase",
     "network_phases",
@@ -349,6 +350,30 @@ def domain_layer_phases(
             mx = neighbours * halo * row_words * _ceil_div(batch, pc) * w
             phases.append(_phase(name, phase, pr, total, mx, neighbours, machine))
     return phases + _weight_allreduce_all(conv, name, pr * pc, machine, convention)
+
+
+def halo_phases(
+    name: str, exchanged_rows: int, row_words: int, pr: int, pc: int, batch: int, machine: Machine, *, max_rows: int | None = None
+) -> list[PhaseCost]:
+    """The engine's halo exchanges of one domain-parallel conv or pooling layer, exactly.
+
+    ``exchanged_rows`` is the number of input rows that grid rows read from a
+    neighbour, summed over ``Pr`` (from the layer's exact window geometry: kernel,
+    stride, padding, uneven blocks; ``dask_ipar.halo.halo_rows``), ``row_words`` the
+    words of one row of one sample (``C_in * W_in``). Forward (``halo_fwd``) sends
+    those rows; backward (``halo_bwd``) returns their gradient to the owners: the same
+    words each way, ``exchanged_rows * row_words * B``. ``max_rows``: most rows one
+    grid row receives (for the seconds; default ``exchanged_rows / Pr`` rounded up).
+    """
+    _check_grid(pr, pc, batch)
+    w = machine.word_bytes
+    if pr == 1 or exchanged_rows == 0:
+        return [_phase(name, p, pr, 0, 0, 0, machine) for p in ("halo_fwd", "halo_bwd")]
+    mrows = _ceil_div(exchanged_rows, pr) if max_rows is None else max_rows
+    total = exchanged_rows * row_words * batch * w
+    mx = mrows * row_words * _ceil_div(batch, pc) * w
+    neighbours = min(2, pr - 1)
+    return [_phase(name, p, pr, total, mx, neighbours, machine) for p in ("halo_fwd", "halo_bwd")]
 
 
 # --------------------------------------------------------------------------- Eq. 6

@@ -1,0 +1,291 @@
+"""The convolutional front of a network on a grid: domain-parallel conv and pooling layers,
+then the redistribution (Eq. 6) to the model-parallel dense layers.
+
+Layout on a ``Pr x Pc`` grid: cell ``(i, j)`` holds rows ``i`` (balanced over ``Pr``) of
+the images of sample block ``j`` (balanced over ``Pc``), for every conv and pool layer's
+input and output. The graphs of each layer come from :mod:`dask_ipar.domain` (halo
+exchange forward, ghost-row gradients back).
+
+Conv weights are one matrix per layer, ``O x (C/g*kh*kw [+ 1])`` (the last column the
+bias), stored as ``Pr x Pc`` blocks like a dense layer's (block ``(i, j)`` on cell
+``(i, j)``, beside its momentum). Every cell needs the whole matrix, so a training step
+is a balanced all-reduce over all P cells, split across two steps as for the dense
+layers:
+
+========== =========================================================== ============
+phase      tasks                                                       key fetched
+========== =========================================================== ============
+w_gather   ``cw``: each cell concatenates all P blocks                 ``w``
+dw_reduce  ``dwp``: block ``(i', j')`` of each cell's partial dW goes  ``dwp``
+           to cell ``(i', j')``, which sums and updates (``v``, ``w``)
+========== =========================================================== ============
+
+Each moves ``(P - 1) |W|`` in total, ``(P - 1)/P |W|`` per cell: the ring all-reduce
+volume, with no home worker. Then the flatten layer: each cell's strip of the last
+front layer's output is all-gathered over its grid column (``rd``, phase
+``redistribute``) into the ``(C*H*W, b)`` features of its samples, in ``(C, H, W)``
+order; the first dense layer's input-gradient reduce-scatter sends each strip's owner
+the gradient of its rows, as an NCHW strip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dask._task_spec import TaskRef
+
+from dask_ipar import domain as D
+from dask_ipar import kernels as K
+from dask_ipar.conv_kernels import conv_out_size
+from dask_ipar.engine import LayerLayout, StepGraph
+from dask_ipar.errors import IparError
+from dask_ipar.halo import halo_plan
+from dask_ipar.layers import Conv2d, resolve_padding
+from dask_ipar.partition import split_bounds
+
+__all__ = ["FrontLayout", "Front", "front_layouts"]
+
+
+@dataclass(frozen=True)
+class FrontLayout:
+    """Shapes and grid geometry of one conv or pooling layer."""
+
+    index: int
+    name: str
+    kind: str  # "conv" or "pool"
+    in_shape: tuple[int, int, int]  # (C, H, W)
+    out_shape: tuple[int, int, int]
+    k: tuple[int, int]
+    stride: int
+    pad: tuple[int, int, int, int]
+    groups: int = 1
+    activation: str = "linear"
+    mode: str = "max"
+    wshape: tuple | None = None  # conv filters (O, C/g, kh, kw)
+    weights: LayerLayout | None = None  # the weight matrix's blocks (conv only)
+
+    def exchanged_rows(self, pr: int) -> int:
+        """Input rows each halo exchange (forward and backward) moves, summed over Pr."""
+        plan = halo_plan(self.in_shape[1], pr, self.k[0], self.stride, self.pad[:2])
+        return sum(n.halo_rows for n in plan)
+
+
+def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
+    """Layouts of the conv/pool layers ``layers`` on a ``pr x pc`` grid; checks the shapes.
+
+    Raises :class:`IparError` naming the layer when a layer leaves no output rows or has
+    fewer output rows than ``pr`` (every grid row must own some).
+    """
+    shape = tuple(input_shape)
+    out = []
+    for off, layer in enumerate(layers):
+        index = first_index + off
+        c, h, w = shape
+        if isinstance(layer, Conv2d):
+            kh, kw = layer.kernel_size
+            stride = layer.stride
+            if c % layer.groups:
+                raise IparError(f"layer {index} (Conv2d): groups={layer.groups} must divide the "
+                                f"{c} input channels.")
+            kind, name = "conv", f"conv{index}"
+        else:
+            kh = kw = layer.kernel_size
+            stride = layer.stride
+            kind, name = "pool", f"pool{index}"
+        pad = resolve_padding(layer.padding, (h, w), (kh, kw), (stride, stride))
+        oh = conv_out_size(h, kh, stride, pad[0], pad[1])
+        ow = conv_out_size(w, kw, stride, pad[2], pad[3])
+        if oh < 1 or ow < 1:
+            raise IparError(
+                f"layer {index} ({type(layer).__name__}) gets {h}x{w} images, too small for a "
+                f"{kh}x{kw} window with padding {pad}: no output left. Use smaller windows or "
+                "strides, more padding, or larger images."
+            )
+        if oh < pr:
+            raise IparError(
+                f"layer {index} ({type(layer).__name__}) has {oh} output rows, fewer than the "
+                f"grid's Pr = {pr} rows that split the images; every grid row needs at least "
+                f"one. Use a grid with Pr <= {oh}, or larger images."
+            )
+        if kind == "conv":
+            o = layer.filters
+            wshape = (o, c // layer.groups, kh, kw)
+            n_in = wshape[1] * kh * kw
+            if o < pr or n_in + int(layer.bias) < pc:
+                raise IparError(
+                    f"layer {index} (Conv2d) has a {o} x {n_in + int(layer.bias)} weight matrix "
+                    f"(filters x weights per filter), stored in Pr x Pc = {pr} x {pc} blocks; "
+                    "each block needs a row and a column. Use a smaller grid or more filters."
+                )
+            weights = LayerLayout(index=index, name=name, n_in=n_in, n_out=o, bias=layer.bias,
+                                  activation=layer.activation, rows=split_bounds(o, pr),
+                                  in_rows=split_bounds(n_in, pr),
+                                  wcols=split_bounds(n_in + int(layer.bias), pc))
+            out.append(FrontLayout(index, name, kind, shape, (o, oh, ow), (kh, kw), stride, pad,
+                                   layer.groups, layer.activation, wshape=wshape,
+                                   weights=weights))
+            shape = (o, oh, ow)
+        else:
+            out.append(FrontLayout(index, name, kind, shape, (c, oh, ow), (kh, kw), stride, pad,
+                                   mode=layer.mode))
+            shape = (c, oh, ow)
+    return out
+
+
+class Front:
+    """Builds the front's part of each step graph (see the module docstring).
+
+    Parameters
+    ----------
+    binding : GridBinding
+    layouts : list of FrontLayout
+    flatten : str
+        Name of the flatten layer (its keys carry the redistribution).
+    uid : str
+        The model's token, part of every key.
+    """
+
+    def __init__(self, binding, layouts, flatten: str, uid: str):
+        self.binding = binding
+        self.layouts = list(layouts)
+        self.flatten = flatten
+        self.uid = uid
+        self.convs = [f for f in self.layouts if f.kind == "conv"]
+        grid = binding.grid
+        self.image_rows = split_bounds(self.layouts[-1].out_shape[1], grid.pr)
+
+    @property
+    def out_shape(self):
+        return self.layouts[-1].out_shape
+
+    def token(self, step):
+        return f"{self.uid}-s{step}"
+
+    # ---------------------------------------------------------------- forward
+    def _weights(self, g, lay, w_name, step):
+        """The whole weight matrix on every cell (phase w_gather)."""
+        grid = self.binding.grid
+        if grid.size == 1:
+            return {(0, 0): (w_name, 0, 0)}
+        key = D._name(lay.name, "cw", self.token(step))
+        blocks = [TaskRef((w_name, i, j)) for i, j in grid.cells()]
+        out = {}
+        for cell in grid.cells():
+            g.add((key, *cell), self.binding.worker(*cell), K.assemble_blocks, grid.pr,
+                  grid.pc, *blocks)
+            out[cell] = (key, *cell)
+        return out
+
+    def forward(self, g: StepGraph, x_keys: dict, w_names: list, step: int):
+        """Forward of every front layer and the flatten all-gather.
+
+        ``x_keys[(i, j)]``: key of the input strip on cell (i, j). Returns ``(ctx, x_in)``:
+        ``x_in[(i, j)]`` (a TaskRef) is the ``(C*H*W, b_j)`` input of the first dense
+        layer on every cell of column ``j``; ``ctx`` is what :meth:`backward` needs.
+        """
+        token = self.token(step)
+        ctx = []
+        names = iter(w_names)
+        for lay in self.layouts:
+            c, h, w = lay.in_shape
+            if lay.kind == "conv":
+                wk = self._weights(g, lay, next(names), step)
+                plan, out = D.conv_forward_graph(g, self.binding, lay.name, token, x_keys, wk,
+                                                 h, lay.wshape, lay.stride, lay.pad, lay.groups,
+                                                 lay.activation)
+            else:
+                wk = None
+                plan, out = D.pool_forward_graph(g, self.binding, lay.name, token, x_keys, h,
+                                                 lay.k[0], lay.stride, lay.pad, lay.mode)
+            ctx.append({"x": x_keys, "w": wk, "plan": plan, "out": out})
+            x_keys = out
+        grid = self.binding.grid
+        rd = D._name(self.flatten, "rd", token)
+        xg = D._name(self.flatten, "xg", token)
+        x_in = {}
+        for i, j in grid.cells():
+            g.add((rd, i, j), self.binding.worker(i, j), K.identity, TaskRef(x_keys[(i, j)]))
+        for i, j in grid.cells():
+            g.add((xg, i, j), self.binding.worker(i, j), K.flatten_gather,
+                  *[TaskRef((rd, k, j)) for k in range(grid.pr)])
+            x_in[(i, j)] = TaskRef((xg, i, j))
+        return ctx, x_in
+
+    # --------------------------------------------------------------- backward
+    def image_grad(self, g, wrow, dz, step, lay0):
+        """The first dense layer's input gradient, reduce-scattered as NCHW strips.
+
+        ``wrow[(i, j)]``: its gathered weight rows on cell (i, j); ``dz[(i, j)]`` the key of
+        its output gradient. Pieces for other grid rows are ``<dense>.dxp`` (phase
+        ``dx_reduce``); returns the strip-gradient keys per cell.
+        """
+        grid = self.binding.grid
+        token = self.token(step)
+        chw = self.out_shape
+        dxp = D._name(lay0.name, "dxp", token)
+        for i in range(grid.pr):
+            for k in range(grid.pr):
+                if k == i:
+                    continue
+                h0, h1 = self.image_rows[k]
+                for j in range(grid.pc):
+                    g.add((dxp, i, k, j), self.binding.worker(i, j), K.dx_image_piece,
+                          wrow[(i, j)], TaskRef((dz, i, j)), chw, h0, h1)
+        name = D._name(self.flatten, "dx", token)
+        out = {}
+        for k in range(grid.pr):
+            h0, h1 = self.image_rows[k]
+            for j in range(grid.pc):
+                g.add((name, k, j), self.binding.worker(k, j), K.dz_image_from_pieces,
+                      wrow[(k, j)], TaskRef((dz, k, j)), chw, h0, h1,
+                      *[TaskRef((dxp, i, k, j)) for i in range(grid.pr) if i != k])
+                out[(k, j)] = (name, k, j)
+        return out
+
+    def backward(self, g, ctx, dy_keys, step, reduce_fn):
+        """Backward of every front layer, last first.
+
+        ``reduce_fn(g, lay, c, grads, wk, pieces)`` adds the tasks that sum the conv
+        layer's partial weight gradients on the block owners (``c`` is the conv's
+        position among the front's convs; ``pieces(i, j)`` the keys of the remote
+        pieces of block (i, j)).
+        """
+        token = self.token(step)
+        conv_pos = len(self.convs)
+        for l in range(len(self.layouts) - 1, -1, -1):
+            lay, cx = self.layouts[l], ctx[l]
+            c, h, w = lay.in_shape
+            need_dx = l > 0
+            if lay.kind == "conv":
+                conv_pos -= 1
+                dx, grads = D.conv_backward_graph(
+                    g, self.binding, lay.name, token, cx["plan"], cx["x"], cx["w"], cx["out"],
+                    dy_keys, h, lay.wshape, lay.stride, lay.pad, lay.groups, lay.activation,
+                    need_dx)
+                pieces = self._grad_pieces(g, lay, grads, token)
+                reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces)
+            else:
+                if not need_dx:
+                    break
+                dx = D.pool_backward_graph(g, self.binding, lay.name, token, cx["plan"],
+                                           cx["x"], dy_keys, h, lay.k[0], lay.stride, lay.pad,
+                                           lay.mode)
+            dy_keys = dx
+
+    def _grad_pieces(self, g, lay, grads, token):
+        """Blocks of every cell's partial dW sent to the blocks' owners (phase dw_reduce)."""
+        grid = self.binding.grid
+        wl = lay.weights
+        name = D._name(lay.name, "dwp", token)
+        for src in grid.cells():
+            for dst in grid.cells():
+                if dst == src:
+                    continue
+                (r0, r1), (c0, c1) = wl.rows[dst[0]], wl.wcols[dst[1]]
+                g.add((name, *src, *dst), self.binding.worker(*src), K.grad_block,
+                      TaskRef(grads[src]), r0, r1, c0, c1)
+
+        def pieces(i, j):
+            return [TaskRef((name, *src, i, j)) for src in grid.cells() if src != (i, j)]
+
+        return pieces
