@@ -111,12 +111,7 @@ def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
             o = layer.filters
             wshape = (o, c // layer.groups, kh, kw)
             n_in = wshape[1] * kh * kw
-            if o < pr or n_in + int(layer.bias) < pc:
-                raise IparError(
-                    f"layer {index} (Conv2d) has a {o} x {n_in + int(layer.bias)} weight matrix "
-                    f"(filters x weights per filter), stored in Pr x Pc = {pr} x {pc} blocks; "
-                    "each block needs a row and a column. Use a smaller grid or more filters."
-                )
+            # blocks may be empty (fewer filters than Pr): the matrix is only stored there
             weights = LayerLayout(index=index, name=name, n_in=n_in, n_out=o, bias=layer.bias,
                                   activation=layer.activation, rows=split_bounds(o, pr),
                                   in_rows=split_bounds(n_in, pr),

@@ -1,0 +1,79 @@
+"""CNNs on every grid equal the single-process NumPy reference (forward, loss, every
+gradient, SGD steps), and move exactly the bytes the cost model predicts: halo
+exchanges, conv weight all-reduces, the flatten redistribution and the dense phases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dask_ipar import AvgPool2d, Conv2d, Dense, Flatten, IparError, MaxPool2d, Sequential
+from dask_ipar.grid import factorizations
+from dask_ipar.testing import check_cnn
+
+GRIDS = [g for p in (1, 2, 3, 4, 6, 8) for g in factorizations(p)]
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_cnn_matches_reference(client, grid):
+    errors = check_cnn(client, grid)  # B = 9, float64, 3 SGD steps, heights 35/17/9/10
+    rows = {(r.layer, r.phase): r for r in errors["comm"].rows}
+    # the convs' windows always cross strip boundaries (pooling windows may not)
+    for lp in [("conv0", "halo_fwd"), ("conv2", "halo_fwd"), ("conv2", "halo_bwd")]:
+        assert (rows[lp].measured_bytes > 0) == (grid.pr > 1)
+    assert ("conv0", "halo_bwd") not in rows  # the first layer returns no ghost rows
+    assert (rows[("flatten4", "redistribute")].measured_bytes > 0) == (grid.pr > 1)
+    assert (rows[("conv2", "dw_reduce")].measured_bytes > 0) == (grid.size > 1)
+
+
+def test_cnn_finite_difference(client):
+    errors = check_cnn(client, "2x2", fd_eps=1e-6, steps=1)
+    assert errors["finite_difference"] < 1e-6
+
+
+@pytest.mark.parametrize("grid", ["4x1", "2x3"])
+def test_cnn_strides_groups_and_thin_strips(client, grid):
+    """An AlexNet-like 11x11 stride-4 conv on an odd height, grouped 5x5 convs whose
+    2-row halo is wider than 1- and 2-row strips, and overlapping 3x3 stride-2 pooling."""
+    layers = [Conv2d(6, 11, stride=4, padding=2, activation="relu"),
+              MaxPool2d(3, stride=2),
+              Conv2d(4, 5, padding=2, groups=2, activation="relu"),
+              Conv2d(4, 5, padding=2, groups=2, bias=False),
+              Flatten(), Dense(5)]
+    # heights: 47 -> 11 -> 5 -> 5 -> 5; on 4x1 the strips are 1-2 rows, thinner than the halo
+    check_cnn(client, grid, layers=layers, input_shape=(3, 47, 27), batch=6, steps=2)
+
+
+def test_more_processes_than_samples(client):
+    """P = 8 > B = 4: a 4x2 grid splits each image over 4 strips and the batch in 2."""
+    layers = [Conv2d(4, 3, activation="relu"), MaxPool2d(2), Conv2d(4, 3, activation="relu"),
+              Flatten(), Dense(10)]
+    errors = check_cnn(client, "4x2", layers=layers, input_shape=(1, 16, 16), batch=4, steps=4)
+    assert errors["comm"].steps == 4
+
+
+def test_cnn_errors(client):
+    conv = Conv2d(4, 3)
+    with pytest.raises(IparError, match="must be Flatten"):
+        Sequential([conv, Dense(3)], input_shape=(1, 8, 8))
+    with pytest.raises(IparError, match="input_shape"):
+        Sequential([conv, Flatten(), Dense(3)])
+    with pytest.raises(IparError, match="come before Flatten"):
+        Sequential([conv, Flatten(), Dense(3), MaxPool2d(2), Dense(3)], input_shape=(1, 8, 8))
+    with pytest.raises(IparError, match="kernel_size"):
+        Conv2d(4, 0)
+    with pytest.raises(IparError, match="padding"):
+        Conv2d(4, 3, padding="full")
+    with pytest.raises(IparError, match="too small"):
+        Sequential([Conv2d(4, 5, padding=0), Flatten(), Dense(3)], input_shape=(1, 4, 4))
+    model = Sequential([conv, MaxPool2d(2), Flatten(), Dense(3)], input_shape=(1, 6, 6))
+    with pytest.raises(IparError, match="fewer than the grid's Pr = 4"):
+        model.distribute(client, "4x1")  # pooling leaves 3 rows
+    model.distribute(client, "2x1")
+    with pytest.raises(IparError, match=r"images have shape \(1, 5, 6\)"):
+        model.forward(np.zeros((2, 1, 5, 6)))
+    with pytest.raises(IparError, match=r"W has shape \(4, 9\), expected \(4, 1, 3, 3\)"):
+        model.set_weights([(np.zeros((4, 9)), np.zeros(4)), (np.zeros((3, 36)), np.zeros(3))])
+    # flattened images are accepted
+    assert model.forward(np.zeros((2, 36))).shape == (2, 3)
+    model.close()
