@@ -60,8 +60,14 @@ def _add_train(sub):
     p.add_argument("--lr", type=float, help="learning rate (default 0.05)")
     p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
     p.add_argument("--weight-decay", type=float, help="L2 weight decay (default 1e-4)")
+    p.add_argument("--model", choices=["mlp", "cnn"],
+                   help="mlp (default): dense layers; cnn: domain-parallel 3x3 conv + 2x2 "
+                   "max-pool blocks (--filters), then the dense layers (digits upsampled to "
+                   "16x16)")
     p.add_argument("--hidden", type=_widths,
                    help="hidden layer widths, comma separated (default 128,64)")
+    p.add_argument("--filters", type=_widths,
+                   help="cnn: conv filters per block, comma separated (default 16,32)")
     p.add_argument("--dtype", choices=["float32", "float64"], help="default float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: CuPy blocks in GPU memory (needs the gpu extra); the local "
@@ -134,10 +140,12 @@ def _load_data(cfg):
     """Training and test data: a file from the config, else the bundled digits."""
     import numpy as np
 
-    from dask_ipar.data import load_digits_split
+    from dask_ipar.data import load_digits_images, load_digits_split
 
     t = cfg["train"]
     if not cfg["data"]["path"]:
+        if cfg["model"].get("kind") == "cnn":
+            return (*load_digits_images(upsample=2, seed=t["seed"]), 10, "digits 16x16")
         return (*load_digits_split(seed=t["seed"]), 10, "digits")
     from dask_ipar.datasets import load_dataset, train_test_split
 
@@ -175,17 +183,36 @@ def run_train(args) -> int:
         )
     Xtr, ytr, Xte, yte, n_classes, data_name = _load_data(cfg)
     layers = [Dense(w, "relu") for w in cfg["model"]["hidden"]] + [Dense(n_classes)]
-    model = Sequential(layers, input_dim=Xtr.shape[1], dtype=cfg["model"]["dtype"],
-                       seed=t["seed"], device=args.device)
-    widths = "-".join(map(str, model.sizes))
+    kind = cfg["model"].get("kind", "mlp")
+    if kind == "cnn":
+        import numpy as np
+
+        if np.ndim(Xtr) != 4:
+            raise IparError(
+                f"--model cnn needs images (n, channels, height, width); the data has shape "
+                f"{tuple(np.shape(Xtr))}. Save X with that shape, or train an MLP."
+            )
+        from dask_ipar.layers import Conv2d, Flatten, MaxPool2d
+
+        front = [lay for f in cfg["model"]["filters"]
+                 for lay in (Conv2d(f, 3, activation="relu"), MaxPool2d(2))]
+        model = Sequential(front + [Flatten()] + layers, input_shape=tuple(Xtr.shape[1:]),
+                           dtype=cfg["model"]["dtype"], seed=t["seed"], device=args.device)
+        widths = "conv " + "-".join(map(str, cfg["model"]["filters"])) + " / dense " + \
+            "-".join(map(str, model.sizes[-len(layers) - 1:]))
+    else:
+        model = Sequential(layers, input_dim=Xtr.shape[1], dtype=cfg["model"]["dtype"],
+                           seed=t["seed"], device=args.device)
+        widths = "-".join(map(str, model.sizes))
     t_start = time.perf_counter()
     # The cluster's own start-up and shutdown chatter is not the user's business.
     logging.getLogger("distributed").setLevel(logging.ERROR)
     history = None
     with make_cluster(cfg, grid.size, device=args.device, log=_eprint) as client:
         link = dashboard_link(client) if cfg["cluster"]["dashboard"] else None
-        _eprint(f"dask-ipar: MLP {widths} on {data_name}, grid {grid} ({grid.pr} model-parallel "
-                f"rows x {grid.pc} batch-parallel columns), batch {t['batch']}, "
+        rows = "domain/model-parallel" if kind == "cnn" else "model-parallel"
+        _eprint(f"dask-ipar: {kind.upper()} {widths} on {data_name}, grid {grid} ({grid.pr} "
+                f"{rows} rows x {grid.pc} batch-parallel columns), batch {t['batch']}, "
                 f"{cfg['model']['dtype']}")
         if link:
             _eprint(f"dask-ipar: dashboard at {link}")

@@ -69,7 +69,9 @@ CLUSTER_KINDS = ("local", "slurm", "pbs", "lsf", "sge")
 #: Every setting and its default. ``None`` means "not set" (decided at run time).
 DEFAULTS: dict = {
     "model": {
+        "kind": "mlp",  # mlp | cnn (conv layers of `filters`, then `hidden` dense layers)
         "hidden": [128, 64],  # hidden layer widths
+        "filters": [16, 32],  # cnn: each a 3x3 'same' ReLU conv followed by 2x2 max pooling
         "dtype": "float32",  # float32 | float64
     },
     "grid": None,  # "PRxPC", e.g. "2x2"; None: 1 x workers (pure batch)
@@ -335,6 +337,11 @@ def validate(cfg: dict) -> dict:
           "model.hidden", hidden, "a list of positive integers such as [128, 64]")
     _need(m.get("dtype") in ("float32", "float64"), "model.dtype", m.get("dtype"),
           "float32 or float64")
+    _need(m.get("kind", "mlp") in ("mlp", "cnn"), "model.kind", m.get("kind"), "mlp or cnn")
+    filters = m.get("filters", DEFAULTS["model"]["filters"])
+    _need(isinstance(filters, list) and len(filters) >= 1
+          and all(_is_int(f) and f > 0 for f in filters),
+          "model.filters", filters, "a non-empty list of positive integers such as [16, 32]")
 
     grid = cfg.get("grid")
     if grid is not None:
@@ -417,6 +424,8 @@ def validate(cfg: dict) -> dict:
 TRAIN_FLAGS = {
     "grid": "grid",
     "hidden": "model.hidden",
+    "model": "model.kind",
+    "filters": "model.filters",
     "dtype": "model.dtype",
     "lr": "optimizer.lr",
     "momentum": "optimizer.momentum",

@@ -6,7 +6,7 @@ import numpy as np
 
 from dask_ipar.errors import IparError
 
-__all__ = ["as_features", "as_labels", "load_digits_split"]
+__all__ = ["as_features", "as_labels", "load_digits_split", "load_digits_images"]
 
 
 def _materialize(a, what):
@@ -77,24 +77,51 @@ def as_labels(y, n_samples: int, n_classes: int) -> np.ndarray:
     return y
 
 
-def load_digits_split(test_fraction: float = 0.2, seed: int = 0):
-    """scikit-learn's bundled 8x8 digits (no download), standardized, split per class.
-
-    Returns ``X_train, y_train, X_test, y_test`` (float64 features, int64 labels).
-    """
+def _load_digits():
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise IparError(
             "the digits data set needs scikit-learn: pip install 'dask-ipar[train]'"
         ) from exc
-    X, y = load_digits(return_X_y=True)
+    return load_digits(return_X_y=True)
+
+
+def _test_mask(y, test_fraction, seed):
+    """The same share of every class held out, drawn with ``seed``."""
     rng = np.random.default_rng(seed)
     test = np.zeros(len(y), dtype=bool)
     for c in np.unique(y):
         idx = np.flatnonzero(y == c)
         rng.shuffle(idx)
         test[idx[: int(round(test_fraction * len(idx)))]] = True
+    return test
+
+
+def load_digits_images(test_fraction: float = 0.2, seed: int = 0, upsample: int = 1):
+    """The digits of :func:`load_digits_split` (same split) as NCHW images.
+
+    Shape ``(n, 1, 8*upsample, 8*upsample)``: each pixel repeated ``upsample`` times
+    along both axes (more rows to split over ``Pr``), standardized with the training
+    pixels' global mean and deviation (images keep their contrast).
+    """
+    X, y = _load_digits()
+    test = _test_mask(y, test_fraction, seed)
+    imgs = X.reshape(-1, 1, 8, 8)
+    if upsample > 1:
+        imgs = imgs.repeat(upsample, axis=2).repeat(upsample, axis=3)
+    mean, std = imgs[~test].mean(), imgs[~test].std()
+    imgs = (imgs - mean) / std
+    return imgs[~test], y[~test].astype(np.int64), imgs[test], y[test].astype(np.int64)
+
+
+def load_digits_split(test_fraction: float = 0.2, seed: int = 0):
+    """scikit-learn's bundled 8x8 digits (no download), standardized, split per class.
+
+    Returns ``X_train, y_train, X_test, y_test`` (float64 features, int64 labels).
+    """
+    X, y = _load_digits()
+    test = _test_mask(y, test_fraction, seed)
     Xtr, Xte = X[~test], X[test]
     mean, std = Xtr.mean(axis=0), Xtr.std(axis=0)
     std[std == 0] = 1.0
