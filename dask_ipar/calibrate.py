@@ -10,6 +10,11 @@ What the engine pays, measured the way the engine pays it:
   (duration = latency + bytes / bandwidth, least squares).
 * ``flops_per_s``: the local matmul rate of one worker (the engine's kernels
   are matmuls), timed inside the task.
+* ``cluster_flops_per_s``: the matmul rate of all workers computing at once
+  (worker processes that share cores get this together, not P times the above).
+* ``task_s``: seconds per task of one graph of many small pinned tasks spread
+  over all workers (scheduler, worker and client work per task on the shared
+  cores): the throughput cost that every task of a step pays.
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -52,6 +57,47 @@ def _matmul_rate(n, dtype, repeats):
     return 2.0 * n ** 3 / best
 
 
+def _matmul_work(n, dtype, repeats):
+    """``(flops, start, stop)`` of ``repeats`` matmuls (wall-clock stamps for a cluster rate)."""
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
+    b = a.copy()
+    t0 = time.time()
+    for _ in range(repeats):
+        a @ b
+    return 2.0 * n ** 3 * repeats, t0, time.time()
+
+
+def _cluster_rate(client, workers, n, dtype, repeats, tag):
+    """Total matmul flops per second of every worker computing at the same time."""
+    g = StepGraph()
+    keys = []
+    for k, w in enumerate(workers):
+        key = (f"calibrate.mm-{tag}", k)
+        g.add(key, w, _matmul_work, n, dtype, repeats)
+        keys.append(key)
+    out = client.gather(client.get(g.to_hlg(f"calibrate-mm-{tag}"), keys, sync=False))
+    return sum(f for f, _, _ in out) / (max(e for _, _, e in out) - min(s for _, s, _ in out))
+
+
+def _task_time(client, workers, n_tasks, tag):
+    """Seconds per task of one graph of ``n_tasks`` small pinned tasks over ``workers``.
+
+    Each task reads one small input from another worker, as the engine's do.
+    """
+    g = StepGraph()
+    for k, w in enumerate(workers):
+        g.add((f"calibrate.src-{tag}", k), w, _tiny)
+    keys = []
+    for t in range(n_tasks):
+        k = t % len(workers)
+        key = (f"calibrate.task-{tag}", t)
+        g.add(key, workers[k], _tiny, TaskRef((f"calibrate.src-{tag}", (k + 1) % len(workers))))
+        keys.append(key)
+    start = time.perf_counter()
+    client.gather(client.get(g.to_hlg(f"calibrate-tasks-{tag}"), keys, sync=False))
+    return (time.perf_counter() - start) / n_tasks
+
+
 def _incoming(dask_worker=None):
     out = [(e["duration"], list(e["keys"].items())) for e in dask_worker.transfer_incoming_log]
     return out
@@ -70,7 +116,7 @@ def _hop_time(client, a, b, hops, tag):
 
 
 def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), hops=40,
-              matmul_n=1024, log=None) -> Machine:
+              matmul_n=1024, tasks=300, log=None) -> Machine:
     """Measure the alpha-beta machine of ``client``'s cluster (two workers, under a minute).
 
     Parameters
@@ -120,5 +166,15 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     fut = client.submit(_matmul_rate, matmul_n, dtype, 3, workers=[a], pure=False)
     flops = float(fut.result())
     log(f"compute ({dtype} matmul {matmul_n}^3 on one worker): {flops / 1e9:.1f} GFLOP/s")
+    everyone = sorted(scheduler_workers(client))
+    _cluster_rate(client, everyone, 256, dtype, 2, tag + "w")
+    cluster = max(_cluster_rate(client, everyone, matmul_n, dtype, 4, f"{tag}{r}")
+                  for r in range(2))
+    log(f"compute (all {len(everyone)} workers at once): {cluster / 1e9:.1f} GFLOP/s")
+    _task_time(client, everyone, 50, tag + "w")
+    task_s = float(np.median([_task_time(client, everyone, tasks, f"{tag}{r}")
+                              for r in range(3)]))
+    log(f"task cost ({tasks} small tasks over {len(everyone)} workers): "
+        f"{task_s * 1e3:.2f} ms per task")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
-                   flops_per_s=flops)
+                   flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s)

@@ -262,6 +262,13 @@ def _wait_alive(client, futures, workers, what, timeout_s=None, poll_s=0.5):
 
 def _model_meta(model) -> dict:
     sizes = [None if s is None else int(s) for s in model.sizes]
+    if getattr(model, "is_cnn", False):  # one weight matrix per conv and dense layer
+        model._require()
+        layers = [{"name": lay.name, "n_in": int(lay.n_in), "n_out": int(lay.n_out),
+                   "bias": bool(lay.bias), "activation": lay.activation}
+                  for lay in model.engine.param_layouts]
+        return {"sizes": sizes, "dtype": str(model.dtype), "layers": layers,
+                "input_shape": list(model.input_shape)}
     return {
         "sizes": sizes,
         "dtype": str(model.dtype),

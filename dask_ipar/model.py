@@ -809,7 +809,8 @@ class Sequential:
         tasks, available = sim_tasks(g, external, self.dtype.itemsize)
         return simulate_step(tasks, flops_per_s=machine.flops_per_s,
                              bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
-                             cores=cores, available=available)
+                             cores=cores, available=available, task_s=machine.task_s or 0.0,
+                             cluster_flops_per_s=machine.cluster_flops_per_s)
 
     # ------------------------------------------------------- state blocks
     def state_blocks(self) -> dict:

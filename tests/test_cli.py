@@ -65,3 +65,19 @@ def test_train_checkpoints_and_resume(tmp_path):
     steps_per_epoch = load_digits_split()[0].shape[0] // 128
     assert (ck / f"ckpt-{2 * steps_per_epoch}").is_dir()  # resumed to the end of epoch 2
     assert resumed["test_accuracy"] > first["test_accuracy"] - 0.05
+
+
+def test_train_cnn_on_digits(client):
+    """``--model cnn``: conv strips over Pr = 2 (halo exchange), dense layers after them.
+
+    One epoch keeps the suite short; the default 10 epochs reach 0.97 (docs/conv.md).
+    """
+    proc, out = _train("--scheduler-address", client.scheduler.address, "--model", "cnn",
+                       "--grid", "2x1", "--epochs", "1", "--no-progress", "--json")
+    assert out["test_accuracy"] >= 0.5, out  # it learns (chance: 0.1)
+    phases = {(c["layer"], c["phase"]): c for c in out["comm"]}
+    assert phases[("conv2", "halo_fwd")]["measured_bytes"] > 0
+    assert phases[("flatten4", "redistribute")]["measured_bytes"] > 0
+    for c in out["comm"]:
+        assert c["measured_bytes"] == pytest.approx(c["predicted_bytes"], rel=0.02)
+    assert "CNN conv 16-32" in proc.stderr

@@ -16,6 +16,14 @@ simulation:
   where ``share = min(1, cores / workers)`` models worker processes that share
   fewer cores.
 
+That event simulation is the latency view. When worker processes share a few
+cores the step is throughput-bound instead: every task costs the cluster
+``task_s`` (scheduler, worker and client work, calibrated with many small
+tasks at once), every flop ``1 / cluster_flops_per_s`` (all workers computing
+together), every copied byte ``1 / (mem_Bps * cores)`` and every transferred
+byte ``1 / bandwidth`` (serialization and copies on the same cores). The
+predicted step is the larger of the two.
+
 It never imports dask: the engine turns its graph into :class:`SimTask` values.
 """
 
@@ -47,10 +55,13 @@ class SimResult:
     compute_s: dict = field(default_factory=dict)  # worker -> busy seconds
     transfer_bytes: float = 0.0
     critical_hops: int = 0
+    latency_s: float = 0.0  # the event simulation's makespan
+    throughput_s: float = 0.0  # the shared-cores bound (0 without task_s/cluster rate)
 
 
 def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, cores=None,
-                  mem_Bps=5e9, available=None) -> SimResult:
+                  mem_Bps=5e9, available=None, task_s=0.0,
+                  cluster_flops_per_s=None) -> SimResult:
     """Simulate one step; returns the time at which its last task finishes.
 
     Parameters
@@ -67,6 +78,9 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
         Scheduler round trip paid by every task after its inputs are ready.
     cores : int, optional
         Cores shared by the workers (default: one per worker).
+    task_s, cluster_flops_per_s : float, optional
+        The throughput bound's costs (module docstring); without them the result
+        is the event simulation alone.
     """
     tasks = list(tasks)
     by_key = {t.key: t for t in tasks}
@@ -143,5 +157,12 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
                 make_ready(child)
     end = max(finish.values()) if finish else 0.0
     last = max(finish, key=finish.get) if finish else None
-    return SimResult(seconds=end, compute_s=busy, transfer_bytes=transfer,
-                     critical_hops=hops.get(last, 0))
+    bound = 0.0
+    if task_s or cluster_flops_per_s:
+        n_cores = cores or len(workers)
+        bound = (len(tasks) * (task_s or 0.0)
+                 + sum(t.flops for t in tasks) / (cluster_flops_per_s or flops_per_s * n_cores)
+                 + sum(t.mem_bytes for t in tasks) / (mem_Bps * n_cores)
+                 + transfer / bandwidth_Bps)
+    return SimResult(seconds=max(end, bound), compute_s=busy, transfer_bytes=transfer,
+                     critical_hops=hops.get(last, 0), latency_s=end, throughput_s=bound)
