@@ -67,13 +67,25 @@ def _matmul_work(n, dtype, repeats):
     return 2.0 * n ** 3 * repeats, t0, time.time()
 
 
-def _cluster_rate(client, workers, n, dtype, repeats, tag):
+def _mem_work(nbytes, repeats):
+    """``(bytes, start, stop)`` of elementwise work into fresh arrays, as the kernels do."""
+    a = np.ones(nbytes // 4, np.float32)
+    b = a.copy()
+    t0 = time.time()
+    for _ in range(repeats):
+        c = a * np.float32(0.5)  # read a, write a fresh c
+        c += b  # read c and b, write c
+        del c
+    return 5 * a.nbytes * repeats, t0, time.time()
+
+
+def _cluster_rate(client, workers, n, dtype, repeats, tag, func=_matmul_work):
     """Total matmul flops per second of every worker computing at the same time."""
     g = StepGraph()
     keys = []
     for k, w in enumerate(workers):
         key = (f"calibrate.mm-{tag}", k)
-        g.add(key, w, _matmul_work, n, dtype, repeats)
+        g.add(key, w, func, *((n, dtype, repeats) if func is _matmul_work else (n, repeats)))
         keys.append(key)
     out = client.gather(client.get(g.to_hlg(f"calibrate-mm-{tag}"), keys, sync=False))
     return sum(f for f, _, _ in out) / (max(e for _, _, e in out) - min(s for _, s, _ in out))
@@ -171,10 +183,15 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     cluster = max(_cluster_rate(client, everyone, matmul_n, dtype, 4, f"{tag}{r}")
                   for r in range(2))
     log(f"compute (all {len(everyone)} workers at once): {cluster / 1e9:.1f} GFLOP/s")
+    mem = max(_cluster_rate(client, everyone, 16 * 2**20, None, 10, f"{tag}m{r}", _mem_work)
+              for r in range(2))
+    log(f"memory (elementwise into fresh 16 MiB arrays, all workers at once): "
+        f"{mem / 1e9:.1f} GB/s")
     _task_time(client, everyone, 50, tag + "w")
     task_s = float(np.median([_task_time(client, everyone, tasks, f"{tag}{r}")
                               for r in range(3)]))
     log(f"task cost ({tasks} small tasks over {len(everyone)} workers): "
         f"{task_s * 1e3:.2f} ms per task")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
-                   flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s)
+                   flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
+                   mem_Bps=mem)

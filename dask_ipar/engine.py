@@ -481,10 +481,13 @@ def _shape_cost(func, args, shape, itemsize):
         else:
             out = (shapes[0][0], sum(s[1] for s in shapes))
         return out, 0.0, 2 * out[0] * out[1] * itemsize
+    # mem_bytes: passes over the output of the allocating elementwise work (a fresh
+    # array written is one pass, ``a += b`` three, ``a = s * b`` two)
     if name == "dense_forward":
         w, x = shape(args[0]), shape(args[1])
         out = (w[0], x[1])
-        return out, 2.0 * w[0] * args[2] * x[1], 3 * out[0] * out[1] * itemsize
+        passes = 1 + (3 if w[1] > args[2] else 0) + (4 if args[3] != "linear" else 0)
+        return out, 2.0 * w[0] * args[2] * x[1], passes * out[0] * out[1] * itemsize
     if name == "softmax_xent_grad":
         lg = shape(args[0])
         return (args[3] - args[2], lg[1]), 0.0, 6 * lg[0] * lg[1] * itemsize
@@ -499,20 +502,22 @@ def _shape_cost(func, args, shape, itemsize):
         w, dz = shape(args[4]), shape(args[5])
         out = (args[7] - args[6], dz[1])
         nrem = len(args) - 8
-        return (out, 2.0 * w[0] * out[0] * out[1],
-                (2 + 2 * nrem) * out[0] * out[1] * itemsize)
+        passes = 1 + 3 * nrem + (6 if args[3] != "linear" else 0)
+        return (out, 2.0 * w[0] * out[0] * out[1], passes * out[0] * out[1] * itemsize)
     if name in ("dw_piece", "dw_reduce", "sgd_velocity"):
         off = 5 if name == "sgd_velocity" else 0
         dz, (c0, c1, n_in) = shape(args[off]), args[off + 2:off + 5]
         out = (dz[0], c1 - c0)
         nrem = len(args) - off - 5
-        elementwise = (2 + 2 * nrem + (3 if name == "sgd_velocity" else 0))
+        passes = 1 + 3 * nrem
+        if name == "sgd_velocity":
+            passes += (4 if args[2] and args[3] else 0) + (5 if args[4] is not None else 0)
         return (out, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1],
-                elementwise * out[0] * out[1] * itemsize)
+                passes * out[0] * out[1] * itemsize)
     if name == "sgd_weight":
         w = shape(args[0])
         out = (w[0], args[2] - args[1])
-        return out, 0.0, 3 * out[0] * out[1] * itemsize
+        return out, 0.0, 5 * out[0] * out[1] * itemsize
     if name in ("to_device", "to_host"):
         s = shape(args[0])
         return s, 0.0, 2 * _numel(s) * itemsize

@@ -153,14 +153,18 @@ def dz_from_pieces(x_full, r0, r1, activation, wrow, dz, c0, c1, *remote):
 
 
 def dw_piece(dz, x, c0, c1, n_in):
-    """Columns ``c0:c1`` of ``dZ(i, j) [X(:, j); 1]^T`` (the bias is column ``n_in``)."""
+    """Columns ``c0:c1`` of ``dZ(i, j) [X(:, j); 1]^T`` (the bias is column ``n_in``).
+
+    With the bias column in the slice, a row of ones joins the (small) input rows so
+    that one matmul writes the whole slice (no concatenation of the large result).
+    """
     xp = xp_of(dz)
-    parts = []
-    if c0 < n_in:
-        parts.append(dz @ x[c0:min(c1, n_in), :].T)
-    if c1 > n_in:
-        parts.append(xp.sum(dz, axis=1, keepdims=True))
-    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)
+    if c1 <= n_in:
+        return dz @ x[c0:c1, :].T
+    if c0 >= n_in:
+        return xp.sum(dz, axis=1, keepdims=True)
+    ones = xp.ones((1, x.shape[1]), dtype=x.dtype)
+    return dz @ xp.concat([x[c0:n_in, :], ones], axis=0).T
 
 
 def dw_reduce(dz, x, c0, c1, n_in, *remote):

@@ -770,7 +770,8 @@ class Sequential:
         self._scatter_weights(checked)
 
     # ----------------------------------------------------- step-time model
-    def predict_step_s(self, batch: int, machine, *, cores: int | None = None):
+    def predict_step_s(self, batch: int, machine, *, cores: int | None = None,
+                       optimizer: SGD | None = None):
         """Predicted seconds of one training step on this grid, by simulating its task graph.
 
         ``machine`` is a :class:`dask_ipar.cost.Machine` from ``dask-ipar calibrate``
@@ -798,8 +799,9 @@ class Sequential:
                                                                      self.dtype))
             y_keys[(i, j)] = g.add_data(("sim.y", i, j), w, np.zeros(b, np.int64))
         v_names = [f"sim.v{k}" for k in range(len(self.layers))]
+        opt = optimizer or SGD()
         g, _, _, _ = self.engine.train_step(x_keys, y_keys, batch, self._w, v_names, 0,
-                                            0.1, 0.9, 0.0, g=g)
+                                            opt.lr, opt.momentum, opt.weight_decay, g=g)
         external = {}
         for lay, wn, vn in zip(self.engine.param_layouts, self._w, v_names):
             for i, (r0, r1) in enumerate(lay.rows):
@@ -810,7 +812,8 @@ class Sequential:
         return simulate_step(tasks, flops_per_s=machine.flops_per_s,
                              bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
                              cores=cores, available=available, task_s=machine.task_s or 0.0,
-                             cluster_flops_per_s=machine.cluster_flops_per_s)
+                             cluster_flops_per_s=machine.cluster_flops_per_s,
+                             cluster_mem_Bps=machine.mem_Bps)
 
     # ------------------------------------------------------- state blocks
     def state_blocks(self) -> dict:

@@ -20,9 +20,10 @@ That event simulation is the latency view. When worker processes share a few
 cores the step is throughput-bound instead: every task costs the cluster
 ``task_s`` (scheduler, worker and client work, calibrated with many small
 tasks at once), every flop ``1 / cluster_flops_per_s`` (all workers computing
-together), every copied byte ``1 / (mem_Bps * cores)`` and every transferred
-byte ``1 / bandwidth`` (serialization and copies on the same cores). The
-predicted step is the larger of the two.
+together), every byte of elementwise work ``1 / cluster_mem_Bps`` (all workers
+at once, allocations included) and every transferred byte ``1 / bandwidth``
+(serialization and copies on the same cores). The predicted step is the
+larger of the two.
 
 It never imports dask: the engine turns its graph into :class:`SimTask` values.
 """
@@ -61,7 +62,7 @@ class SimResult:
 
 def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, cores=None,
                   mem_Bps=5e9, available=None, task_s=0.0,
-                  cluster_flops_per_s=None) -> SimResult:
+                  cluster_flops_per_s=None, cluster_mem_Bps=None) -> SimResult:
     """Simulate one step; returns the time at which its last task finishes.
 
     Parameters
@@ -78,7 +79,7 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
         Scheduler round trip paid by every task after its inputs are ready.
     cores : int, optional
         Cores shared by the workers (default: one per worker).
-    task_s, cluster_flops_per_s : float, optional
+    task_s, cluster_flops_per_s, cluster_mem_Bps : float, optional
         The throughput bound's costs (module docstring); without them the result
         is the event simulation alone.
     """
@@ -162,7 +163,7 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
         n_cores = cores or len(workers)
         bound = (len(tasks) * (task_s or 0.0)
                  + sum(t.flops for t in tasks) / (cluster_flops_per_s or flops_per_s * n_cores)
-                 + sum(t.mem_bytes for t in tasks) / (mem_Bps * n_cores)
+                 + sum(t.mem_bytes for t in tasks) / (cluster_mem_Bps or mem_Bps * n_cores)
                  + transfer / bandwidth_Bps)
     return SimResult(seconds=max(end, bound), compute_s=busy, transfer_bytes=transfer,
                      critical_hops=hops.get(last, 0), latency_s=end, throughput_s=bound)
