@@ -43,7 +43,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     cores = os.cpu_count()
     rows = []
-    with dask.config.set({"distributed.worker.profile.enabled": False}):
+    from dask_ipar.clusters import worker_environment
+
+    with dask.config.set({"distributed.worker.profile.enabled": False}), worker_environment():
         cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
                                dashboard_address=None)
     with cluster, Client(cluster) as client:

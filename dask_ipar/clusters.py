@@ -111,6 +111,8 @@ def jobqueue_kwargs(cfg: dict, n_workers: int) -> dict:
         "walltime": c["walltime"],
         "job_extra_directives": list(c.get("job_extra") or []),
     }
+    if c.get("reuse_memory", True):  # exported before the worker processes start
+        kw["job_script_prologue"] = [f"export {k}={v}" for k, v in REUSE_MEMORY_ENV.items()]
     for k in ("queue", "interface", "local_directory"):
         if c.get(k) is not None:
             kw[k] = c[k]
@@ -147,6 +149,50 @@ def job_script(cfg: dict, n_workers: int, scheduler_address: str = "tcp://schedu
     kw = jobqueue_kwargs(cfg, n_workers)
     kw.pop("interface", None)  # resolving an interface needs it to exist here
     return job_cls(scheduler=scheduler_address, name="dask-ipar-worker", **kw).job_script()
+
+
+#: glibc malloc settings of the worker processes (``cluster.reuse_memory``). dask's
+#: default ``MALLOC_TRIM_THRESHOLD_=65536`` returns freed memory to the OS at once and
+#: turns off glibc's adaptive mmap threshold, so every block-sized array of every step is
+#: a fresh ``mmap`` whose pages fault in again; with these, arrays up to 32 MiB come from
+#: the heap and freed memory up to 256 MiB stays for the next step's arrays (measured:
+#: 18-19% shorter MLP steps on 4 workers, docs/benchmarks.md).
+REUSE_MEMORY_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
+    "MALLOC_TRIM_THRESHOLD_": str(256 * 2**20),
+    "MALLOC_TOP_PAD_": str(64 * 2**20),
+}
+
+
+@contextlib.contextmanager
+def worker_environment(reuse_memory: bool = True):
+    """dask config under which new worker processes get :data:`REUSE_MEMORY_ENV` (or not).
+
+    glibc reads these variables when a process starts, so they must be in
+    ``distributed.nanny.pre-spawn-environ`` when the nannies start their workers. The
+    nannies also copy them into this process's ``os.environ``; that is undone on exit,
+    so clusters started later in the same process get their own setting.
+    """
+    import dask
+
+    saved = {k: os.environ.get(k) for k in (*REUSE_MEMORY_ENV, "MALLOC_TRIM_THRESHOLD_")}
+    env = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {})
+    if reuse_memory:
+        env.update(REUSE_MEMORY_ENV)
+    else:
+        for k in REUSE_MEMORY_ENV:
+            os.environ.pop(k, None)
+            env.pop(k, None)
+        env["MALLOC_TRIM_THRESHOLD_"] = 65536  # dask's default
+    try:
+        with dask.config.set({"distributed.nanny.pre-spawn-environ": env}):
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _n_jobs(n_workers: int, processes: int) -> int:
@@ -234,7 +280,7 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
         )
         if cluster_cls is LocalCluster:
             kwargs["processes"] = True
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), worker_environment(c.get("reuse_memory", True)):
             warnings.filterwarnings("ignore", message="Port .* is already in use")
             cluster = cluster_cls(**kwargs)
     elif kind in JOBQUEUE_CLASSES:

@@ -96,6 +96,7 @@ DEFAULTS: dict = {
         "local_directory": None,  # worker scratch directory
         "dashboard": True,  # serve the dashboard on 127.0.0.1 (needs bokeh)
         "tls": False,  # use dask's distributed.comm.tls settings for all connections
+        "reuse_memory": True,  # workers keep freed block memory for reuse (glibc malloc)
         "connect_timeout": 10.0,  # seconds to reach scheduler_address
         "wait_timeout": 600.0,  # seconds to wait for all workers to join
     },
@@ -400,7 +401,7 @@ def validate(cfg: dict) -> dict:
     je = c.get("job_extra")
     _need(isinstance(je, list) and all(isinstance(s, str) for s in je), "cluster.job_extra", je,
           "a list of strings such as ['--exclusive']")
-    for k in ("dashboard", "tls"):
+    for k in ("dashboard", "tls", "reuse_memory"):
         _need(isinstance(c.get(k), bool), f"cluster.{k}", c.get(k), "true or false")
     for k in ("connect_timeout", "wait_timeout"):
         _need(_is_num(c.get(k)) and c.get(k) > 0, f"cluster.{k}", c.get(k),

@@ -18,7 +18,9 @@ def client():
     logging.getLogger("distributed").setLevel(logging.ERROR)
     # 8 processes share 2 cores: the workers' 10 ms statistical profiler is the one
     # background cost worth switching off (nothing here reads profiles).
-    with dask.config.set({"distributed.worker.profile.enabled": False}):
+    from dask_ipar.clusters import worker_environment
+
+    with dask.config.set({"distributed.worker.profile.enabled": False}), worker_environment():
         cluster = LocalCluster(
             n_workers=N_WORKERS, threads_per_worker=1, processes=True,
             host="127.0.0.1", dashboard_address=None,

@@ -122,3 +122,26 @@ def test_unreachable_scheduler():
     with pytest.raises(IparError, match="could not reach"):
         with make_cluster(_cfg(scheduler_address="tcp://127.0.0.1:1", connect_timeout=0.5), 1):
             pass
+
+
+def test_job_script_exports_the_malloc_settings():
+    pytest.importorskip("dask_jobqueue")
+    s = job_script(_cfg(kind="slurm", **HPC), n_workers=2)
+    assert "export MALLOC_MMAP_THRESHOLD_=33554432" in s
+    assert "MALLOC_MMAP_THRESHOLD_" not in job_script(_cfg(kind="slurm", reuse_memory=False,
+                                                           **HPC), n_workers=2)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_local_workers_keep_freed_memory(reuse):
+    """glibc reads MALLOC_* at process start: the workers must have them from birth."""
+    import os
+
+    with make_cluster(_cfg(dashboard=False, reuse_memory=reuse), 1) as client:
+        env = client.run(lambda: {k: os.environ.get(k) for k in
+                                  ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")})
+    (got,) = env.values()
+    if reuse:
+        assert got == {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "268435456"}
+    else:  # dask's own default
+        assert got["MALLOC_MMAP_THRESHOLD_"] is None and got["MALLOC_TRIM_THRESHOLD_"] == "65536"
