@@ -78,7 +78,8 @@ def main(argv=None):
     print(f"\nmachine: alpha {machine.alpha_s * 1e3:.2f} ms, {machine.bandwidth_Bps / 1e6:.0f} MB/s, "
           f"{machine.flops_per_s / 1e9:.1f} GFLOP/s one worker, "
           f"{machine.cluster_flops_per_s / 1e9:.1f} GFLOP/s all workers, "
-          f"task {machine.task_s * 1e3:.2f} ms, memory {machine.mem_Bps / 1e9:.1f} GB/s; "
+          f"task {machine.task_s * 1e3:.2f} ms, memory {machine.mem_Bps / 1e9:.1f} GB/s, "
+          f"{machine.cluster_bandwidth_Bps / 1e6:.0f} MB/s all workers; "
           f"{cores} cores\n")
     print("| MLP | B | grid | measured step (s) | predicted (s) | predicted / measured |")
     print("|---|---|---|---|---|---|")

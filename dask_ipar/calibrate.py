@@ -110,6 +110,31 @@ def _task_time(client, workers, n_tasks, tag):
     return (time.perf_counter() - start) / n_tasks
 
 
+def _cluster_bandwidth(client, workers, nbytes, tag):
+    """Bytes per second moved when every worker fetches a block from its neighbour at once."""
+    g = StepGraph()
+    keys = []
+    n = len(workers)
+    for k, w in enumerate(workers):
+        g.add((f"calibrate.ring-{tag}", k), w, _payload, nbytes, k)
+    for k, w in enumerate(workers):
+        key = (f"calibrate.ringsink-{tag}", k)
+        g.add(key, w, _consume, TaskRef((f"calibrate.ring-{tag}", (k + 1) % n)))
+        keys.append(key)
+    client.run(lambda dask_worker=None: dask_worker.transfer_incoming_log.clear(),
+               workers=workers)
+    client.gather(client.get(g.to_hlg(f"calibrate-ring-{tag}"), keys, sync=False))
+    spans = [(e["start"], e["stop"]) for entries in client.run(_ring_log, workers=workers).values()
+             for e in entries]
+    return n * nbytes / (max(b for _, b in spans) - min(a for a, _ in spans))
+
+
+def _ring_log(dask_worker=None):
+    return [{"start": e["start"], "stop": e["stop"]} for e in dask_worker.transfer_incoming_log
+            if any(str(k[0] if isinstance(k, tuple) else k).startswith("calibrate.ring")
+                   for k in e["keys"])]
+
+
 def _incoming(dask_worker=None):
     out = [(e["duration"], list(e["keys"].items())) for e in dask_worker.transfer_incoming_log]
     return out
@@ -187,6 +212,12 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
               for r in range(2))
     log(f"memory (elementwise into fresh 16 MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
+    cluster_bw = bandwidth
+    if len(everyone) > 2:
+        cluster_bw = max(_cluster_bandwidth(client, everyone, 16 * 2**20, f"{tag}b{r}")
+                         for r in range(2))
+    log(f"bandwidth (every worker fetching 16 MiB at once): {cluster_bw / 2**20:.0f} MiB/s "
+        "in all")
     _task_time(client, everyone, 50, tag + "w")
     task_s = float(np.median([_task_time(client, everyone, tasks, f"{tag}{r}")
                               for r in range(3)]))
@@ -194,4 +225,4 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
         f"{task_s * 1e3:.2f} ms per task")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
-                   mem_Bps=mem)
+                   mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw)

@@ -813,7 +813,8 @@ class Sequential:
                              bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
                              cores=cores, available=available, task_s=machine.task_s or 0.0,
                              cluster_flops_per_s=machine.cluster_flops_per_s,
-                             cluster_mem_Bps=machine.mem_Bps)
+                             cluster_mem_Bps=machine.mem_Bps,
+                             cluster_bandwidth_Bps=machine.cluster_bandwidth_Bps)
 
     # ------------------------------------------------------- state blocks
     def state_blocks(self) -> dict:

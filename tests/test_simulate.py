@@ -47,3 +47,20 @@ def test_predicted_step_of_a_real_grid(client):
     # weight-dominated at B = 32: pure batch moves the 512x513 weights twice per step
     assert out["1x4"].transfer_bytes > out["4x1"].transfer_bytes
     assert out["1x4"].seconds > out["4x1"].seconds > 0
+
+
+def test_throughput_view_adds_the_work_on_shared_cores():
+    """Hand-computed: two independent tasks on two workers, each 1 GFLOP and 1 GB of
+    elementwise work; one sends 0.5 GB to a third task."""
+    tasks = [SimTask("a", "A", (), flops=1e9, mem_bytes=1e9, out_bytes=5e8),
+             SimTask("b", "B", (), flops=1e9, mem_bytes=1e9),
+             SimTask("c", "B", ("a",), flops=0.0)]
+    kw = dict(flops_per_s=1e9, bandwidth_Bps=1e9, hop_s=0.0, mem_Bps=1e9)
+    alone = simulate_step(tasks, **kw)
+    assert alone.seconds == pytest.approx(2.5)  # a (2 s), then 0.5 s transfer, c
+    both = simulate_step(tasks, **kw, task_s=0.1, cluster_flops_per_s=4e9,
+                         cluster_mem_Bps=2e9, cluster_bandwidth_Bps=2e9)
+    # 3 tasks * 0.1 + 2 GFLOP / 4 + 2 GB / 2 + 0.5 GB / 2
+    assert both.throughput_s == pytest.approx(0.3 + 0.5 + 1.0 + 0.25)
+    assert both.latency_s == pytest.approx(2.5)
+    assert both.seconds == pytest.approx(both.latency_s + both.throughput_s)

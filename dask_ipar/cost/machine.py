@@ -126,6 +126,8 @@ class Machine:
     task_s : float, optional
         Seconds the cluster needs per task when it runs many small tasks at once
         (scheduler, worker and client work per task, on the shared cores).
+    cluster_bandwidth_Bps : float, optional
+        Bytes per second the workers move together when all of them transfer at once.
     mem_Bps : float, optional
         Bytes per second of elementwise work into fresh arrays, all workers at once
         (allocation and page faults included, as the engine's kernels pay them).
@@ -139,6 +141,7 @@ class Machine:
     cluster_flops_per_s: float | None = None
     task_s: float | None = None
     mem_Bps: float | None = None
+    cluster_bandwidth_Bps: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -151,7 +154,7 @@ class Machine:
         if isinstance(self.word_bytes, bool) or not isinstance(self.word_bytes, int) or self.word_bytes < 1:
             raise ValueError(f"word_bytes: got {self.word_bytes!r}; expected a positive integer such as 4 (float32)")
         for field in ("compute_s_per_iter", "flops_per_s", "cluster_flops_per_s", "task_s",
-                      "mem_Bps"):
+                      "mem_Bps", "cluster_bandwidth_Bps"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -191,7 +194,7 @@ PAPER_MACHINE = Machine(alpha_s=2e-6, bandwidth_Bps=6 * 2**30, word_bytes=4)
 """The simulated machine of the paper: alpha = 2 us, 1/beta = 6 GiB/s, 4-byte words."""
 
 _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compute_s_per_iter",
-                 "cluster_flops_per_s", "task_s", "mem_Bps")
+                 "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -199,7 +202,7 @@ def load_machine(path: str | Path) -> Machine:
 
     Keys: ``alpha_s``, ``bandwidth_Bps`` (a number or a string such as
     ``"6GiB"``), ``word_bytes``, ``flops_per_s``, ``compute_s_per_iter``,
-    ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``.
+    ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``.
     Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files
