@@ -214,8 +214,9 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
         f"{mem / 1e9:.1f} GB/s")
     cluster_bw = bandwidth
     if len(everyone) > 2:
-        cluster_bw = max(_cluster_bandwidth(client, everyone, 16 * 2**20, f"{tag}b{r}")
-                         for r in range(2))
+        _cluster_bandwidth(client, everyone, 4 * 2**20, f"{tag}bw")
+        cluster_bw = float(np.median([_cluster_bandwidth(client, everyone, 16 * 2**20,
+                                                         f"{tag}b{r}") for r in range(5)]))
     log(f"bandwidth (every worker fetching 16 MiB at once): {cluster_bw / 2**20:.0f} MiB/s "
         "in all")
     _task_time(client, everyone, 50, tag + "w")

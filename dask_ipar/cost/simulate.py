@@ -66,6 +66,7 @@ class SimResult:
     critical_hops: int = 0
     latency_s: float = 0.0  # the event simulation's makespan
     throughput_s: float = 0.0  # the work on the shared cores (0 without task_s/cluster rates)
+    critical_compute_s: float = 0.0  # work on the critical path, in both views
 
 
 def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, cores=None,
@@ -107,6 +108,7 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
             dependents.setdefault(d, []).append(t.key)
     finish: dict = {}
     hops: dict = {}
+    chain: dict = {}  # compute seconds on the path that made each task ready, and its own
     ready_at: dict = {}
     transfer = 0.0
 
@@ -136,6 +138,8 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
         times = [arrival(d, t.worker) for d in t.deps] or [(0.0, 0)]
         ready_at[key] = max(a for a, _ in times) + hop_s
         hops[key] = max(h for _, h in times) + 1
+        inside = [d for d in t.deps if d in by_key]
+        chain[key] = chain[max(inside, key=finish.get)] if inside else 0.0
         heapq.heappush(per_worker[t.worker], (ready_at[key], seq, key))
         seq += 1
 
@@ -158,6 +162,7 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
         t = by_key[key]
         dur = t.flops / rate + t.mem_bytes / (mem_Bps * share)
         finish[key] = start + dur
+        chain[key] += dur
         free_at[w] = finish[key]
         busy[w] += dur
         done += 1
@@ -174,5 +179,8 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
                  + sum(t.flops for t in tasks) / (cluster_flops_per_s or flops_per_s * n_cores)
                  + sum(t.mem_bytes for t in tasks) / (cluster_mem_Bps or mem_Bps * n_cores)
                  + transfer / (cluster_bandwidth_Bps or bandwidth_Bps))
-    return SimResult(seconds=end + bound, compute_s=busy, transfer_bytes=transfer,
-                     critical_hops=hops.get(last, 0), latency_s=end, throughput_s=bound)
+    # the work on the critical path is in both views: count it once
+    overlap = chain.get(last, 0.0) if bound else 0.0
+    return SimResult(seconds=end + bound - overlap, compute_s=busy, transfer_bytes=transfer,
+                     critical_hops=hops.get(last, 0), latency_s=end, throughput_s=bound,
+                     critical_compute_s=overlap)
