@@ -49,7 +49,7 @@ def test_predicted_step_of_a_real_grid(client):
     assert out["1x4"].seconds > out["4x1"].seconds > 0
 
 
-def test_throughput_view_adds_the_work_on_shared_cores():
+def test_throughput_view_adds_the_work_on_shared_cores_once():
     """Hand-computed: two independent tasks on two workers, each 1 GFLOP and 1 GB of
     elementwise work; one sends 0.5 GB to a third task."""
     tasks = [SimTask("a", "A", (), flops=1e9, mem_bytes=1e9, out_bytes=5e8),
@@ -63,4 +63,5 @@ def test_throughput_view_adds_the_work_on_shared_cores():
     # 3 tasks * 0.1 + 2 GFLOP / 4 + 2 GB / 2 + 0.5 GB / 2
     assert both.throughput_s == pytest.approx(0.3 + 0.5 + 1.0 + 0.25)
     assert both.latency_s == pytest.approx(2.5)
-    assert both.seconds == pytest.approx(both.latency_s + both.throughput_s)
+    assert both.critical_compute_s == pytest.approx(2.0)  # a's work is on the critical path
+    assert both.seconds == pytest.approx(2.5 + 2.05 - 2.0)
