@@ -21,9 +21,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CONFIGS = [  # (widths, batch): compute per task well above 50 ms on 2 cores
+CONFIGS = [  # (widths, batch); the per-task matmul time (one worker alone) is in the output
     ((2048, 2048, 2048, 10), 512),
     ((4096, 4096, 10), 128),
+    ((4096, 4096, 4096, 10), 512),
 ]
 
 
@@ -35,10 +36,11 @@ def main(argv=None):
     from dask_ipar.calibrate import calibrate
     from dask_ipar.grid import factorizations
     from dask_ipar.optim import SGD
+    from dask_ipar.partition import split_bounds
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     cores = os.cpu_count()
@@ -67,9 +69,14 @@ def main(argv=None):
                           for i, j in model.grid.cells()])
                     times.append(time.perf_counter() - t)
                 sim = model.predict_step_s(batch, machine, cores=cores, optimizer=opt)
+                # the largest matmul task of the step, at the one-worker rate
+                task_ms = 1e3 * 2 * max(b - a for a, b in model.engine.layouts[0].rows) \
+                    * widths[0] * max(b - a for a, b in split_bounds(batch, grid.pc)) \
+                    / machine.flops_per_s
                 meas = statistics.median(times)
                 rows.append({"mlp": "-".join(map(str, widths)), "batch": batch,
                              "grid": str(grid), "measured_s": meas, "predicted_s": sim.seconds,
+                             "task_ms": task_ms,
                              "latency_s": sim.latency_s, "throughput_s": sim.throughput_s})
                 print(f"{rows[-1]['mlp']} B={batch} {grid}: measured {meas:.3f} s, predicted "
                       f"{sim.seconds:.3f} s (latency {sim.latency_s:.3f}, throughput "
@@ -81,11 +88,13 @@ def main(argv=None):
           f"task {machine.task_s * 1e3:.2f} ms, memory {machine.mem_Bps / 1e9:.1f} GB/s, "
           f"{machine.cluster_bandwidth_Bps / 1e6:.0f} MB/s all workers; "
           f"{cores} cores\n")
-    print("| MLP | B | grid | measured step (s) | predicted (s) | predicted / measured |")
-    print("|---|---|---|---|---|---|")
+    print("| MLP | B | grid | matmul per task (ms) | measured step (s) | predicted (s) | "
+          "predicted / measured |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mlp']} | {r['batch']} | {r['grid']} | {r['measured_s']:.3f} | "
-              f"{r['predicted_s']:.3f} | {r['predicted_s'] / r['measured_s']:.2f} |")
+        print(f"| {r['mlp']} | {r['batch']} | {r['grid']} | {r['task_ms']:.0f} | "
+              f"{r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
+              f"{r['predicted_s'] / r['measured_s']:.2f} |")
     for mlp in sorted({r["mlp"] for r in rows}):
         mine = [r for r in rows if r["mlp"] == mlp]
         best_m = min(mine, key=lambda r: r["measured_s"])
