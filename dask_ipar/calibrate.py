@@ -153,7 +153,7 @@ def _hop_time(client, a, b, hops, tag):
 
 
 def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), hops=40,
-              matmul_n=1024, tasks=300, log=None) -> Machine:
+              matmul_n=1024, tasks=300, block_mib=16, log=None) -> Machine:
     """Measure the alpha-beta machine of ``client``'s cluster (two workers, under a minute).
 
     Parameters
@@ -208,17 +208,17 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     cluster = max(_cluster_rate(client, everyone, matmul_n, dtype, 4, f"{tag}{r}")
                   for r in range(2))
     log(f"compute (all {len(everyone)} workers at once): {cluster / 1e9:.1f} GFLOP/s")
-    mem = max(_cluster_rate(client, everyone, 16 * 2**20, None, 10, f"{tag}m{r}", _mem_work)
-              for r in range(2))
-    log(f"memory (elementwise into fresh 16 MiB arrays, all workers at once): "
+    mem = max(_cluster_rate(client, everyone, block_mib * 2**20, None, 10, f"{tag}m{r}",
+                            _mem_work) for r in range(2))
+    log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
     cluster_bw = bandwidth
     if len(everyone) > 2:
-        _cluster_bandwidth(client, everyone, 4 * 2**20, f"{tag}bw")
-        cluster_bw = float(np.median([_cluster_bandwidth(client, everyone, 16 * 2**20,
+        _cluster_bandwidth(client, everyone, 2**20, f"{tag}bw")
+        cluster_bw = float(np.median([_cluster_bandwidth(client, everyone, block_mib * 2**20,
                                                          f"{tag}b{r}") for r in range(5)]))
-    log(f"bandwidth (every worker fetching 16 MiB at once): {cluster_bw / 2**20:.0f} MiB/s "
-        "in all")
+    log(f"bandwidth (every worker fetching {block_mib} MiB at once): "
+        f"{cluster_bw / 2**20:.0f} MiB/s in all")
     _task_time(client, everyone, 50, tag + "w")
     task_s = float(np.median([_task_time(client, everyone, tasks, f"{tag}{r}")
                               for r in range(3)]))

@@ -1,0 +1,24 @@
+"""``dask-ipar calibrate`` measures every figure of the machine file on the live cluster."""
+
+from __future__ import annotations
+
+import math
+
+from dask_ipar.calibrate import calibrate
+from dask_ipar.cost import load_machine, save_machine
+
+
+def test_calibrate_measures_every_figure(client, tmp_path):
+    lines = []
+    m = calibrate(client, sizes_mib=(1, 2), hops=8, matmul_n=256, tasks=40, block_mib=2,
+                  log=lines.append)
+    for name in ("alpha_s", "bandwidth_Bps", "flops_per_s", "cluster_flops_per_s", "task_s",
+                 "mem_Bps", "cluster_bandwidth_Bps"):
+        v = getattr(m, name)
+        assert v is not None and math.isfinite(v) and v > 0, (name, v)
+    assert 1e-5 < m.alpha_s < 1.0 and 1e-5 < m.task_s < 1.0  # seconds, not ms or us
+    assert m.word_bytes == 4
+    assert any("per task" in line for line in lines)
+    path = tmp_path / "machine.yaml"
+    save_machine(m, path)
+    assert load_machine(path) == m
