@@ -201,9 +201,12 @@ class _null:
 
 # -------------------------------------------------------------- dask clusters
 def blas_env(threads: int) -> dict:
+    """BLAS threads, and the malloc settings dask-ipar's own clusters give their workers."""
+    from dask_ipar.clusters import REUSE_MEMORY_ENV
+
     t = str(threads)
     return {"OMP_NUM_THREADS": t, "OPENBLAS_NUM_THREADS": t, "MKL_NUM_THREADS": t,
-            "MALLOC_TRIM_THRESHOLD_": "65536"}
+            **REUSE_MEMORY_ENV}
 
 
 def local_cluster(n_workers: int, cores: int):

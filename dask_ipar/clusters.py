@@ -175,15 +175,17 @@ def worker_environment(reuse_memory: bool = True):
     """
     import dask
 
-    saved = {k: os.environ.get(k) for k in (*REUSE_MEMORY_ENV, "MALLOC_TRIM_THRESHOLD_")}
+    saved = {k: os.environ.get(k) for k in REUSE_MEMORY_ENV}
     env = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {})
+    # the nannies prefer this process's environment to the config: set both
     if reuse_memory:
         env.update(REUSE_MEMORY_ENV)
+        os.environ.update(REUSE_MEMORY_ENV)
     else:
         for k in REUSE_MEMORY_ENV:
             os.environ.pop(k, None)
             env.pop(k, None)
-        env["MALLOC_TRIM_THRESHOLD_"] = 65536  # dask's default
+        env["MALLOC_TRIM_THRESHOLD_"] = os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"
     try:
         with dask.config.set({"distributed.nanny.pre-spawn-environ": env}):
             yield

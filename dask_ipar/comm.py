@@ -15,7 +15,7 @@ NumPy blocks); the wire adds a few hundred bytes of framing per message.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from dask_ipar.cost import (FC, Machine, batch_layer_phases, dense_layer_phases, halo_phases,
                             redistribute_phase)
@@ -114,8 +114,14 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
     out = []
     front = engine.front
     if front is not None:
+        prev = None
         for f in front.layouts:
             c, h, w = f.in_shape
+            if f.layout == "model":
+                out.extend(_model_layout_phases(f, prev, pr, pc, batch, m))
+                prev = f
+                continue
+            prev = f
             plan = halo_plan(h, pr, f.k[0], f.stride, f.pad[:2])
             rows = sum(n.halo_rows for n in plan)
             halo = halo_phases(f.name, rows, c * w, pr, pc, batch, m,
@@ -131,6 +137,28 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
         out.extend(dense_layer_phases(FC(lay.n_in, lay.n_out, bias=lay.bias), pr, pc, batch, m,
                                       first_layer=k == 0 and front is None, convention="engine",
                                       name=lay.name))
+    return out
+
+
+def _model_layout_phases(f, prev, pr, pc, batch, m):
+    """Phases of a model-parallel conv (filters over Pr) or of a pooling layer after one."""
+    if f.kind == "pool":
+        return []  # local on the channel blocks
+    c, h, w = f.in_shape
+    out = []
+    if prev is not None:  # whole input images on every cell of the column
+        gather = redistribute_phase(c * h * w, pr, pc, batch, m, name=f.name)
+        if prev.layout == "model":  # the previous layer's channel blocks: its fwd_gather
+            gather = replace(gather, layer=prev.name, phase="fwd_gather")
+        out.append(gather)
+    wl = f.weights
+    out.extend(p for p in dense_layer_phases(FC(wl.n_in, wl.n_out, bias=wl.bias), pr, pc, batch,
+                                             m, first_layer=True, convention="engine",
+                                             name=f.name)
+               if p.phase in ("dw_reduce", "w_gather"))
+    if prev is not None:  # partial input gradients reduce-scattered over the grid column
+        dx = redistribute_phase(c * h * w, pr, pc, batch, m, name=f.name)
+        out.append(replace(dx, phase="dx_reduce"))
     return out
 
 

@@ -109,6 +109,8 @@ TASK_SPAN = {
     "dxzero": "halo_bwd",
     "rd": "redistribute",
     "xg": "redistribute",
+    "xs": "forward",
+    "dxown": "dx_reduce",
 }
 
 
@@ -401,13 +403,13 @@ class Engine:
         """Backward of the front with momentum SGD on every conv weight block."""
         new_w, new_v = [], []
 
-        def update(g, lay, c, grads, wk, pieces):
+        def update(g, lay, c, grads, wk, pieces, rows):
             wl = lay.weights
             v_name = self.name(lay.name, "v", step)
             w_name = self.name(lay.name, "w", step)
             for i, j in self.grid.cells():
                 worker = self.binding.worker(i, j)
-                (r0, r1), (c0, c1) = wl.rows[i], wl.wcols[j]
+                (r0, r1), (c0, c1) = rows(i), wl.wcols[j]
                 old_v = None if v_names[c] is None else TaskRef((v_names[c], i, j))
                 g.add((v_name, i, j), worker, K.block_sgd_velocity, TaskRef(wk[(i, j)]),
                       r0, r1, c0, c1, momentum, weight_decay, wl.n_decay(j), old_v,
@@ -443,10 +445,10 @@ class Engine:
 
         dimg = self._backward(g, inputs, wrows, dz, step, reduce)
         if self.front is not None:
-            def reduce_front(g, lay, c, grads, wk, pieces):
+            def reduce_front(g, lay, c, grads, wk, pieces, rows):
                 gname = self.name(lay.name, "grad", step)
                 for i, j in self.grid.cells():
-                    (r0, r1), (c0, c1) = lay.weights.rows[i], lay.weights.wcols[j]
+                    (r0, r1), (c0, c1) = rows(i), lay.weights.wcols[j]
                     g.add((gname, i, j), self.binding.worker(i, j), K.block_reduce,
                           TaskRef(grads[(i, j)]), r0, r1, c0, c1, *pieces(i, j))
                 names.append(gname)

@@ -63,6 +63,11 @@ class FrontLayout:
     mode: str = "max"
     wshape: tuple | None = None  # conv filters (O, C/g, kh, kw)
     weights: LayerLayout | None = None  # the weight matrix's blocks (conv only)
+    layout: str = "domain"  # "domain": row strips over Pr; "model": channel blocks over Pr
+
+    def channel_blocks(self, pr: int):
+        """Output channels of each grid row (model layout)."""
+        return split_bounds(self.out_shape[0], pr)
 
     def exchanged_rows(self, pr: int) -> int:
         """Input rows each halo exchange (forward and backward) moves, summed over Pr."""
@@ -78,9 +83,24 @@ def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
     """
     shape = tuple(input_shape)
     out = []
+    layout = "domain"
     for off, layer in enumerate(layers):
         index = first_index + off
         c, h, w = shape
+        if isinstance(layer, Conv2d):
+            if layer.parallel == "domain" and layout == "model":
+                raise IparError(
+                    f"layer {index} (Conv2d) is domain-parallel but follows a model-parallel "
+                    "layer; model-parallel conv layers come after the domain-parallel ones "
+                    "(images -> strips -> channel blocks -> dense)."
+                )
+            layout = layer.parallel
+            if layout == "model" and layer.filters < pr:
+                raise IparError(
+                    f"layer {index} (Conv2d, parallel='model') has {layer.filters} filters, "
+                    f"fewer than the grid's Pr = {pr} rows that split them. Use a grid with "
+                    f"Pr <= {layer.filters} or parallel='domain'."
+                )
         if isinstance(layer, Conv2d):
             kh, kw = layer.kernel_size
             stride = layer.stride
@@ -101,7 +121,7 @@ def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
                 f"{kh}x{kw} window with padding {pad}: no output left. Use smaller windows or "
                 "strides, more padding, or larger images."
             )
-        if oh < pr:
+        if oh < pr and layout == "domain":
             raise IparError(
                 f"layer {index} ({type(layer).__name__}) has {oh} output rows, fewer than the "
                 f"grid's Pr = {pr} rows that split the images; every grid row needs at least "
@@ -118,11 +138,11 @@ def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
                                   wcols=split_bounds(n_in + int(layer.bias), pc))
             out.append(FrontLayout(index, name, kind, shape, (o, oh, ow), (kh, kw), stride, pad,
                                    layer.groups, layer.activation, wshape=wshape,
-                                   weights=weights))
+                                   weights=weights, layout=layout))
             shape = (o, oh, ow)
         else:
             out.append(FrontLayout(index, name, kind, shape, (c, oh, ow), (kh, kw), stride, pad,
-                                   mode=layer.mode))
+                                   mode=layer.mode, layout=layout))
             shape = (c, oh, ow)
     return out
 
@@ -147,7 +167,15 @@ class Front:
         self.uid = uid
         self.convs = [f for f in self.layouts if f.kind == "conv"]
         grid = binding.grid
-        self.image_rows = split_bounds(self.layouts[-1].out_shape[1], grid.pr)
+        last = self.layouts[-1]
+        #: how the last layer's output is split over Pr: rows (axis 2) or channels (axis 1)
+        self.out_axis = 1 if last.layout == "model" else 2
+        self.out_blocks = split_bounds(last.out_shape[self.out_axis - 1], grid.pr)
+
+    @property
+    def input_layout(self) -> str:
+        """"strips" (rows i of the images on cell (i, j)) or "full" (whole images)."""
+        return "full" if self.layouts[0].layout == "model" else "strips"
 
     @property
     def out_shape(self):
@@ -181,8 +209,14 @@ class Front:
         token = self.token(step)
         ctx = []
         names = iter(w_names)
+        prev = None
         for lay in self.layouts:
             c, h, w = lay.in_shape
+            if lay.layout == "model":
+                cx = self._model_forward(g, lay, prev, x_keys, names, token)
+                ctx.append(cx)
+                x_keys, prev = cx["out"], lay
+                continue
             if lay.kind == "conv":
                 wk = self._weights(g, lay, next(names), step)
                 plan, out = D.conv_forward_graph(g, self.binding, lay.name, token, x_keys, wk,
@@ -193,7 +227,7 @@ class Front:
                 plan, out = D.pool_forward_graph(g, self.binding, lay.name, token, x_keys, h,
                                                  lay.k[0], lay.stride, lay.pad, lay.mode)
             ctx.append({"x": x_keys, "w": wk, "plan": plan, "out": out})
-            x_keys = out
+            x_keys, prev = out, lay
         grid = self.binding.grid
         rd = D._name(self.flatten, "rd", token)
         xg = D._name(self.flatten, "xg", token)
@@ -201,10 +235,66 @@ class Front:
         for i, j in grid.cells():
             g.add((rd, i, j), self.binding.worker(i, j), K.identity, TaskRef(x_keys[(i, j)]))
         for i, j in grid.cells():
-            g.add((xg, i, j), self.binding.worker(i, j), K.flatten_gather,
+            g.add((xg, i, j), self.binding.worker(i, j), K.flatten_gather, self.out_axis,
                   *[TaskRef((rd, k, j)) for k in range(grid.pr)])
             x_in[(i, j)] = TaskRef((xg, i, j))
         return ctx, x_in
+
+    def _model_forward(self, g, lay, prev, x_keys, names, token):
+        """A model-layout layer: conv with filters over Pr on whole images, or local pooling.
+
+        A conv's input is gathered whole on every cell of the column first: strips of a
+        domain-parallel layer through ``<layer>.rd`` keys (phase ``redistribute``), channel
+        blocks of a model-parallel layer through its own output keys (its ``fwd_gather``).
+        """
+        grid, bind = self.binding.grid, self.binding
+        cells = grid.cells()
+        if lay.kind == "pool":
+            out = {}
+            key = D._name(lay.name, "act", token)
+            for cell in cells:
+                g.add((key, *cell), bind.worker(*cell), D.pool_block, TaskRef(x_keys[cell]),
+                      lay.k[0], lay.stride, lay.pad, lay.mode)
+                out[cell] = (key, *cell)
+            return {"x": x_keys, "out": out}
+        # the whole input images on every cell of the column
+        if prev is None:  # the network's input, placed whole by the client
+            xs = dict(x_keys)
+        else:
+            axis = 2 if prev.layout == "domain" else 1
+            src = x_keys
+            if prev.layout == "domain":
+                rd = D._name(lay.name, "rd", token)
+                for cell in cells:
+                    g.add((rd, *cell), bind.worker(*cell), K.identity, TaskRef(x_keys[cell]))
+                src = {cell: (rd, *cell) for cell in cells}
+            xs = {}
+            key = D._name(lay.name, "xs", token)
+            for i, j in cells:
+                g.add((key, i, j), bind.worker(i, j), K.concat_axis, axis,
+                      *[TaskRef(src[(k, j)]) for k in range(grid.pr)])
+                xs[(i, j)] = (key, i, j)
+        # the filters' weight rows, gathered over the grid row (phase w_gather)
+        w_name = next(names)
+        wl = lay.weights
+        if grid.pc == 1:
+            wrow = {(i, 0): (w_name, i, 0) for i in range(grid.pr)}
+        else:
+            key = D._name(lay.name, "wrow", token)
+            wrow = {}
+            for i, j in cells:
+                g.add((key, i, j), bind.worker(i, j), K.concat_cols,
+                      *[TaskRef((w_name, i, jj)) for jj in range(grid.pc)])
+                wrow[(i, j)] = (key, i, j)
+        out = {}
+        key = D._name(lay.name, "act", token)
+        for i, j in cells:
+            r0, r1 = wl.rows[i]
+            g.add((key, i, j), bind.worker(i, j), D.conv_block, TaskRef(xs[(i, j)]),
+                  TaskRef(wrow[(i, j)]), (r1 - r0, *lay.wshape[1:]), lay.stride, lay.pad, 1,
+                  lay.activation)
+            out[(i, j)] = (key, i, j)
+        return {"x": xs, "w": wrow, "out": out, "prev": prev}
 
     # --------------------------------------------------------------- backward
     def image_grad(self, g, wrow, dz, step, lay0):
@@ -216,23 +306,23 @@ class Front:
         """
         grid = self.binding.grid
         token = self.token(step)
-        chw = self.out_shape
+        chw, axis = self.out_shape, self.out_axis
         dxp = D._name(lay0.name, "dxp", token)
         for i in range(grid.pr):
             for k in range(grid.pr):
                 if k == i:
                     continue
-                h0, h1 = self.image_rows[k]
+                a, b = self.out_blocks[k]
                 for j in range(grid.pc):
                     g.add((dxp, i, k, j), self.binding.worker(i, j), K.dx_image_piece,
-                          wrow[(i, j)], TaskRef((dz, i, j)), chw, h0, h1)
+                          wrow[(i, j)], TaskRef((dz, i, j)), chw, axis, a, b)
         name = D._name(self.flatten, "dx", token)
         out = {}
         for k in range(grid.pr):
-            h0, h1 = self.image_rows[k]
+            a, b = self.out_blocks[k]
             for j in range(grid.pc):
                 g.add((name, k, j), self.binding.worker(k, j), K.dz_image_from_pieces,
-                      wrow[(k, j)], TaskRef((dz, k, j)), chw, h0, h1,
+                      wrow[(k, j)], TaskRef((dz, k, j)), chw, axis, a, b,
                       *[TaskRef((dxp, i, k, j)) for i in range(grid.pr) if i != k])
                 out[(k, j)] = (name, k, j)
         return out
@@ -240,10 +330,11 @@ class Front:
     def backward(self, g, ctx, dy_keys, step, reduce_fn):
         """Backward of every front layer, last first.
 
-        ``reduce_fn(g, lay, c, grads, wk, pieces)`` adds the tasks that sum the conv
-        layer's partial weight gradients on the block owners (``c`` is the conv's
+        ``reduce_fn(g, lay, c, grads, wk, pieces, rows)`` adds the tasks that sum the
+        conv layer's partial weight gradients on the block owners (``c`` is the conv's
         position among the front's convs; ``pieces(i, j)`` the keys of the remote
-        pieces of block (i, j)).
+        pieces of block (i, j); ``rows(i)`` the block's rows within ``wk`` and the
+        partial gradients).
         """
         token = self.token(step)
         conv_pos = len(self.convs)
@@ -251,6 +342,12 @@ class Front:
             lay, cx = self.layouts[l], ctx[l]
             c, h, w = lay.in_shape
             need_dx = l > 0
+            if lay.layout == "model":
+                if lay.kind == "conv":
+                    conv_pos -= 1
+                dy_keys = self._model_backward(g, lay, cx, dy_keys, need_dx, token, conv_pos,
+                                               reduce_fn)
+                continue
             if lay.kind == "conv":
                 conv_pos -= 1
                 dx, grads = D.conv_backward_graph(
@@ -258,7 +355,8 @@ class Front:
                     dy_keys, h, lay.wshape, lay.stride, lay.pad, lay.groups, lay.activation,
                     need_dx)
                 pieces = self._grad_pieces(g, lay, grads, token)
-                reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces)
+                reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces,
+                          lambda i, wl=lay.weights: wl.rows[i])
             else:
                 if not need_dx:
                     break
@@ -266,6 +364,69 @@ class Front:
                                            cx["x"], dy_keys, h, lay.k[0], lay.stride, lay.pad,
                                            lay.mode)
             dy_keys = dx
+
+    def _model_backward(self, g, lay, cx, dy_keys, need_dx, token, conv_pos, reduce_fn):
+        """Backward of a model-layout layer; returns the input-gradient keys per cell.
+
+        Conv: each cell's partial dW (its filters, its samples) is reduce-scattered over
+        its grid row onto the column slices' owners (``dwp``, phase ``dw_reduce``), as a
+        dense layer's; its partial dX (whole images) is reduce-scattered over the grid
+        column onto the owners of the input's strips or channel blocks (``dxp``, phase
+        ``dx_reduce``).
+        """
+        grid, bind = self.binding.grid, self.binding
+        cells = grid.cells()
+        if lay.kind == "pool":
+            if not need_dx:
+                return None
+            key = D._name(lay.name, "dx", token)
+            for cell in cells:
+                g.add((key, *cell), bind.worker(*cell), D.pool_block_backward,
+                      TaskRef(cx["x"][cell]), TaskRef(dy_keys[cell]), lay.k[0], lay.stride,
+                      lay.pad, lay.mode)
+            return {cell: (key, *cell) for cell in cells}
+        wl = lay.weights
+        bwd = D._name(lay.name, "bwd", token)
+        for i, j in cells:
+            r0, r1 = wl.rows[i]
+            g.add((bwd, i, j), bind.worker(i, j), D.conv_block_backward, TaskRef(cx["x"][(i, j)]),
+                  TaskRef(cx["w"][(i, j)]), TaskRef(cx["out"][(i, j)]),
+                  TaskRef(dy_keys[(i, j)]), (r1 - r0, *lay.wshape[1:]), lay.stride, lay.pad, 1,
+                  lay.activation, need_dx)
+        grads = {cell: (bwd, *cell) for cell in cells}
+        dwp = D._name(lay.name, "dwp", token)
+        for i, j in cells:
+            r0, r1 = wl.rows[i]
+            for jj in range(grid.pc):
+                if jj != j:
+                    c0, c1 = wl.wcols[jj]
+                    g.add((dwp, i, j, jj), bind.worker(i, j), K.grad_block,
+                          TaskRef(grads[(i, j)]), 0, r1 - r0, c0, c1)
+
+        def pieces(i, jj):
+            return [TaskRef((dwp, i, j, jj)) for j in range(grid.pc) if j != jj]
+
+        reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces,
+                  lambda i: (0, wl.rows[i][1] - wl.rows[i][0]))
+        if not need_dx:
+            return None
+        prev = cx["prev"]
+        axis = 2 if prev.layout == "domain" else 1
+        blocks = split_bounds(lay.in_shape[axis - 1], grid.pr)
+        dxp = D._name(lay.name, "dxp", token)
+        for i, j in cells:
+            for k in range(grid.pr):
+                if k != i:
+                    g.add((dxp, i, k, j), bind.worker(i, j), K.slice_axis,
+                          TaskRef(grads[(i, j)]), axis, *blocks[k])
+        own = D._name(lay.name, "dxown", token)
+        key = D._name(lay.name, "dx", token)
+        for k, j in cells:
+            g.add((own, k, j), bind.worker(k, j), K.slice_axis, TaskRef(grads[(k, j)]), axis,
+                  *blocks[k])
+            g.add((key, k, j), bind.worker(k, j), K.sum_pieces, TaskRef((own, k, j)),
+                  *[TaskRef((dxp, i, k, j)) for i in range(grid.pr) if i != k])
+        return {cell: (key, *cell) for cell in cells}
 
     def _grad_pieces(self, g, lay, grads, token):
         """Blocks of every cell's partial dW sent to the blocks' owners (phase dw_reduce)."""

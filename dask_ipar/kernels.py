@@ -40,6 +40,9 @@ __all__ = [
     "block_sgd_velocity",
     "block_sgd_weight",
     "identity",
+    "concat_axis",
+    "slice_axis",
+    "sum_pieces",
     "flatten_gather",
     "dx_image_piece",
     "dz_image_from_pieces",
@@ -251,43 +254,67 @@ def identity(x):
     return x
 
 
-def flatten_gather(*strips):
-    """``(C*H*W, b)`` features, in ``(C, H, W)`` order, from the height strips of ``b`` images.
+def concat_axis(axis, *blocks):
+    """Blocks joined along ``axis`` (an all-gather's local result)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    return xp_of(blocks[0]).concat(list(blocks), axis=axis)
 
-    ``strips`` are NCHW blocks ``(b, C, h_k, W)`` of consecutive rows: the all-gather of
-    the redistribution in front of the first dense layer.
+
+def slice_axis(x, axis, a, b):
+    """A copy of ``x[..., a:b, ...]`` along ``axis`` (of ``x[0]`` when ``x`` is a tuple)."""
+    x = x[0] if isinstance(x, tuple) else x
+    index = tuple(slice(a, b) if k == axis else slice(None) for k in range(x.ndim))
+    return xp_of(x).asarray(x[index], copy=True)
+
+
+def sum_pieces(own, *remote):
+    """``own`` (this task's fresh array) plus the pieces sent by the other cells."""
+    for r in remote:
+        own += r
+    return own
+
+
+def flatten_gather(axis, *blocks):
+    """``(C*H*W, b)`` features, in ``(C, H, W)`` order, from blocks of ``b`` images.
+
+    ``blocks`` are NCHW pieces of consecutive rows (``axis`` 2: height strips) or
+    channels (``axis`` 1): the all-gather of the redistribution in front of the first
+    dense layer.
     """
-    xp = xp_of(strips[0])
-    x = xp.concat(list(strips), axis=2) if len(strips) > 1 else strips[0]
+    xp = xp_of(blocks[0])
+    x = xp.concat(list(blocks), axis=axis) if len(blocks) > 1 else blocks[0]
     n = x.shape[0]
     return xp.asarray(xp.reshape(x, (n, -1)).T, copy=True)
 
 
-def _rows_of_strip(wrow, chw, h0, h1):
-    """The columns of ``wrow`` that read rows ``h0:h1`` of every channel, as a matrix."""
+def _cols_of_block(wrow, chw, axis, a, b):
+    """The columns of ``wrow`` that read channels (axis 1) or rows (axis 2) ``a:b``."""
     c, h, w = chw
     xp = xp_of(wrow)
     m = wrow.shape[0]
-    block = xp.reshape(wrow[:, :c * h * w], (m, c, h, w))[:, :, h0:h1, :]
-    return xp.reshape(block, (m, c * (h1 - h0) * w))
+    if axis == 1:  # channels are contiguous in (C, H, W) order
+        return wrow[:, a * h * w:b * h * w]
+    block = xp.reshape(wrow[:, :c * h * w], (m, c, h, w))[:, :, a:b, :]
+    return xp.reshape(block, (m, c * (b - a) * w))
 
 
-def _as_strip(cols, chw, h0, h1):
-    """``(C*(h1-h0)*W, b)`` features back to an NCHW strip ``(b, C, h1-h0, W)``."""
-    c, _, w = chw
+def _as_block(cols, chw, axis, a, b):
+    """``(features of the block, b)`` back to an NCHW block of images."""
+    c, h, w = chw
+    shape = (b - a, h, w) if axis == 1 else (c, b - a, w)
     xp = xp_of(cols)
-    n = cols.shape[1]
-    return xp.permute_dims(xp.reshape(cols, (c, h1 - h0, w, n)), (3, 0, 1, 2))
+    return xp.permute_dims(xp.reshape(cols, (*shape, cols.shape[1])), (3, 0, 1, 2))
 
 
-def dx_image_piece(wrow, dz, chw, h0, h1):
-    """``W(i, strip)^T dZ(i, j)``: the part of the input gradient on image rows ``h0:h1``."""
-    return _as_strip(_rows_of_strip(wrow, chw, h0, h1).T @ dz, chw, h0, h1)
+def dx_image_piece(wrow, dz, chw, axis, a, b):
+    """``W(i, block)^T dZ(i, j)``: the input gradient of channels or rows ``a:b``."""
+    return _as_block(_cols_of_block(wrow, chw, axis, a, b).T @ dz, chw, axis, a, b)
 
 
-def dz_image_from_pieces(wrow, dz, chw, h0, h1, *remote):
-    """The owner's input-gradient strip: its own piece plus those of the other grid rows."""
-    g = dx_image_piece(wrow, dz, chw, h0, h1)
+def dz_image_from_pieces(wrow, dz, chw, axis, a, b, *remote):
+    """The owner's input-gradient block: its own piece plus those of the other grid rows."""
+    g = dx_image_piece(wrow, dz, chw, axis, a, b)
     for r in remote:
         g = g + r
     return xp_of(g).asarray(g, copy=True)

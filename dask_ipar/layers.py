@@ -99,10 +99,12 @@ def resolve_padding(padding, in_hw, k, stride):
 class Conv2d:
     """A 2-D convolution ``y = f(conv(x, W) + b)`` on NCHW images.
 
-    Domain-parallel on a grid: image rows are split over ``Pr`` (with a halo
-    exchange of the rows each window needs from a neighbour), samples over
-    ``Pc``; the filters are replicated and their gradient is all-reduced over
-    all P.
+    ``parallel="domain"`` (default): image rows are split over ``Pr`` (with a halo
+    exchange of the rows each window needs from a neighbour), samples over ``Pc``;
+    the filters are replicated and their gradient is all-reduced over all P.
+    ``parallel="model"``: the filters are split over ``Pr`` (each grid row computes
+    its block of output channels on whole images), samples over ``Pc``, as a dense
+    layer's rows (Eq. 8). Model-parallel layers come after the domain-parallel ones.
 
     Parameters
     ----------
@@ -114,13 +116,14 @@ class Conv2d:
     padding : 'same', 'valid', int, (rows, cols) or (top, bottom, left, right)
     activation : {"linear", "relu", "tanh"} or None
     groups : int
-        Grouped convolution; must divide the input channels and ``filters``.
+        Grouped convolution; must divide the input channels and ``filters`` (domain only).
     bias : bool
+    parallel : {"domain", "model"}
 
     Examples
     --------
     >>> Conv2d(16, 3, activation="relu")
-    Conv2d(filters=16, kernel_size=(3, 3), stride=1, padding='same', activation='relu', groups=1, bias=True)
+    Conv2d(filters=16, kernel_size=(3, 3), stride=1, padding='same', activation='relu', groups=1, bias=True, parallel='domain')
     """
 
     filters: int
@@ -130,8 +133,14 @@ class Conv2d:
     activation: str | None = "linear"
     groups: int = 1
     bias: bool = True
+    parallel: str = "domain"
 
     def __post_init__(self):
+        if self.parallel not in ("domain", "model"):
+            raise IparError(f"Conv2d parallel must be 'domain' or 'model', got {self.parallel!r}.")
+        if self.parallel == "model" and self.groups != 1:
+            raise IparError("a model-parallel Conv2d (filters over Pr) needs groups=1; use "
+                            "parallel='domain' for grouped convolutions.")
         for name in ("filters", "stride", "groups"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

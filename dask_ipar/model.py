@@ -382,7 +382,12 @@ class Sequential:
         bounds = split_bounds(Xb.shape[0], grid.pc)
         labs = None if yb is None else [yb[b0:b1] for b0, b1 in bounds]
         blocks = {}
-        if self._n_front:  # image strips: rows i of sample block j on cell (i, j)
+        if self._n_front and self.engine.front.input_layout == "full":  # whole images
+            for i, j in grid.cells():
+                b0, b1 = bounds[j]
+                blocks[(xname, i, j)] = np.ascontiguousarray(Xb[b0:b1])
+            copies = grid.pr
+        elif self._n_front:  # image strips: rows i of sample block j on cell (i, j)
             rows = split_bounds(Xb.shape[2], grid.pr)
             for i, j in grid.cells():
                 (b0, b1), (r0, r1) = bounds[j], rows[i]
@@ -757,7 +762,8 @@ class Sequential:
             W = np.asarray(W)
             if W.shape != self._wshape(lay):
                 raise IparError(
-                    f"{lay.name}: W has shape {W.shape}, expected {self._wshape(lay)} "
+                    f"layer {lay.index} ({lay.name}): W has shape {W.shape}, expected "
+                    f"{self._wshape(lay)} "
                     + ("(filters, channels / groups, kh, kw)." if lay.name.startswith("conv")
                        else "(d_out x d_in).")
                 )

@@ -121,7 +121,7 @@ def awkward_cnn():
     return layers, (2, 35, 9)
 
 
-def compare_cnn(client, grid, layers=None, input_shape=None, batch=9, steps=3,
+def compare_cnn(client, grid, layers=None, input_shape=None, batch=9, steps=2,
                 optimizer=SGD(lr=0.05, momentum=0.9, weight_decay=0.01), fd_eps=None,
                 seed=0) -> dict:
     """Run a float64 CNN on ``grid`` beside the NumPy reference; return every error.

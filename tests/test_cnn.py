@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dask_ipar import AvgPool2d, Conv2d, Dense, Flatten, IparError, MaxPool2d, Sequential
-from dask_ipar.grid import factorizations
+from dask_ipar.grid import factorizations, parse_grid
 from dask_ipar.testing import check_cnn
 
 GRIDS = [g for p in (1, 2, 3, 4, 6, 8) for g in factorizations(p)]
@@ -16,7 +16,7 @@ GRIDS = [g for p in (1, 2, 3, 4, 6, 8) for g in factorizations(p)]
 
 @pytest.mark.parametrize("grid", GRIDS, ids=str)
 def test_cnn_matches_reference(client, grid):
-    errors = check_cnn(client, grid)  # B = 9, float64, 3 SGD steps, heights 35/17/9/10
+    errors = check_cnn(client, grid)  # B = 9, float64, 2 SGD steps, heights 35/17/9/10
     rows = {(r.layer, r.phase): r for r in errors["comm"].rows}
     # the convs' windows always cross strip boundaries (pooling windows may not)
     for lp in [("conv0", "halo_fwd"), ("conv2", "halo_fwd"), ("conv2", "halo_bwd")]:
@@ -103,3 +103,46 @@ def test_cnn_checkpoint_moves_between_grids(client, tmp_path):
         np.testing.assert_allclose(wa, wb, rtol=1e-12, atol=1e-14)
     a.close()
     b.close()
+
+
+MIXED = [Conv2d(4, 3, activation="relu"), MaxPool2d(2),
+         Conv2d(6, (5, 3), stride=2, padding=(2, 1, 1, 1), activation="tanh", parallel="model"),
+         AvgPool2d(2, stride=1, padding=1),
+         Conv2d(5, 3, activation="relu", parallel="model"),
+         Flatten(), Dense(11, "relu"), Dense(8)]
+
+
+@pytest.mark.parametrize("grid", ["1x1", "2x1", "1x2", "2x2", "3x2", "4x1"], ids=str)
+def test_mixed_domain_and_model_parallel_convs(client, grid):
+    """Domain-parallel strips, then convs with their filters over Pr (whole images,
+    channel blocks), pooling on channel blocks, then the dense layers: exact, and every
+    redistribution, gather and reduce-scatter moves the predicted bytes."""
+    errors = check_cnn(client, grid, layers=MIXED, input_shape=(2, 35, 9), batch=7, steps=2)
+    grid = parse_grid(grid)
+    rows = {(r.layer, r.phase): r for r in errors["comm"].rows}
+    gathers = [("conv2", "redistribute"), ("pool3", "fwd_gather"), ("conv2", "dx_reduce"),
+               ("conv4", "dx_reduce"), ("flatten5", "redistribute")]
+    for lp in gathers:
+        assert (rows[lp].measured_bytes > 0) == (grid.pr > 1), lp
+    for lp in [("conv2", "dw_reduce"), ("conv4", "w_gather")]:
+        assert (rows[lp].measured_bytes > 0) == (grid.pc > 1), lp
+
+
+def test_model_parallel_first_layer(client):
+    """The images go whole to every cell of a column when the first conv splits filters."""
+    layers = [Conv2d(6, 3, activation="relu", parallel="model"), MaxPool2d(2), Flatten(),
+              Dense(8)]
+    check_cnn(client, "3x2", layers=layers, input_shape=(2, 9, 7), batch=7, steps=2)
+
+
+def test_model_parallel_conv_errors(client):
+    with pytest.raises(IparError, match="follows a model-parallel"):
+        Sequential([Conv2d(4, 3, parallel="model"), Conv2d(4, 3), Flatten(), Dense(3)],
+                   input_shape=(1, 8, 8))
+    with pytest.raises(IparError, match="groups=1"):
+        Conv2d(4, 3, groups=2, parallel="model")
+    with pytest.raises(IparError, match="parallel must be"):
+        Conv2d(4, 3, parallel="batch")
+    m = Sequential([Conv2d(2, 3, parallel="model"), Flatten(), Dense(4)], input_shape=(1, 8, 8))
+    with pytest.raises(IparError, match="2 filters, fewer than the grid's Pr = 4"):
+        m.distribute(client, "4x1")

@@ -77,7 +77,7 @@ def test_mismatched_layer_sizes(client):
     model = _model().distribute(client, "2x2")
     with pytest.raises(IparError, match=r"X has 36 features but the model's first layer expects 37"):
         model.fit(X, y, batch_size=8)
-    with pytest.raises(IparError, match=r"layer 1: W has shape \(13, 28\), expected \(13, 29\)"):
+    with pytest.raises(IparError, match=r"layer 1 \(dense1\): W has shape \(13, 28\), expected \(13, 29\)"):
         model.set_weights([(np.zeros((29, 37)), np.zeros(29)), (np.zeros((13, 28)), np.zeros(13)),
                            (np.zeros((10, 13)), np.zeros(10))])
     with pytest.raises(IparError, match="fewer than the grid's Pr = 4"):
