@@ -68,6 +68,10 @@ def _add_train(sub):
                    help="hidden layer widths, comma separated (default 128,64)")
     p.add_argument("--filters", type=_widths,
                    help="cnn: conv filters per block, comma separated (default 16,32)")
+    p.add_argument("--conv", choices=["domain", "model", "auto"],
+                   help="cnn: conv layers domain-parallel (default), model-parallel (filters "
+                   "over Pr), or auto: the cost model picks each layer's scheme and, without "
+                   "--grid, the grid of --workers processes")
     p.add_argument("--dtype", choices=["float32", "float64"], help="default float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: CuPy blocks in GPU memory (needs the gpu extra); the local "
@@ -194,10 +198,22 @@ def run_train(args) -> int:
             )
         from dask_ipar.layers import Conv2d, Flatten, MaxPool2d
 
+        conv = cfg["model"].get("conv", "domain")
         front = [lay for f in cfg["model"]["filters"]
-                 for lay in (Conv2d(f, 3, activation="relu"), MaxPool2d(2))]
-        model = Sequential(front + [Flatten()] + layers, input_shape=tuple(Xtr.shape[1:]),
+                 for lay in (Conv2d(f, 3, activation="relu",
+                                    parallel="model" if conv == "model" else "domain"),
+                             MaxPool2d(2))]
+        layers = front + [Flatten()] + layers
+        if conv == "auto":
+            from dask_ipar.planning import plan_layers
+
+            grid, layers, chosen = plan_layers(layers, tuple(Xtr.shape[1:]), grid.size,
+                                               t["batch"], machine, grid=cfg["grid"])
+            _eprint(f"dask-ipar: planner (conv auto): grid {grid}, " + ", ".join(
+                f"{n} {s}" for n, s in chosen.schemes if n.startswith("conv")))
+        model = Sequential(layers, input_shape=tuple(Xtr.shape[1:]),
                            dtype=cfg["model"]["dtype"], seed=t["seed"], device=args.device)
+        layers = model.dense_layers
         widths = "conv " + "-".join(map(str, cfg["model"]["filters"])) + " / dense " + \
             "-".join(map(str, model.sizes[-len(layers) - 1:]))
     else:

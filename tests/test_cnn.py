@@ -146,3 +146,30 @@ def test_model_parallel_conv_errors(client):
     m = Sequential([Conv2d(2, 3, parallel="model"), Flatten(), Dense(4)], input_shape=(1, 8, 8))
     with pytest.raises(IparError, match="2 filters, fewer than the grid's Pr = 4"):
         m.distribute(client, "4x1")
+
+
+def test_planner_sets_each_conv_layers_scheme():
+    """plan_layers: the cost model's per-layer choice becomes each Conv2d's ``parallel``,
+    within what the engine runs (domain first, then model; whole filters per grid row)."""
+    from dask_ipar.cost import Machine
+    from dask_ipar.planning import cost_specs, plan_layers
+
+    layers = [Conv2d(8, 3, activation="relu"), MaxPool2d(2), Conv2d(64, 3, activation="relu"),
+              Conv2d(64, 3, activation="relu"), Flatten(), Dense(10)]
+    specs = cost_specs(layers, (3, 32, 32))
+    assert [s.name for s in specs] == ["conv0", "pool1", "conv2", "conv3", "dense5"]
+    assert (specs[2].in_h, specs[2].out_h, specs[4].d_in) == (16, 16, 64 * 16 * 16)
+    for machine in (Machine(alpha_s=1e-3, bandwidth_Bps=1e9), Machine(alpha_s=1e-6,
+                                                                     bandwidth_Bps=1e7)):
+        for procs, batch in ((4, 16), (8, 4)):
+            grid, planned, best = plan_layers(layers, (3, 32, 32), procs, batch, machine)
+            assert grid.size == procs
+            chosen = dict(best.schemes)
+            schemes = [lay.parallel for lay in planned if isinstance(lay, Conv2d)]
+            assert schemes == [chosen[n] for n in ("conv0", "conv2", "conv3")]
+            assert schemes == sorted(schemes)  # "domain" before "model"
+            Sequential(planned, input_shape=(3, 32, 32))  # a model the engine accepts
+    grid, planned, _ = plan_layers(layers, (3, 32, 32), 4, 16, grid="4x1")
+    assert str(grid) == "4x1"
+    with pytest.raises(IparError, match="no way to run"):
+        plan_layers(layers, (3, 32, 32), 64, 16, grid="64x1")  # 16 rows, 8 filters

@@ -132,15 +132,17 @@ class PlanResult:
         return {"unit": self.unit, "grids": [g.to_dict() for g in self.feasible], "best": best}
 
 
-def _options(layer, mode: str, pr: int, pc: int, batch: int) -> list[str]:
+def _options(layer, mode: str, pr: int, pc: int, batch: int, schemes=None) -> list[str]:
     if isinstance(layer, Conv2d):
-        wanted = ("model", "domain", "batch") if mode == "auto" else (mode,)
+        wanted = (schemes or ("model", "domain", "batch")) if mode == "auto" else (mode,)
         ok = []
         for s in wanted:
             if s == "batch" and pr * pc > batch:
                 continue
             if s == "domain" and pr > min(layer.out_h, layer.in_h):
                 continue
+            if s == "model" and schemes is not None and (pr > layer.out_c or layer.groups > 1):
+                continue  # the engine splits whole filters, ungrouped
             ok.append(s)
         return ok
     return ["model"]
@@ -162,8 +164,12 @@ def _transition(state, need, d, pr, pc, batch, machine, convention, name):
     return [redistribute_phase(d, pr, pc, batch, machine, convention=convention, name=name, kind=kind)]
 
 
-def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size):
-    """Dynamic programme over layouts; returns (comm_seconds, schemes, phases, mem) or None."""
+def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size, domain_after_model=True):
+    """Dynamic programme over layouts; returns (comm_seconds, schemes, phases, mem) or None.
+
+    ``domain_after_model=False`` keeps every domain-parallel conv before the first
+    model-parallel one (the engine's order: strips, then channel blocks).
+    """
     frontier = {"input": (0.0, (), ())}
     first = True
     for idx, layer in enumerate(layers):
@@ -174,6 +180,9 @@ def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size):
         for state, (cost, schemes, phases) in frontier.items():
             for s in allowed[idx]:
                 need = _LAYOUT[s]
+                if not domain_after_model and state == "rep" and need == "domain" and \
+                        any(sc == "model" for _, sc in schemes):
+                    continue
                 extra = _transition(state, need, layer.d_in, pr, pc, batch, machine, convention, name)
                 extra += _layer_phases(layer, s, name, pr, pc, batch, machine, first, convention, dx_size)
                 c = cost + sum(p.seconds for p in extra)
@@ -217,13 +226,16 @@ def _finish(layers, pr, pc, batch, machine, found, overlap, convention) -> GridP
 def evaluate_grid(
     layers, pr: int, pc: int, batch: int, machine: Machine, *, conv: str = "auto", overlap: bool = False,
     mem_limit_bytes: float | None = None, convention: str = "engine", dx_size: str = "paper",
+    schemes: tuple[str, ...] | None = None,
 ) -> GridPlan:
     """Price one ``Pr x Pc`` grid for a network (Eqs. 3-9).
 
     Returns an infeasible :class:`GridPlan` (with ``reason``) when the grid
     cannot run the requested mode: ``Pc > B``, conv layers pure batch with
     ``P > B``, a domain split finer than the image height, or every candidate
-    over ``mem_limit_bytes``.
+    over ``mem_limit_bytes``. ``schemes`` restricts the per-layer choices of
+    ``conv="auto"`` (for example ``("domain", "model")``, the schemes
+    ``dask_ipar.Sequential`` runs, in its order: domain layers first).
     """
     if conv not in MODES:
         raise ValueError(f"conv: got {conv!r}; expected one of {', '.join(MODES)}")
@@ -233,10 +245,15 @@ def evaluate_grid(
     if pc > batch:
         return GridPlan(pr, pc, False, f"Pc={pc} > batch {batch}: a grid column would get no samples")
     modes = ("auto", "batch", "model", "domain") if conv == "auto" else (conv,)
+    if schemes is not None:
+        if not schemes or set(schemes) - {"batch", "model", "domain"}:
+            raise ValueError(f"schemes: got {schemes!r}; expected some of batch, model, domain")
+        modes = tuple(m for m in modes if m == "auto" or m in schemes)
     candidates, reasons = [], []
     for mode in modes:
-        allowed = [_options(x, mode, pr, pc, batch) for x in layers]
-        found = _search(layers, allowed, pr, pc, batch, machine, convention, dx_size)
+        allowed = [_options(x, mode, pr, pc, batch, schemes) for x in layers]
+        found = _search(layers, allowed, pr, pc, batch, machine, convention, dx_size,
+                        domain_after_model=schemes is None)
         if found is None:
             reasons.append("conv layers pure batch need P <= B" if mode == "batch" else
                            f"{mode}: Pr={pr} exceeds a conv layer's height")
@@ -254,7 +271,7 @@ def evaluate_grid(
 def plan(
     layers, procs: int, batch: int, machine: Machine, *, conv: str = "auto", overlap: bool = False,
     mem_limit_bytes: float | None = None, convention: str = "engine", samples: int | None = None,
-    dx_size: str = "paper",
+    dx_size: str = "paper", schemes: tuple[str, ...] | None = None,
 ) -> PlanResult:
     """Evaluate every factorization of ``procs`` and pick the fastest grid.
 
@@ -275,6 +292,8 @@ def plan(
     convention : {"engine", "paper"}
     samples : int, optional
         N; when given, times are per epoch (N/B iterations).
+    schemes : tuple of str, optional
+        Restrict ``conv="auto"`` to these per-layer schemes (see :func:`evaluate_grid`).
     """
     for nm, v in (("batch", batch),):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -286,7 +305,7 @@ def plan(
     layers = [as_layer_spec(x) for x in layers]
     grids = [
         evaluate_grid(layers, pr, pc, batch, machine, conv=conv, overlap=overlap, mem_limit_bytes=mem_limit_bytes,
-                      convention=convention, dx_size=dx_size)
+                      convention=convention, dx_size=dx_size, schemes=schemes)
         for pr, pc in factorizations(procs)
     ]
     unit = "iteration"
