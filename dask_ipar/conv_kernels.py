@@ -1,8 +1,8 @@
 """Local convolution and pooling kernels (NCHW), forward and backward.
 
-Foundation of the domain-parallel convolutions (issue 5): these are the
-per-block computations; halo exchange and the distributed graphs are not
-built yet. Written against the Python array API standard (strided slicing,
+The per-block computations of the conv and pooling layers; the distributed
+graphs around them are in :mod:`dask_ipar.domain` and :mod:`dask_ipar.front`.
+Written against the Python array API standard (strided slicing,
 ``reshape``, ``matmul``), so the same code runs on NumPy and CuPy: im2col is
 a loop over the ``k_h * k_w`` kernel offsets, each one strided slice of the
 padded input, followed by one matmul per group; col2im is the same loop with
