@@ -68,10 +68,11 @@ def _add_train(sub):
                    help="hidden layer widths, comma separated (default 128,64)")
     p.add_argument("--filters", type=_widths,
                    help="cnn: conv filters per block, comma separated (default 16,32)")
-    p.add_argument("--conv", choices=["domain", "model", "auto"],
+    p.add_argument("--conv", choices=["domain", "model", "batch", "auto"],
                    help="cnn: conv layers domain-parallel (default), model-parallel (filters "
-                   "over Pr), or auto: the cost model picks each layer's scheme and, without "
-                   "--grid, the grid of --workers processes")
+                   "over Pr), batch-parallel (samples over all P), or auto: the cost model "
+                   "picks each layer's scheme and, without --grid, the grid of --workers "
+                   "processes")
     p.add_argument("--dtype", choices=["float32", "float64"], help="default float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: CuPy blocks in GPU memory (needs the gpu extra); the local "
@@ -201,7 +202,7 @@ def run_train(args) -> int:
         conv = cfg["model"].get("conv", "domain")
         front = [lay for f in cfg["model"]["filters"]
                  for lay in (Conv2d(f, 3, activation="relu",
-                                    parallel="model" if conv == "model" else "domain"),
+                                    parallel="domain" if conv == "auto" else conv),
                              MaxPool2d(2))]
         layers = front + [Flatten()] + layers
         if conv == "auto":

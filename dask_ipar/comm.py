@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 
-from dask_ipar.cost import (FC, Machine, batch_layer_phases, dense_layer_phases, halo_phases,
-                            redistribute_phase)
+from dask_ipar.cost import (FC, Machine, batch_layer_phases, dense_layer_phases, exchange_phase,
+                            halo_phases, redistribute_phase)
 from dask_ipar.engine import phase_of_key
 
 __all__ = ["CommMeter", "CommRow", "CommReport", "predict_step", "LOOPBACK_MACHINE"]
@@ -121,6 +121,15 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
                 out.extend(_model_layout_phases(f, prev, pr, pc, batch, m))
                 prev = f
                 continue
+            if f.layout == "batch":
+                if f.kind == "conv":  # whole images, weights all-reduced over all P
+                    out.extend(batch_layer_phases(FC(f.weights.n_in, f.weights.n_out,
+                                                     bias=f.weights.bias), pr * pc, m,
+                                                  name=f.name))
+                prev = f
+                continue
+            if prev is not None and prev.layout == "batch":  # samples <-> strips, both ways
+                out.extend(_all_to_all(f, pr, pc, batch, m))
             prev = f
             plan = halo_plan(h, pr, f.k[0], f.stride, f.pad[:2])
             rows = sum(n.halo_rows for n in plan)
@@ -138,6 +147,22 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
                                       first_layer=k == 0 and front is None, convention="engine",
                                       name=lay.name))
     return out
+
+
+def _all_to_all(f, pr, pc, batch, m):
+    """Whole images of each cell's samples to strips of its column's samples, and back."""
+    from dask_ipar.partition import split_bounds
+
+    c, h, w = f.in_shape
+    rows = [b - a for a, b in split_bounds(h, pr)]
+    total, most = 0, 0
+    for b0, b1 in split_bounds(batch, pc):
+        for k, (s0, s1) in enumerate(split_bounds(b1 - b0, pr)):
+            sent = (s1 - s0) * (h - rows[k]) * c * w * m.word_bytes
+            total += sent
+            most = max(most, sent)
+    return [exchange_phase(f.name, p, pr, total, most, pr - 1, m)
+            for p in ("redistribute", "dx_reduce")]
 
 
 def _model_layout_phases(f, prev, pr, pc, batch, m):

@@ -72,7 +72,7 @@ DEFAULTS: dict = {
         "kind": "mlp",  # mlp | cnn (conv layers of `filters`, then `hidden` dense layers)
         "hidden": [128, 64],  # hidden layer widths
         "filters": [16, 32],  # cnn: each a 3x3 'same' ReLU conv followed by 2x2 max pooling
-        "conv": "domain",  # cnn: domain | model | auto (the planner picks per layer and the grid)
+        "conv": "domain",  # cnn: domain | model | batch | auto (the planner picks per layer)
         "dtype": "float32",  # float32 | float64
     },
     "grid": None,  # "PRxPC", e.g. "2x2"; None: 1 x workers (pure batch)
@@ -340,8 +340,8 @@ def validate(cfg: dict) -> dict:
     _need(m.get("dtype") in ("float32", "float64"), "model.dtype", m.get("dtype"),
           "float32 or float64")
     _need(m.get("kind", "mlp") in ("mlp", "cnn"), "model.kind", m.get("kind"), "mlp or cnn")
-    _need(m.get("conv", "domain") in ("domain", "model", "auto"), "model.conv", m.get("conv"),
-          "domain, model or auto")
+    _need(m.get("conv", "domain") in ("domain", "model", "batch", "auto"), "model.conv",
+          m.get("conv"), "domain, model, batch or auto")
     filters = m.get("filters", DEFAULTS["model"]["filters"])
     _need(isinstance(filters, list) and len(filters) >= 1
           and all(_is_int(f) and f > 0 for f in filters),

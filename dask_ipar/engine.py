@@ -67,6 +67,7 @@ TASK_PHASE = {
     "xhalo": "halo_fwd",
     "dxhalo": "halo_bwd",
     "rd": "redistribute",
+    "rdx": "dx_reduce",
 }
 
 
@@ -237,12 +238,12 @@ class Engine:
         nf = 0 if self.front is None else len(self.front.convs)
         return list(names[:nf]), list(names[nf:])
 
-    def _inputs(self, g, x_keys, w_names, step):
+    def _inputs(self, g, x_keys, w_names, step, batch):
         """The first dense layer's inputs (after the front, if any); returns ``(ctx, x_in)``."""
         front_w, _ = self._split(w_names)
         if self.front is None:
             return None, x_keys
-        return self.front.forward(g, {c: r.key for c, r in x_keys.items()}, front_w, step)
+        return self.front.forward(g, {c: r.key for c, r in x_keys.items()}, front_w, step, batch)
 
     # ------------------------------------------------------------------ names
     def name(self, owner: str, task: str, step: int) -> str:
@@ -313,7 +314,7 @@ class Engine:
                   logits[(0, j)], y_keys[(0, j)])
         return [(st, j) for j in range(self.grid.pc)]
 
-    def _backward(self, g, inputs, wrows, dz, step, reduce_fn):
+    def _backward(self, g, inputs, wrows, dz, step, reduce_fn, batch=None):
         """Backward of every layer.
 
         ``reduce_fn(g, lay, l, dw_args)`` adds the tasks that reduce the dW pieces;
@@ -342,7 +343,7 @@ class Engine:
             reduce_fn(g, lay, l, dw_args)
             if l == 0:
                 if self.front is not None:
-                    return self.front.image_grad(g, wrows[0], dz, step, lay)
+                    return self.front.image_grad(g, wrows[0], dz, step, lay, batch)
                 break
             # dX pieces, reduce-scattered over the column onto the row owners
             prev = self.layouts[l - 1]
@@ -369,7 +370,7 @@ class Engine:
                    weight_decay, g=None):
         """Graph of one SGD step. Returns ``(StepGraph, new_w_names, new_v_names, stats_keys)``."""
         g = StepGraph() if g is None else g
-        ctx, x_in = self._inputs(g, x_keys, w_names, step)
+        ctx, x_in = self._inputs(g, x_keys, w_names, step, batch)
         (front_w, w_names), (front_v, v_names) = self._split(w_names), self._split(v_names)
         inputs, _, wrows, logits = self._forward(g, x_in, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
@@ -392,7 +393,7 @@ class Engine:
             new_w.append(w_name)
             new_v.append(v_name)
 
-        dimg = self._backward(g, inputs, wrows, dz, step, update)
+        dimg = self._backward(g, inputs, wrows, dz, step, update, batch)
         if self.front is not None:
             fw, fv = self._front_update(g, ctx, dimg, front_v, step, lr, momentum, weight_decay)
             new_w += fw
@@ -428,7 +429,7 @@ class Engine:
         Gradient block ``(i, j)`` of layer ``l`` lies where weight block ``(i, j)`` does.
         """
         g = StepGraph() if g is None else g
-        ctx, x_in = self._inputs(g, x_keys, w_names, step)
+        ctx, x_in = self._inputs(g, x_keys, w_names, step, batch)
         _, w_names = self._split(w_names)
         inputs, _, wrows, logits = self._forward(g, x_in, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
@@ -443,7 +444,7 @@ class Engine:
                           *dw_args(i, jj))
             names.append(gname)
 
-        dimg = self._backward(g, inputs, wrows, dz, step, reduce)
+        dimg = self._backward(g, inputs, wrows, dz, step, reduce, batch)
         if self.front is not None:
             def reduce_front(g, lay, c, grads, wk, pieces, rows):
                 gname = self.name(lay.name, "grad", step)
@@ -456,14 +457,14 @@ class Engine:
             self.front.backward(g, ctx, dimg, step, reduce_front)
         return g, names[::-1], stats
 
-    def forward(self, x_keys, w_names, step, y_keys=None, g=None):
+    def forward(self, x_keys, w_names, step, y_keys=None, g=None, batch=None):
         """Graph of the forward pass. Returns ``(StepGraph, logits_keys, stats)``.
 
         ``logits_keys[j]`` is the ``classes x b_j`` logits block of column ``j`` on cell (0, j);
         ``stats`` is empty unless labels are given.
         """
         g = StepGraph() if g is None else g
-        _, x_in = self._inputs(g, x_keys, w_names, step)
+        _, x_in = self._inputs(g, x_keys, w_names, step, batch)
         _, _, _, logits = self._forward(g, x_in, self._split(w_names)[1], step)
         stats = [] if y_keys is None else self._stats(g, logits, y_keys, step)
         return g, [logits[(0, j)].key for j in range(self.grid.pc)], stats

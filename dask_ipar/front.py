@@ -63,7 +63,7 @@ class FrontLayout:
     mode: str = "max"
     wshape: tuple | None = None  # conv filters (O, C/g, kh, kw)
     weights: LayerLayout | None = None  # the weight matrix's blocks (conv only)
-    layout: str = "domain"  # "domain": row strips over Pr; "model": channel blocks over Pr
+    layout: str = "domain"  # row strips over Pr; "model": channel blocks; "batch": samples
 
     def channel_blocks(self, pr: int):
         """Output channels of each grid row (model layout)."""
@@ -88,11 +88,13 @@ def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
         index = first_index + off
         c, h, w = shape
         if isinstance(layer, Conv2d):
-            if layer.parallel == "domain" and layout == "model":
+            order = ("batch", "domain", "model")
+            if order.index(layer.parallel) < order.index(layout if off else "batch"):
                 raise IparError(
-                    f"layer {index} (Conv2d) is domain-parallel but follows a model-parallel "
-                    "layer; model-parallel conv layers come after the domain-parallel ones "
-                    "(images -> strips -> channel blocks -> dense)."
+                    f"layer {index} (Conv2d) is {layer.parallel}-parallel but follows a "
+                    f"{layout}-parallel layer; the conv layers run batch-parallel first, then "
+                    "domain-parallel, then model-parallel (samples -> strips -> channel "
+                    "blocks -> dense)."
                 )
             layout = layer.parallel
             if layout == "model" and layer.filters < pr:
@@ -101,6 +103,8 @@ def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
                     f"fewer than the grid's Pr = {pr} rows that split them. Use a grid with "
                     f"Pr <= {layer.filters} or parallel='domain'."
                 )
+        elif off == 0:
+            layout = "domain"  # a network that starts with pooling: strips
         if isinstance(layer, Conv2d):
             kh, kw = layer.kernel_size
             stride = layer.stride
@@ -168,14 +172,33 @@ class Front:
         self.convs = [f for f in self.layouts if f.kind == "conv"]
         grid = binding.grid
         last = self.layouts[-1]
-        #: how the last layer's output is split over Pr: rows (axis 2) or channels (axis 1)
-        self.out_axis = 1 if last.layout == "model" else 2
-        self.out_blocks = split_bounds(last.out_shape[self.out_axis - 1], grid.pr)
+        #: how the last layer's output is split over Pr: samples (axis 0, per column and
+        #: step), channels (axis 1) or rows (axis 2)
+        self.out_axis = {"batch": 0, "model": 1, "domain": 2}[last.layout]
+        self.out_blocks = (None if self.out_axis == 0 else
+                           split_bounds(last.out_shape[self.out_axis - 1], grid.pr))
+        self.has_batch = any(f.layout == "batch" for f in self.layouts)
+
+    def samples(self, batch: int):
+        """``[column j][grid row i] -> (s0, s1)``: samples of each cell within its column."""
+        pr = self.binding.grid.pr
+        return [split_bounds(b1 - b0, pr) for b0, b1 in split_bounds(batch, self.binding.grid.pc)]
+
+    def check_batch(self, batch: int):
+        """Batch-parallel layers split each column's samples over Pr: at least Pr each."""
+        grid = self.binding.grid
+        if self.has_batch and batch < grid.size:
+            raise IparError(
+                f"a batch of {batch} samples cannot feed the batch-parallel conv layers on grid "
+                f"{grid}: each of the {grid.size} cells needs a sample. Use batches of at least "
+                f"{grid.size}, or parallel='domain' for those layers."
+            )
 
     @property
     def input_layout(self) -> str:
-        """"strips" (rows i of the images on cell (i, j)) or "full" (whole images)."""
-        return "full" if self.layouts[0].layout == "model" else "strips"
+        """"strips" (rows i of the images on cell (i, j)), "full" (whole images) or
+        "samples" (whole images of sample block i of column j)."""
+        return {"model": "full", "batch": "samples", "domain": "strips"}[self.layouts[0].layout]
 
     @property
     def out_shape(self):
@@ -199,24 +222,35 @@ class Front:
             out[cell] = (key, *cell)
         return out
 
-    def forward(self, g: StepGraph, x_keys: dict, w_names: list, step: int):
+    def forward(self, g: StepGraph, x_keys: dict, w_names: list, step: int, batch: int):
         """Forward of every front layer and the flatten all-gather.
 
         ``x_keys[(i, j)]``: key of the input strip on cell (i, j). Returns ``(ctx, x_in)``:
         ``x_in[(i, j)]`` (a TaskRef) is the ``(C*H*W, b_j)`` input of the first dense
         layer on every cell of column ``j``; ``ctx`` is what :meth:`backward` needs.
         """
+        self.check_batch(batch)
         token = self.token(step)
         ctx = []
         names = iter(w_names)
         prev = None
+        samples = self.samples(batch)
         for lay in self.layouts:
             c, h, w = lay.in_shape
             if lay.layout == "model":
                 cx = self._model_forward(g, lay, prev, x_keys, names, token)
+                cx["batch"] = batch
                 ctx.append(cx)
                 x_keys, prev = cx["out"], lay
                 continue
+            if lay.layout == "batch":
+                cx = self._batch_forward(g, lay, x_keys, names, step)
+                ctx.append(cx)
+                x_keys, prev = cx["out"], lay
+                continue
+            from_batch = prev is not None and prev.layout == "batch"
+            if from_batch:  # whole images of sample blocks -> strips of the column's samples
+                x_keys = self._to_strips(g, lay, x_keys, token)
             if lay.kind == "conv":
                 wk = self._weights(g, lay, next(names), step)
                 plan, out = D.conv_forward_graph(g, self.binding, lay.name, token, x_keys, wk,
@@ -226,7 +260,8 @@ class Front:
                 wk = None
                 plan, out = D.pool_forward_graph(g, self.binding, lay.name, token, x_keys, h,
                                                  lay.k[0], lay.stride, lay.pad, lay.mode)
-            ctx.append({"x": x_keys, "w": wk, "plan": plan, "out": out})
+            ctx.append({"x": x_keys, "w": wk, "plan": plan, "out": out,
+                        "from_batch": from_batch, "samples": samples})
             x_keys, prev = out, lay
         grid = self.binding.grid
         rd = D._name(self.flatten, "rd", token)
@@ -239,6 +274,63 @@ class Front:
                   *[TaskRef((rd, k, j)) for k in range(grid.pr)])
             x_in[(i, j)] = TaskRef((xg, i, j))
         return ctx, x_in
+
+    def _batch_forward(self, g, lay, x_keys, names, step):
+        """A batch-layout layer: whole images of each cell's own samples, no exchange."""
+        grid, bind = self.binding.grid, self.binding
+        token = self.token(step)
+        out = {}
+        key = D._name(lay.name, "act", token)
+        wk = None
+        if lay.kind == "conv":
+            wk = self._weights(g, lay, next(names), step)
+        for cell in grid.cells():
+            if lay.kind == "conv":
+                g.add((key, *cell), bind.worker(*cell), D.conv_block, TaskRef(x_keys[cell]),
+                      TaskRef(wk[cell]), lay.wshape, lay.stride, lay.pad, lay.groups,
+                      lay.activation)
+            else:
+                g.add((key, *cell), bind.worker(*cell), D.pool_block, TaskRef(x_keys[cell]),
+                      lay.k[0], lay.stride, lay.pad, lay.mode)
+            out[cell] = (key, *cell)
+        return {"x": x_keys, "w": wk, "out": out}
+
+    def _to_strips(self, g, lay, x_keys, token):
+        """Batch layout to strips (an all-to-all over each grid column, ``<layer>.rd``)."""
+        grid, bind = self.binding.grid, self.binding
+        rows = split_bounds(lay.in_shape[1], grid.pr)
+        piece = D._name(lay.name, "rd", token)
+        own = D._name(lay.name, "rdown", token)
+        key = D._name(lay.name, "xb", token)
+        for k, j in grid.cells():
+            for i in range(grid.pr):
+                name = own if i == k else piece
+                g.add((name, k, i, j), bind.worker(k, j), K.slice_axis, TaskRef(x_keys[(k, j)]),
+                      2, *rows[i])
+        out = {}
+        for i, j in grid.cells():
+            g.add((key, i, j), bind.worker(i, j), K.concat_axis, 0,
+                  *[TaskRef((own if k == i else piece, k, i, j)) for k in range(grid.pr)])
+            out[(i, j)] = (key, i, j)
+        return out
+
+    def _to_samples(self, g, lay, dx_keys, samples, token):
+        """The strips' input gradients back to the batch layout (``<layer>.rdx``)."""
+        grid, bind = self.binding.grid, self.binding
+        piece = D._name(lay.name, "rdx", token)
+        own = D._name(lay.name, "rdxown", token)
+        key = D._name(lay.name, "dxb", token)
+        for i, j in grid.cells():
+            for k in range(grid.pr):
+                name = own if i == k else piece
+                g.add((name, i, k, j), bind.worker(i, j), K.slice_axis, TaskRef(dx_keys[(i, j)]),
+                      0, *samples[j][k])
+        out = {}
+        for k, j in grid.cells():
+            g.add((key, k, j), bind.worker(k, j), K.concat_axis, 2,
+                  *[TaskRef((own if i == k else piece, i, k, j)) for i in range(grid.pr)])
+            out[(k, j)] = (key, k, j)
+        return out
 
     def _model_forward(self, g, lay, prev, x_keys, names, token):
         """A model-layout layer: conv with filters over Pr on whole images, or local pooling.
@@ -261,9 +353,9 @@ class Front:
         if prev is None:  # the network's input, placed whole by the client
             xs = dict(x_keys)
         else:
-            axis = 2 if prev.layout == "domain" else 1
+            axis = {"batch": 0, "model": 1, "domain": 2}[prev.layout]
             src = x_keys
-            if prev.layout == "domain":
+            if prev.layout in ("domain", "batch"):
                 rd = D._name(lay.name, "rd", token)
                 for cell in cells:
                     g.add((rd, *cell), bind.worker(*cell), K.identity, TaskRef(x_keys[cell]))
@@ -297,7 +389,7 @@ class Front:
         return {"x": xs, "w": wrow, "out": out, "prev": prev}
 
     # --------------------------------------------------------------- backward
-    def image_grad(self, g, wrow, dz, step, lay0):
+    def image_grad(self, g, wrow, dz, step, lay0, batch):
         """The first dense layer's input gradient, reduce-scattered as NCHW strips.
 
         ``wrow[(i, j)]``: its gathered weight rows on cell (i, j); ``dz[(i, j)]`` the key of
@@ -307,6 +399,8 @@ class Front:
         grid = self.binding.grid
         token = self.token(step)
         chw, axis = self.out_shape, self.out_axis
+        if axis == 0:
+            return self._sample_grad(g, wrow, dz, token, lay0, batch)
         dxp = D._name(lay0.name, "dxp", token)
         for i in range(grid.pr):
             for k in range(grid.pr):
@@ -325,6 +419,25 @@ class Front:
                       wrow[(k, j)], TaskRef((dz, k, j)), chw, axis, a, b,
                       *[TaskRef((dxp, i, k, j)) for i in range(grid.pr) if i != k])
                 out[(k, j)] = (name, k, j)
+        return out
+
+    def _sample_grad(self, g, wrow, dz, token, lay0, batch):
+        """The first dense layer's input gradient, reduce-scattered by samples."""
+        grid = self.binding.grid
+        samples = self.samples(batch)
+        dxp = D._name(lay0.name, "dxp", token)
+        for i, j in grid.cells():
+            for k in range(grid.pr):
+                if k != i:
+                    g.add((dxp, i, k, j), self.binding.worker(i, j), K.dx_sample_piece,
+                          wrow[(i, j)], TaskRef((dz, i, j)), self.out_shape, *samples[j][k])
+        name = D._name(self.flatten, "dx", token)
+        out = {}
+        for k, j in grid.cells():
+            g.add((name, k, j), self.binding.worker(k, j), K.dz_sample_from_pieces,
+                  wrow[(k, j)], TaskRef((dz, k, j)), self.out_shape, *samples[j][k],
+                  *[TaskRef((dxp, i, k, j)) for i in range(grid.pr) if i != k])
+            out[(k, j)] = (name, k, j)
         return out
 
     def backward(self, g, ctx, dy_keys, step, reduce_fn):
@@ -348,6 +461,12 @@ class Front:
                 dy_keys = self._model_backward(g, lay, cx, dy_keys, need_dx, token, conv_pos,
                                                reduce_fn)
                 continue
+            if lay.layout == "batch":
+                if lay.kind == "conv":
+                    conv_pos -= 1
+                dy_keys = self._batch_backward(g, lay, cx, dy_keys, need_dx, token, conv_pos,
+                                               reduce_fn)
+                continue
             if lay.kind == "conv":
                 conv_pos -= 1
                 dx, grads = D.conv_backward_graph(
@@ -363,7 +482,37 @@ class Front:
                 dx = D.pool_backward_graph(g, self.binding, lay.name, token, cx["plan"],
                                            cx["x"], dy_keys, h, lay.k[0], lay.stride, lay.pad,
                                            lay.mode)
+            if cx["from_batch"] and dx is not None:
+                dx = self._to_samples(g, lay, dx, cx["samples"], token)
             dy_keys = dx
+
+    def _batch_backward(self, g, lay, cx, dy_keys, need_dx, token, conv_pos, reduce_fn):
+        """Backward of a batch-layout layer: local, but for the conv's weight all-reduce."""
+        grid, bind = self.binding.grid, self.binding
+        cells = grid.cells()
+        if lay.kind == "pool":
+            if not need_dx:
+                return None
+            key = D._name(lay.name, "dx", token)
+            for cell in cells:
+                g.add((key, *cell), bind.worker(*cell), D.pool_block_backward,
+                      TaskRef(cx["x"][cell]), TaskRef(dy_keys[cell]), lay.k[0], lay.stride,
+                      lay.pad, lay.mode)
+            return {cell: (key, *cell) for cell in cells}
+        bwd = D._name(lay.name, "bwd", token)
+        for cell in cells:
+            g.add((bwd, *cell), bind.worker(*cell), D.conv_block_backward, TaskRef(cx["x"][cell]),
+                  TaskRef(cx["w"][cell]), TaskRef(cx["out"][cell]), TaskRef(dy_keys[cell]),
+                  lay.wshape, lay.stride, lay.pad, lay.groups, lay.activation, need_dx)
+        grads = {cell: (bwd, *cell) for cell in cells}
+        pieces = self._grad_pieces(g, lay, grads, token)
+        reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces, lambda i, wl=lay.weights: wl.rows[i])
+        if not need_dx:
+            return None
+        key = D._name(lay.name, "dx", token)
+        for cell in cells:
+            g.add((key, *cell), bind.worker(*cell), K.first_of, TaskRef(grads[cell]))
+        return {cell: (key, *cell) for cell in cells}
 
     def _model_backward(self, g, lay, cx, dy_keys, need_dx, token, conv_pos, reduce_fn):
         """Backward of a model-layout layer; returns the input-gradient keys per cell.
@@ -411,19 +560,22 @@ class Front:
         if not need_dx:
             return None
         prev = cx["prev"]
-        axis = 2 if prev.layout == "domain" else 1
-        blocks = split_bounds(lay.in_shape[axis - 1], grid.pr)
+        axis = {"batch": 0, "model": 1, "domain": 2}[prev.layout]
+        if axis == 0:
+            blocks = self.samples(cx["batch"])
+        else:
+            blocks = [split_bounds(lay.in_shape[axis - 1], grid.pr)] * grid.pc
         dxp = D._name(lay.name, "dxp", token)
         for i, j in cells:
             for k in range(grid.pr):
                 if k != i:
                     g.add((dxp, i, k, j), bind.worker(i, j), K.slice_axis,
-                          TaskRef(grads[(i, j)]), axis, *blocks[k])
+                          TaskRef(grads[(i, j)]), axis, *blocks[j][k])
         own = D._name(lay.name, "dxown", token)
         key = D._name(lay.name, "dx", token)
         for k, j in cells:
             g.add((own, k, j), bind.worker(k, j), K.slice_axis, TaskRef(grads[(k, j)]), axis,
-                  *blocks[k])
+                  *blocks[j][k])
             g.add((key, k, j), bind.worker(k, j), K.sum_pieces, TaskRef((own, k, j)),
                   *[TaskRef((dxp, i, k, j)) for i in range(grid.pr) if i != k])
         return {cell: (key, *cell) for cell in cells}

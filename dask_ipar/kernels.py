@@ -43,6 +43,9 @@ __all__ = [
     "concat_axis",
     "slice_axis",
     "sum_pieces",
+    "first_of",
+    "dx_sample_piece",
+    "dz_sample_from_pieces",
     "flatten_gather",
     "dx_image_piece",
     "dz_image_from_pieces",
@@ -273,6 +276,31 @@ def sum_pieces(own, *remote):
     for r in remote:
         own += r
     return own
+
+
+def first_of(pair):
+    """The first item of a task's tuple result (a layer's input gradient)."""
+    return pair[0]
+
+
+def _as_images(cols, chw):
+    """``(C*H*W, n)`` features back to NCHW images ``(n, C, H, W)``."""
+    xp = xp_of(cols)
+    return xp.permute_dims(xp.reshape(cols, (*chw, cols.shape[1])), (3, 0, 1, 2))
+
+
+def dx_sample_piece(wrow, dz, chw, s0, s1):
+    """``W(i, :)^T dZ(i, s0:s1)``: the input gradient of samples ``s0:s1`` of the column."""
+    c, h, w = chw
+    return _as_images(wrow[:, :c * h * w].T @ dz[:, s0:s1], chw)
+
+
+def dz_sample_from_pieces(wrow, dz, chw, s0, s1, *remote):
+    """The owner's input-gradient images: its own piece plus those of the other grid rows."""
+    g = dx_sample_piece(wrow, dz, chw, s0, s1)
+    for r in remote:
+        g = g + r
+    return xp_of(g).asarray(g, copy=True)
 
 
 def flatten_gather(axis, *blocks):

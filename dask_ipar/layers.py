@@ -104,7 +104,10 @@ class Conv2d:
     the filters are replicated and their gradient is all-reduced over all P.
     ``parallel="model"``: the filters are split over ``Pr`` (each grid row computes
     its block of output channels on whole images), samples over ``Pc``, as a dense
-    layer's rows (Eq. 8). Model-parallel layers come after the domain-parallel ones.
+    layer's rows (Eq. 8). ``parallel="batch"``: whole images, the samples of each
+    grid column split again over ``Pr`` (batch-parallel over all P, Eq. 4), filters
+    replicated and their gradient all-reduced over all P. The order of the layers is
+    batch, then domain, then model.
 
     Parameters
     ----------
@@ -118,7 +121,7 @@ class Conv2d:
     groups : int
         Grouped convolution; must divide the input channels and ``filters`` (domain only).
     bias : bool
-    parallel : {"domain", "model"}
+    parallel : {"domain", "model", "batch"}
 
     Examples
     --------
@@ -136,8 +139,9 @@ class Conv2d:
     parallel: str = "domain"
 
     def __post_init__(self):
-        if self.parallel not in ("domain", "model"):
-            raise IparError(f"Conv2d parallel must be 'domain' or 'model', got {self.parallel!r}.")
+        if self.parallel not in ("domain", "model", "batch"):
+            raise IparError(f"Conv2d parallel must be 'domain', 'model' or 'batch', got "
+                            f"{self.parallel!r}.")
         if self.parallel == "model" and self.groups != 1:
             raise IparError("a model-parallel Conv2d (filters over Pr) needs groups=1; use "
                             "parallel='domain' for grouped convolutions.")

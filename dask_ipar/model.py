@@ -382,11 +382,20 @@ class Sequential:
         bounds = split_bounds(Xb.shape[0], grid.pc)
         labs = None if yb is None else [yb[b0:b1] for b0, b1 in bounds]
         blocks = {}
-        if self._n_front and self.engine.front.input_layout == "full":  # whole images
+        layout = self.engine.front.input_layout if self._n_front else None
+        if layout == "full":  # whole images of sample block j on every cell of column j
             for i, j in grid.cells():
                 b0, b1 = bounds[j]
                 blocks[(xname, i, j)] = np.ascontiguousarray(Xb[b0:b1])
             copies = grid.pr
+        elif layout == "samples":  # whole images of sample block i of column j
+            self.engine.front.check_batch(Xb.shape[0])
+            sub = self.engine.front.samples(Xb.shape[0])
+            for i, j in grid.cells():
+                s0, s1 = sub[j][i]
+                b0 = bounds[j][0]
+                blocks[(xname, i, j)] = np.ascontiguousarray(Xb[b0 + s0:b0 + s1])
+            copies = 1
         elif self._n_front:  # image strips: rows i of sample block j on cell (i, j)
             rows = split_bounds(Xb.shape[2], grid.pr)
             for i, j in grid.cells():
@@ -444,10 +453,24 @@ class Sequential:
         return self.client.get(graph.to_hlg(name), keys, sync=False)
 
     # ------------------------------------------------------------ training
+    def _min_samples(self) -> int:
+        """Fewest samples a step takes: one per grid column, or per cell with batch-parallel
+        conv layers (they split each column's samples over Pr as well)."""
+        grid = self.binding.grid
+        front = None if self.engine is None else self.engine.front
+        return grid.size if front is not None and front.has_batch else grid.pc
+
     def _check_batch(self, batch_size, n):
         pc = self.binding.grid.pc
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise IparError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        least = self._min_samples()
+        if least > pc and min(batch_size, n) < least:
+            raise IparError(
+                f"batch size {min(batch_size, n)} is smaller than the {least} cells of grid "
+                f"{self.binding.grid}; the batch-parallel conv layers need a sample on every "
+                f"cell. Use a batch of at least {least}."
+            )
         if batch_size < pc:
             raise IparError(
                 f"batch size {batch_size} is smaller than the grid's Pc = {pc} batch-parallel "
@@ -509,7 +532,7 @@ class Sequential:
         batch = self._check_batch(batch_size, X.shape[0])
         rng = np.random.default_rng(self.seed if seed is None else seed)
         n = X.shape[0]
-        pc = self.binding.grid.pc
+        pc = self._min_samples()  # batches with fewer samples are skipped
         history = History()
         bar = _make_bar(progress, epochs * (n // batch + (n % batch >= pc)))
         callback = progress if callable(progress) else None
@@ -631,9 +654,10 @@ class Sequential:
     def _batches(self, X, y, batch_size):
         n = X.shape[0]
         batch = n if batch_size is None else self._check_batch(batch_size, n)
-        pc = self.binding.grid.pc
+        pc = self._min_samples()
         if n < pc:
-            raise IparError(f"{n} samples cannot be split over Pc = {pc} grid columns.")
+            raise IparError(f"{n} samples cannot be split over the grid's {pc} "
+                            f"{'columns' if pc == self.binding.grid.pc else 'cells'}.")
         starts = list(range(0, n, batch))
         if len(starts) > 1 and n - starts[-1] < pc:  # fold a too-short tail into its neighbour
             starts.pop()
@@ -645,7 +669,8 @@ class Sequential:
         step = self._next_step()
         g = StepGraph()
         x_keys, y_keys, data = self._place_batch(Xb, yb, step, g)
-        g, logit_keys, stats = self.engine.forward(x_keys, self._w, step, y_keys, g=g)
+        g, logit_keys, stats = self.engine.forward(x_keys, self._w, step, y_keys, g=g,
+                                                   batch=Xb.shape[0])
         futs = self._submit(g, f"fwd-{self.uid}-s{step}", logit_keys + stats)
         return futs, logit_keys
 

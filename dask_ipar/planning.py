@@ -2,8 +2,8 @@
 
 :func:`plan_layers` turns the model's layers into cost-model specs, asks
 :func:`dask_ipar.cost.plan` for the cheapest grid and, per conv layer, the
-cheapest of the schemes the engine runs (``conv="auto"`` restricted to
-domain- and model-parallel convs, domain layers first), and returns the
+cheapest of the schemes the engine runs (``conv="auto"``, in the engine's
+order: batch-, then domain-, then model-parallel convs), and returns the
 layers with their ``parallel`` set accordingly. ``dask-ipar train --model cnn
 --conv auto`` uses it.
 """
@@ -18,7 +18,7 @@ from dask_ipar.layers import Conv2d, Dense, Flatten
 __all__ = ["cost_specs", "plan_layers"]
 
 #: The conv schemes the engine runs, in the order it runs them.
-ENGINE_SCHEMES = ("domain", "model")
+ENGINE_SCHEMES = ("batch", "domain", "model")
 
 
 def _symmetric(pad, n, k, s, out):

@@ -136,13 +136,13 @@ def test_model_parallel_first_layer(client):
 
 
 def test_model_parallel_conv_errors(client):
-    with pytest.raises(IparError, match="follows a model-parallel"):
+    with pytest.raises(IparError, match="domain-parallel but follows a model-parallel"):
         Sequential([Conv2d(4, 3, parallel="model"), Conv2d(4, 3), Flatten(), Dense(3)],
                    input_shape=(1, 8, 8))
     with pytest.raises(IparError, match="groups=1"):
         Conv2d(4, 3, groups=2, parallel="model")
     with pytest.raises(IparError, match="parallel must be"):
-        Conv2d(4, 3, parallel="batch")
+        Conv2d(4, 3, parallel="data")
     m = Sequential([Conv2d(2, 3, parallel="model"), Flatten(), Dense(4)], input_shape=(1, 8, 8))
     with pytest.raises(IparError, match="2 filters, fewer than the grid's Pr = 4"):
         m.distribute(client, "4x1")
@@ -173,3 +173,44 @@ def test_planner_sets_each_conv_layers_scheme():
     assert str(grid) == "4x1"
     with pytest.raises(IparError, match="no way to run"):
         plan_layers(layers, (3, 32, 32), 64, 16, grid="64x1")  # 16 rows, 8 filters
+
+
+ALL_THREE = [Conv2d(4, 3, activation="relu", parallel="batch"), MaxPool2d(2),
+             Conv2d(6, (5, 3), stride=2, padding=(2, 1, 1, 1), activation="tanh"),
+             AvgPool2d(2, stride=1, padding=1),
+             Conv2d(5, 3, activation="relu", parallel="model"),
+             Flatten(), Dense(11, "relu"), Dense(8)]
+
+
+@pytest.mark.parametrize("grid", ["1x1", "2x1", "2x2", "3x2"], ids=str)
+def test_batch_domain_and_model_parallel_convs(client, grid):
+    """Whole images of each cell's samples (batch), an all-to-all to strips (domain), a
+    gather to whole images with filters over Pr (model), then the dense layers."""
+    errors = check_cnn(client, grid, layers=ALL_THREE, input_shape=(2, 35, 9), batch=9,
+                       steps=2)
+    grid = parse_grid(grid)
+    rows = {(r.layer, r.phase): r for r in errors["comm"].rows}
+    for lp in [("conv2", "redistribute"), ("conv2", "dx_reduce"), ("conv4", "redistribute")]:
+        assert (rows[lp].measured_bytes > 0) == (grid.pr > 1), lp
+    assert (rows[("conv0", "dw_reduce")].measured_bytes > 0) == (grid.size > 1)
+
+
+@pytest.mark.parametrize("grid,layers", [
+    ("2x2", [Conv2d(4, 3, activation="relu", parallel="batch"), MaxPool2d(2), Flatten(),
+             Dense(8)]),
+    ("3x1", [Conv2d(4, 3, activation="relu", parallel="batch"),
+             Conv2d(5, 3, parallel="model"), Flatten(), Dense(8)]),
+], ids=["batch-flatten", "batch-model"])
+def test_batch_parallel_conv_into_the_next_layouts(client, grid, layers):
+    check_cnn(client, grid, layers=layers, input_shape=(2, 10, 7), batch=7, steps=2)
+
+
+def test_batch_parallel_conv_errors(client):
+    with pytest.raises(IparError, match="batch-parallel but follows a domain-parallel"):
+        Sequential([Conv2d(4, 3), Conv2d(4, 3, parallel="batch"), Flatten(), Dense(3)],
+                   input_shape=(1, 8, 8))
+    m = Sequential([Conv2d(4, 3, parallel="batch"), Flatten(), Dense(3)], input_shape=(1, 8, 8))
+    m.distribute(client, "2x2")
+    with pytest.raises(IparError, match="smaller than the 4 cells"):
+        m.fit(np.zeros((3, 1, 8, 8)), np.zeros(3, int), batch_size=3)
+    m.close()

@@ -44,6 +44,7 @@ __all__ = [
     "conv_model_phases",
     "domain_layer_phases",
     "halo_phases",
+    "exchange_phase",
     "batch_layer_phases",
     "redistribute_phase",
     "network_phases",
@@ -350,6 +351,13 @@ def domain_layer_phases(
             mx = neighbours * halo * row_words * _ceil_div(batch, pc) * w
             phases.append(_phase(name, phase, pr, total, mx, neighbours, machine))
     return phases + _weight_allreduce_all(conv, name, pr * pc, machine, convention)
+
+
+def exchange_phase(
+    name: str, phase: str, group: int, total_bytes: int, max_bytes: int, messages: int, machine: Machine
+) -> PhaseCost:
+    """A phase from exact byte counts (the engine's own geometry), priced with ``machine``."""
+    return _phase(name, phase, group, total_bytes, max_bytes, messages, machine)
 
 
 def halo_phases(

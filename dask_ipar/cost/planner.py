@@ -167,9 +167,10 @@ def _transition(state, need, d, pr, pc, batch, machine, convention, name):
 def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size, domain_after_model=True):
     """Dynamic programme over layouts; returns (comm_seconds, schemes, phases, mem) or None.
 
-    ``domain_after_model=False`` keeps every domain-parallel conv before the first
-    model-parallel one (the engine's order: strips, then channel blocks).
+    ``domain_after_model=False`` keeps the conv schemes in the engine's order: batch,
+    then domain, then model (samples, then strips, then channel blocks).
     """
+    rank = {"input": -1, "batch": 0, "domain": 1, "rep": 2}
     frontier = {"input": (0.0, (), ())}
     first = True
     for idx, layer in enumerate(layers):
@@ -180,8 +181,7 @@ def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size, domain
         for state, (cost, schemes, phases) in frontier.items():
             for s in allowed[idx]:
                 need = _LAYOUT[s]
-                if not domain_after_model and state == "rep" and need == "domain" and \
-                        any(sc == "model" for _, sc in schemes):
+                if not domain_after_model and rank[need] < rank[state]:
                     continue
                 extra = _transition(state, need, layer.d_in, pr, pc, batch, machine, convention, name)
                 extra += _layer_phases(layer, s, name, pr, pc, batch, machine, first, convention, dx_size)
