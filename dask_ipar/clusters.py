@@ -155,12 +155,12 @@ def job_script(cfg: dict, n_workers: int, scheduler_address: str = "tcp://schedu
 #: default ``MALLOC_TRIM_THRESHOLD_=65536`` returns freed memory to the OS at once and
 #: turns off glibc's adaptive mmap threshold, so every block-sized array of every step is
 #: a fresh ``mmap`` whose pages fault in again; with these, arrays up to 32 MiB come from
-#: the heap and freed memory up to 256 MiB stays for the next step's arrays (measured:
-#: 18-19% shorter MLP steps on 4 workers, docs/benchmarks.md).
+#: the heap and freed memory up to 64 MiB stays for the next step's arrays (measured on 4
+#: workers: MLP steps 7-17% shorter, peak memory per worker within 10%; docs/hpc.md).
 REUSE_MEMORY_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
-    "MALLOC_TRIM_THRESHOLD_": str(256 * 2**20),
-    "MALLOC_TOP_PAD_": str(64 * 2**20),
+    "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20),
+    "MALLOC_TOP_PAD_": str(16 * 2**20),
 }
 
 

@@ -142,6 +142,6 @@ def test_local_workers_keep_freed_memory(reuse):
                                   ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")})
     (got,) = env.values()
     if reuse:
-        assert got == {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "268435456"}
+        assert got == {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "67108864"}
     else:  # dask's own default
         assert got["MALLOC_MMAP_THRESHOLD_"] is None and got["MALLOC_TRIM_THRESHOLD_"] == "65536"
