@@ -254,22 +254,13 @@ def peak_rss(pid) -> int:
 
 
 def _worker_peak_rss():
-    import os as _os
-    with open(f"/proc/{_os.getpid()}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """Run on a worker: its own peak RSS."""
+    return peak_rss(os.getpid())
 
 
 def _worker_reset_peak():
-    import os as _os
-    try:
-        with open(f"/proc/{_os.getpid()}/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    """Run on a worker: reset its own peak RSS."""
+    return reset_peak_rss([os.getpid()])
 
 
 def _sched_cpu():

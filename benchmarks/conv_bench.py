@@ -36,7 +36,7 @@ def main():
     except ImportError:
         torch = None
     rng = np.random.default_rng(0)
-    print(f"| layer | shape | dask-ipar fwd+bwd (s) | PyTorch fwd+bwd (s) | ratio |")
+    print("| layer | shape | dask-ipar fwd+bwd (s) | PyTorch fwd+bwd (s) | ratio |")
     print("|---|---|---|---|---|")
     with threadpool_limits(args.threads):
         for name, c, h, w, o, k, s, p, g in SHAPES:

@@ -79,13 +79,13 @@ def _mem_work(nbytes, repeats):
     return 5 * a.nbytes * repeats, t0, time.time()
 
 
-def _cluster_rate(client, workers, n, dtype, repeats, tag, func=_matmul_work):
+def _cluster_rate(client, workers, tag, func, *args):
     """Total matmul flops per second of every worker computing at the same time."""
     g = StepGraph()
     keys = []
     for k, w in enumerate(workers):
         key = (f"calibrate.mm-{tag}", k)
-        g.add(key, w, func, *((n, dtype, repeats) if func is _matmul_work else (n, repeats)))
+        g.add(key, w, func, *args)
         keys.append(key)
     out = client.gather(client.get(g.to_hlg(f"calibrate-mm-{tag}"), keys, sync=False))
     return sum(f for f, _, _ in out) / (max(e for _, _, e in out) - min(s for _, s, _ in out))
@@ -204,12 +204,12 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     flops = float(fut.result())
     log(f"compute ({dtype} matmul {matmul_n}^3 on one worker): {flops / 1e9:.1f} GFLOP/s")
     everyone = sorted(scheduler_workers(client))
-    _cluster_rate(client, everyone, 256, dtype, 2, tag + "w")
-    cluster = max(_cluster_rate(client, everyone, matmul_n, dtype, 4, f"{tag}{r}")
+    _cluster_rate(client, everyone, tag + "w", _matmul_work, 256, dtype, 2)
+    cluster = max(_cluster_rate(client, everyone, f"{tag}{r}", _matmul_work, matmul_n, dtype, 4)
                   for r in range(2))
     log(f"compute (all {len(everyone)} workers at once): {cluster / 1e9:.1f} GFLOP/s")
-    mem = max(_cluster_rate(client, everyone, block_mib * 2**20, None, 10, f"{tag}m{r}",
-                            _mem_work) for r in range(2))
+    mem = max(_cluster_rate(client, everyone, f"{tag}m{r}", _mem_work, block_mib * 2**20, 10)
+              for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
     cluster_bw = bandwidth

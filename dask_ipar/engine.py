@@ -109,9 +109,14 @@ TASK_SPAN = {
     "dx": "halo_bwd",
     "dxzero": "halo_bwd",
     "rd": "redistribute",
+    "rdown": "redistribute",
+    "rdj": "redistribute",
     "xg": "redistribute",
     "xs": "forward",
     "dxown": "dx_reduce",
+    "rdx": "dx_reduce",
+    "rdxown": "dx_reduce",
+    "rdxj": "dx_reduce",
 }
 
 
@@ -371,7 +376,7 @@ class Engine:
         """Graph of one SGD step. Returns ``(StepGraph, new_w_names, new_v_names, stats_keys)``."""
         g = StepGraph() if g is None else g
         ctx, x_in = self._inputs(g, x_keys, w_names, step, batch)
-        (front_w, w_names), (front_v, v_names) = self._split(w_names), self._split(v_names)
+        (_, w_names), (front_v, v_names) = self._split(w_names), self._split(v_names)
         inputs, _, wrows, logits = self._forward(g, x_in, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc

@@ -39,7 +39,6 @@ from dask_ipar import kernels as K
 from dask_ipar.conv_kernels import conv_out_size
 from dask_ipar.engine import LayerLayout, StepGraph
 from dask_ipar.errors import IparError
-from dask_ipar.halo import halo_plan
 from dask_ipar.layers import Conv2d, resolve_padding
 from dask_ipar.partition import split_bounds
 
@@ -64,15 +63,6 @@ class FrontLayout:
     wshape: tuple | None = None  # conv filters (O, C/g, kh, kw)
     weights: LayerLayout | None = None  # the weight matrix's blocks (conv only)
     layout: str = "domain"  # row strips over Pr; "model": channel blocks; "batch": samples
-
-    def channel_blocks(self, pr: int):
-        """Output channels of each grid row (model layout)."""
-        return split_bounds(self.out_shape[0], pr)
-
-    def exchanged_rows(self, pr: int) -> int:
-        """Input rows each halo exchange (forward and backward) moves, summed over Pr."""
-        plan = halo_plan(self.in_shape[1], pr, self.k[0], self.stride, self.pad[:2])
-        return sum(n.halo_rows for n in plan)
 
 
 def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
@@ -277,60 +267,61 @@ class Front:
 
     def _batch_forward(self, g, lay, x_keys, names, step):
         """A batch-layout layer: whole images of each cell's own samples, no exchange."""
-        grid, bind = self.binding.grid, self.binding
         token = self.token(step)
-        out = {}
-        key = D._name(lay.name, "act", token)
-        wk = None
-        if lay.kind == "conv":
-            wk = self._weights(g, lay, next(names), step)
-        for cell in grid.cells():
-            if lay.kind == "conv":
-                g.add((key, *cell), bind.worker(*cell), D.conv_block, TaskRef(x_keys[cell]),
-                      TaskRef(wk[cell]), lay.wshape, lay.stride, lay.pad, lay.groups,
-                      lay.activation)
-            else:
-                g.add((key, *cell), bind.worker(*cell), D.pool_block, TaskRef(x_keys[cell]),
-                      lay.k[0], lay.stride, lay.pad, lay.mode)
-            out[cell] = (key, *cell)
+        if lay.kind == "pool":
+            return {"x": x_keys, "out": self._local_pool(g, lay, x_keys, token)}
+        wk = self._weights(g, lay, next(names), step)
+        out = self._per_cell(g, D._name(lay.name, "act", token), D.conv_block, lambda c: (
+            TaskRef(x_keys[c]), TaskRef(wk[c]), lay.wshape, lay.stride, lay.pad, lay.groups,
+            lay.activation))
         return {"x": x_keys, "w": wk, "out": out}
 
-    def _to_strips(self, g, lay, x_keys, token):
-        """Batch layout to strips (an all-to-all over each grid column, ``<layer>.rd``)."""
-        grid, bind = self.binding.grid, self.binding
-        rows = split_bounds(lay.in_shape[1], grid.pr)
-        piece = D._name(lay.name, "rd", token)
-        own = D._name(lay.name, "rdown", token)
-        key = D._name(lay.name, "xb", token)
+    def _per_cell(self, g, name, func, args_of):
+        """One task ``(name, i, j) = func(*args_of((i, j)))`` per cell; returns the keys."""
+        out = {}
+        for cell in self.binding.grid.cells():
+            g.add((name, *cell), self.binding.worker(*cell), func, *args_of(cell))
+            out[cell] = (name, *cell)
+        return out
+
+    def _local_pool(self, g, lay, x_keys, token):
+        """Pooling of whole images (batch or model layout): local to every cell."""
+        return self._per_cell(g, D._name(lay.name, "act", token), D.pool_block, lambda c: (
+            TaskRef(x_keys[c]), lay.k[0], lay.stride, lay.pad, lay.mode))
+
+    def _local_pool_backward(self, g, lay, cx, dy_keys, need_dx, token):
+        if not need_dx:
+            return None
+        return self._per_cell(g, D._name(lay.name, "dx", token), D.pool_block_backward,
+                              lambda c: (TaskRef(cx["x"][c]), TaskRef(dy_keys[c]), lay.k[0],
+                                         lay.stride, lay.pad, lay.mode))
+
+    def _column_all_to_all(self, g, keys, name, token, cut_axis, cut, join_axis):
+        """Re-split blocks within each grid column: cell (k, j) sends part ``cut(j, i)``
+        (along ``cut_axis``) of its block to cell (i, j), which joins the parts in ``k``
+        order along ``join_axis``. Parts that move are ``<name>`` keys, kept ones
+        ``<name>own``; returns the joined keys."""
+        grid = self.binding.grid
+        piece = D._name(name[0], name[1], token)
+        own = D._name(name[0], name[1] + "own", token)
         for k, j in grid.cells():
             for i in range(grid.pr):
-                name = own if i == k else piece
-                g.add((name, k, i, j), bind.worker(k, j), K.slice_axis, TaskRef(x_keys[(k, j)]),
-                      2, *rows[i])
-        out = {}
-        for i, j in grid.cells():
-            g.add((key, i, j), bind.worker(i, j), K.concat_axis, 0,
-                  *[TaskRef((own if k == i else piece, k, i, j)) for k in range(grid.pr)])
-            out[(i, j)] = (key, i, j)
-        return out
+                g.add((own if i == k else piece, k, i, j), self.binding.worker(k, j),
+                      K.slice_axis, TaskRef(keys[(k, j)]), cut_axis, *cut(j, i))
+        return self._per_cell(g, D._name(name[0], name[1] + "j", token), K.concat_axis,
+                              lambda c: (join_axis, *[TaskRef((own if k == c[0] else piece, k,
+                                                               *c)) for k in range(grid.pr)]))
+
+    def _to_strips(self, g, lay, x_keys, token):
+        """Batch layout to strips (``<layer>.rd`` pieces, phase ``redistribute``)."""
+        rows = split_bounds(lay.in_shape[1], self.binding.grid.pr)
+        return self._column_all_to_all(g, x_keys, (lay.name, "rd"), token, 2,
+                                       lambda j, i: rows[i], 0)
 
     def _to_samples(self, g, lay, dx_keys, samples, token):
         """The strips' input gradients back to the batch layout (``<layer>.rdx``)."""
-        grid, bind = self.binding.grid, self.binding
-        piece = D._name(lay.name, "rdx", token)
-        own = D._name(lay.name, "rdxown", token)
-        key = D._name(lay.name, "dxb", token)
-        for i, j in grid.cells():
-            for k in range(grid.pr):
-                name = own if i == k else piece
-                g.add((name, i, k, j), bind.worker(i, j), K.slice_axis, TaskRef(dx_keys[(i, j)]),
-                      0, *samples[j][k])
-        out = {}
-        for k, j in grid.cells():
-            g.add((key, k, j), bind.worker(k, j), K.concat_axis, 2,
-                  *[TaskRef((own if i == k else piece, i, k, j)) for i in range(grid.pr)])
-            out[(k, j)] = (key, k, j)
-        return out
+        return self._column_all_to_all(g, dx_keys, (lay.name, "rdx"), token, 0,
+                                       lambda j, k: samples[j][k], 2)
 
     def _model_forward(self, g, lay, prev, x_keys, names, token):
         """A model-layout layer: conv with filters over Pr on whole images, or local pooling.
@@ -342,13 +333,7 @@ class Front:
         grid, bind = self.binding.grid, self.binding
         cells = grid.cells()
         if lay.kind == "pool":
-            out = {}
-            key = D._name(lay.name, "act", token)
-            for cell in cells:
-                g.add((key, *cell), bind.worker(*cell), D.pool_block, TaskRef(x_keys[cell]),
-                      lay.k[0], lay.stride, lay.pad, lay.mode)
-                out[cell] = (key, *cell)
-            return {"x": x_keys, "out": out}
+            return {"x": x_keys, "out": self._local_pool(g, lay, x_keys, token)}
         # the whole input images on every cell of the column
         if prev is None:  # the network's input, placed whole by the client
             xs = dict(x_keys)
@@ -488,31 +473,19 @@ class Front:
 
     def _batch_backward(self, g, lay, cx, dy_keys, need_dx, token, conv_pos, reduce_fn):
         """Backward of a batch-layout layer: local, but for the conv's weight all-reduce."""
-        grid, bind = self.binding.grid, self.binding
-        cells = grid.cells()
         if lay.kind == "pool":
-            if not need_dx:
-                return None
-            key = D._name(lay.name, "dx", token)
-            for cell in cells:
-                g.add((key, *cell), bind.worker(*cell), D.pool_block_backward,
-                      TaskRef(cx["x"][cell]), TaskRef(dy_keys[cell]), lay.k[0], lay.stride,
-                      lay.pad, lay.mode)
-            return {cell: (key, *cell) for cell in cells}
-        bwd = D._name(lay.name, "bwd", token)
-        for cell in cells:
-            g.add((bwd, *cell), bind.worker(*cell), D.conv_block_backward, TaskRef(cx["x"][cell]),
-                  TaskRef(cx["w"][cell]), TaskRef(cx["out"][cell]), TaskRef(dy_keys[cell]),
-                  lay.wshape, lay.stride, lay.pad, lay.groups, lay.activation, need_dx)
-        grads = {cell: (bwd, *cell) for cell in cells}
+            return self._local_pool_backward(g, lay, cx, dy_keys, need_dx, token)
+        grads = self._per_cell(g, D._name(lay.name, "bwd", token), D.conv_block_backward,
+                               lambda c: (TaskRef(cx["x"][c]), TaskRef(cx["w"][c]),
+                                          TaskRef(cx["out"][c]), TaskRef(dy_keys[c]), lay.wshape,
+                                          lay.stride, lay.pad, lay.groups, lay.activation,
+                                          need_dx))
         pieces = self._grad_pieces(g, lay, grads, token)
         reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces, lambda i, wl=lay.weights: wl.rows[i])
         if not need_dx:
             return None
-        key = D._name(lay.name, "dx", token)
-        for cell in cells:
-            g.add((key, *cell), bind.worker(*cell), K.first_of, TaskRef(grads[cell]))
-        return {cell: (key, *cell) for cell in cells}
+        return self._per_cell(g, D._name(lay.name, "dx", token), K.first_of,
+                              lambda c: (TaskRef(grads[c]),))
 
     def _model_backward(self, g, lay, cx, dy_keys, need_dx, token, conv_pos, reduce_fn):
         """Backward of a model-layout layer; returns the input-gradient keys per cell.
@@ -526,14 +499,7 @@ class Front:
         grid, bind = self.binding.grid, self.binding
         cells = grid.cells()
         if lay.kind == "pool":
-            if not need_dx:
-                return None
-            key = D._name(lay.name, "dx", token)
-            for cell in cells:
-                g.add((key, *cell), bind.worker(*cell), D.pool_block_backward,
-                      TaskRef(cx["x"][cell]), TaskRef(dy_keys[cell]), lay.k[0], lay.stride,
-                      lay.pad, lay.mode)
-            return {cell: (key, *cell) for cell in cells}
+            return self._local_pool_backward(g, lay, cx, dy_keys, need_dx, token)
         wl = lay.weights
         bwd = D._name(lay.name, "bwd", token)
         for i, j in cells:

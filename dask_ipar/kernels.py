@@ -295,12 +295,16 @@ def dx_sample_piece(wrow, dz, chw, s0, s1):
     return _as_images(wrow[:, :c * h * w].T @ dz[:, s0:s1], chw)
 
 
+def _plus_pieces(own, remote):
+    """``own`` (a strided view of a fresh product) plus the remote pieces, contiguous."""
+    for r in remote:
+        own = own + r
+    return xp_of(own).asarray(own, copy=True)
+
+
 def dz_sample_from_pieces(wrow, dz, chw, s0, s1, *remote):
     """The owner's input-gradient images: its own piece plus those of the other grid rows."""
-    g = dx_sample_piece(wrow, dz, chw, s0, s1)
-    for r in remote:
-        g = g + r
-    return xp_of(g).asarray(g, copy=True)
+    return _plus_pieces(dx_sample_piece(wrow, dz, chw, s0, s1), remote)
 
 
 def flatten_gather(axis, *blocks):
@@ -342,10 +346,7 @@ def dx_image_piece(wrow, dz, chw, axis, a, b):
 
 def dz_image_from_pieces(wrow, dz, chw, axis, a, b, *remote):
     """The owner's input-gradient block: its own piece plus those of the other grid rows."""
-    g = dx_image_piece(wrow, dz, chw, axis, a, b)
-    for r in remote:
-        g = g + r
-    return xp_of(g).asarray(g, copy=True)
+    return _plus_pieces(dx_image_piece(wrow, dz, chw, axis, a, b), remote)
 
 
 def to_device(x):

@@ -42,12 +42,15 @@ class Dense:
     def __post_init__(self):
         if not isinstance(self.units, int) or isinstance(self.units, bool) or self.units < 1:
             raise IparError(f"Dense units must be a positive integer, got {self.units!r}.")
-        act = "linear" if self.activation is None else self.activation
-        if act not in ACTIVATIONS:
-            raise IparError(
-                f"unknown activation {self.activation!r}; expected one of {', '.join(ACTIVATIONS)}."
-            )
-        object.__setattr__(self, "activation", act)
+        object.__setattr__(self, "activation", _activation(self.activation))
+
+
+def _activation(name):
+    """A checked activation name (None means linear)."""
+    act = "linear" if name is None else name
+    if act not in ACTIVATIONS:
+        raise IparError(f"unknown activation {name!r}; expected one of {', '.join(ACTIVATIONS)}.")
+    return act
 
 
 def _pair(value, what):
@@ -153,12 +156,7 @@ class Conv2d:
         object.__setattr__(self, "padding", _padding(self.padding, "Conv2d"))
         if self.filters % self.groups:
             raise IparError(f"Conv2d groups={self.groups} must divide filters={self.filters}.")
-        act = "linear" if self.activation is None else self.activation
-        if act not in ACTIVATIONS:
-            raise IparError(
-                f"unknown activation {self.activation!r}; expected one of {', '.join(ACTIVATIONS)}."
-            )
-        object.__setattr__(self, "activation", act)
+        object.__setattr__(self, "activation", _activation(self.activation))
 
 
 @dataclass(frozen=True)

@@ -42,18 +42,22 @@ def mlp_forward(params, activations, X):
     return a, xs, zs
 
 
-def mlp_loss_and_grads(params, activations, X, y):
-    """Mean cross-entropy loss, accuracy and gradients ``[(dW, db), ...]``."""
-    logits, xs, zs = mlp_forward(params, activations, X)
-    B = X.shape[1]
+def _softmax_xent(logits, y):
+    """Mean cross-entropy of ``classes x B`` logits, accuracy, and d(loss)/d(logits)."""
+    B = logits.shape[1]
     m = logits.max(axis=0, keepdims=True)
     lse = np.log(np.exp(logits - m).sum(axis=0)) + m[0]
     loss = float(np.mean(lse - logits[y, np.arange(B)]))
     acc = float(np.mean(logits.argmax(axis=0) == y))
-    p = np.exp(logits - lse[None, :])
-    dz = p.copy()
-    dz[y, np.arange(B)] -= 1
-    dz /= B
+    d = np.exp(logits - lse[None, :])
+    d[y, np.arange(B)] -= 1
+    return loss, acc, d / B
+
+
+def mlp_loss_and_grads(params, activations, X, y):
+    """Mean cross-entropy loss, accuracy and gradients ``[(dW, db), ...]``."""
+    logits, xs, zs = mlp_forward(params, activations, X)
+    loss, acc, dz = _softmax_xent(logits, y)
     grads = [None] * len(params)
     for k in range(len(params) - 1, -1, -1):
         W, b = params[k]
@@ -186,14 +190,7 @@ def cnn_loss_and_grads(layers, params, X, y):
             cache.append((a, None, pad))
             a = _pool_fwd(a, k, s, pad, lay.mode)
     logits = a
-    B = logits.shape[1]
-    m = logits.max(axis=0, keepdims=True)
-    lse = np.log(np.exp(logits - m).sum(axis=0)) + m[0]
-    loss = float(np.mean(lse - logits[y, np.arange(B)]))
-    acc = float(np.mean(logits.argmax(axis=0) == y))
-    d = np.exp(logits - lse[None, :])
-    d[y, np.arange(B)] -= 1
-    d /= B
+    loss, acc, d = _softmax_xent(logits, y)
     grads = []
     wi = len(params)
     for lay, (x, z, pad) in zip(layers[::-1], cache[::-1]):

@@ -63,38 +63,63 @@ def compare_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh
         errors["logits"] = rel_err(model.forward(X), ref_logits)
         loss, acc, grads = model.gradients(X, y)
         ref_loss, ref_acc, ref_grads = mlp_loss_and_grads(params, acts, X.T, y)
-        errors["loss"] = abs(loss - ref_loss) / abs(ref_loss)
-        errors["accuracy"] = abs(acc - ref_acc)
-        for k, ((gw, gb), (rw, rb)) in enumerate(zip(grads, ref_grads)):
-            errors[f"dW{k}"] = rel_err(gw, rw)
-            errors[f"db{k}"] = rel_err(gb, rb)
-        # directional finite difference of the distributed loss
-        rng = np.random.default_rng(seed + 1)
-        direction = [(rng.standard_normal(W.shape), rng.standard_normal(b.shape))
-                     for W, b in params]
-        slope = sum(float((gw * dw).sum() + (gb * db).sum())
-                    for (gw, gb), (dw, db) in zip(grads, direction))
-        losses = []
-        for sign in (1, -1):
-            model.set_weights([(W + sign * fd_eps * dw, b + sign * fd_eps * db)
-                               for (W, b), (dw, db) in zip(params, direction)])
-            losses.append(model.evaluate(X, y)["loss"])
-        fd = (losses[0] - losses[1]) / (2 * fd_eps)
-        errors["finite_difference"] = abs(fd - slope) / max(abs(slope), 1e-12)
-        # SGD steps against the reference optimizer
-        model.set_weights(params)
-        history = model.fit(X, y, epochs=steps, batch_size=batch, optimizer=optimizer,
-                            shuffle=False)
-        p, v = params, [None] * len(params)
-        for _ in range(steps):
-            _, _, g = mlp_loss_and_grads(p, acts, X.T, y)
-            p, v = sgd_step(p, v, g, optimizer.lr, optimizer.momentum, optimizer.weight_decay)
-        for k, (a, b) in enumerate(zip(model.get_weights(), p)):
-            errors[f"sgd{k}"] = max(rel_err(a[0], b[0]), rel_err(a[1], b[1]))
-        errors["comm"] = history.comm
+        _gradient_errors(errors, (loss, acc, grads), (ref_loss, ref_acc, ref_grads))
+        errors["finite_difference"] = _finite_difference(
+            model, params, grads, X, y, np.random.default_rng(seed + 1), fd_eps)
+        _sgd_errors(errors, model, X, y, params, steps, batch, optimizer,
+                    lambda p: mlp_loss_and_grads(p, acts, X.T, y)[2])
         return errors
     finally:
         model.close()
+
+
+def _gradient_errors(errors, got, ref):
+    """Loss, accuracy and every ``dW<k>``/``db<k>`` error of ``got`` against ``ref``."""
+    (loss, acc, grads), (ref_loss, ref_acc, ref_grads) = got, ref
+    errors["loss"] = abs(loss - ref_loss) / abs(ref_loss)
+    errors["accuracy"] = abs(acc - ref_acc)
+    for k, ((gw, gb), (rw, rb)) in enumerate(zip(grads, ref_grads)):
+        errors[f"dW{k}"] = rel_err(gw, rw)
+        if rb is not None:
+            errors[f"db{k}"] = rel_err(gb, rb)
+
+
+def _finite_difference(model, params, grads, X, y, rng, eps) -> float:
+    """Directional derivative of the distributed loss vs the distributed gradient."""
+    def rand(a):
+        return None if a is None else rng.standard_normal(a.shape)
+
+    def dot(a, b):
+        return 0.0 if a is None else float((a * b).sum())
+
+    direction = [(rand(W), rand(b)) for W, b in params]
+    slope = sum(dot(gw, dw) + dot(gb, db) for (gw, gb), (dw, db) in zip(grads, direction))
+    losses = []
+    for sign in (1, -1):
+        model.set_weights([(W + sign * eps * dw, None if b is None else b + sign * eps * db)
+                           for (W, b), (dw, db) in zip(params, direction)])
+        losses.append(model.evaluate(X, y)["loss"])
+    fd = (losses[0] - losses[1]) / (2 * eps)
+    return abs(fd - slope) / max(abs(slope), 1e-12)
+
+
+def _sgd_errors(errors, model, X, y, params, steps, batch, optimizer, ref_grads_of):
+    """``steps`` full-batch SGD steps on the grid beside :func:`sgd_step` on the reference.
+
+    Sets ``sgd<k>`` (each layer's weight error afterwards) and ``comm`` (the steps' bytes).
+    """
+    # fresh weight keys: replicas fetched by earlier calls would otherwise spare the
+    # first step's weight all-gather some transfers
+    model.set_weights(params)
+    history = model.fit(X, y, epochs=steps, batch_size=batch, optimizer=optimizer,
+                        shuffle=False)
+    p, v = params, [None] * len(params)
+    for _ in range(steps):
+        p, v = sgd_step(p, v, ref_grads_of(p), optimizer.lr, optimizer.momentum,
+                        optimizer.weight_decay)
+    for k, (a, b) in enumerate(zip(model.get_weights(), p)):
+        errors[f"sgd{k}"] = max(rel_err(a[0], b[0]), 0.0 if b[1] is None else rel_err(a[1], b[1]))
+    errors["comm"] = history.comm
 
 
 def check_mlp(client, grid, *, rtol=1e-12, sgd_tol=1e-10, fd_rtol=1e-6, bytes_rtol=0.02,
@@ -144,37 +169,12 @@ def compare_cnn(client, grid, layers=None, input_shape=None, batch=9, steps=2,
         loss, acc, grads = model.gradients(X, y)
         ref_loss, ref_acc, ref_logits, ref_grads = cnn_loss_and_grads(layers, params, X, y)
         errors["logits"] = rel_err(model.forward(X), ref_logits)
-        errors["loss"] = abs(loss - ref_loss) / abs(ref_loss)
-        errors["accuracy"] = abs(acc - ref_acc)
-        for k, ((gw, gb), (rw, rb)) in enumerate(zip(grads, ref_grads)):
-            errors[f"dW{k}"] = rel_err(gw, rw)
-            if rb is not None:
-                errors[f"db{k}"] = rel_err(gb, rb)
+        _gradient_errors(errors, (loss, acc, grads), (ref_loss, ref_acc, ref_grads))
         if fd_eps:
-            direction = [(rng.standard_normal(W.shape), rng.standard_normal(b.shape))
-                         for W, b in params]
-            slope = sum(float((gw * dw).sum() + (gb * db).sum())
-                        for (gw, gb), (dw, db) in zip(grads, direction))
-            losses = []
-            for sign in (1, -1):
-                model.set_weights([(W + sign * fd_eps * dw, b + sign * fd_eps * db)
-                                   for (W, b), (dw, db) in zip(params, direction)])
-                losses.append(model.evaluate(X, y)["loss"])
-            fd = (losses[0] - losses[1]) / (2 * fd_eps)
-            errors["finite_difference"] = abs(fd - slope) / max(abs(slope), 1e-12)
-        # fresh weight keys: replicas fetched by the calls above would otherwise spare
-        # the first step's weight all-gather some transfers
-        model.set_weights(params)
-        history = model.fit(X, y, epochs=steps, batch_size=batch, optimizer=optimizer,
-                            shuffle=False)
-        p, v = params, [None] * len(params)
-        for _ in range(steps):
-            g = cnn_loss_and_grads(layers, p, X, y)[3]
-            p, v = sgd_step(p, v, g, optimizer.lr, optimizer.momentum, optimizer.weight_decay)
-        for k, (a, b) in enumerate(zip(model.get_weights(), p)):
-            errors[f"sgd{k}"] = max(rel_err(a[0], b[0]),
-                                    0.0 if b[1] is None else rel_err(a[1], b[1]))
-        errors["comm"] = history.comm
+            errors["finite_difference"] = _finite_difference(model, params, grads, X, y, rng,
+                                                             fd_eps)
+        _sgd_errors(errors, model, X, y, params, steps, batch, optimizer,
+                    lambda p: cnn_loss_and_grads(layers, p, X, y)[3])
         return errors
     finally:
         model.close()

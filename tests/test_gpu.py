@@ -6,7 +6,6 @@ tested on a single device.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 
