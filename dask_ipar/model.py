@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 import uuid
@@ -155,8 +156,9 @@ class Sequential:
         dt = np.dtype(dtype)
         if dt not in (np.float32, np.float64):
             raise IparError(f"dtype must be float32 or float64, got {dtype!r}.")
-        if device not in ("cpu", "cuda"):
-            raise IparError(f"device must be 'cpu' or 'cuda', got {device!r}.")
+        if device != "cpu" and device not in K.DEVICE_MODULES:
+            names = " or ".join(repr(d) for d in ("cpu", *K.DEVICE_MODULES))
+            raise IparError(f"device must be {names}, got {device!r}.")
         if device == "cuda":
             try:
                 import cupy  # noqa: F401
@@ -166,6 +168,8 @@ class Sequential:
                     "pip install 'dask-ipar[gpu]'."
                 ) from exc
         self.device = device
+        #: array module of the blocks on the workers (None: NumPy); see :attr:`DEVICE_MODULES`
+        self.block_module = K.DEVICE_MODULES.get(device)
         self.layers = tuple(layers)
         self.input_shape = input_shape
         self._n_front = n_front
@@ -348,19 +352,20 @@ class Sequential:
                         np.ascontiguousarray(Wa[r0:r1, c0:c1])
                     )
         old = (self._w or []) + (self._v or [])
-        if self.device == "cuda":  # host blocks go up, then each owner copies its own to the GPU
+        if self.block_module:  # host blocks go up, then each owner copies its own to the GPU
             per_worker = {w: {(f"{k[0]}-host", *k[1:]): v for k, v in blocks.items()}
                           for w, blocks in per_worker.items()}
         scattered = {}
         for worker, blocks in per_worker.items():
             scattered.update(self.client.scatter(blocks, workers=[worker], hash=False,
                                                     direct=True))
-        if self.device == "cuda":
+        if self.block_module:
             g = StepGraph()
             keys = []
             for hkey in scattered:
                 key = (hkey[0][: -len("-host")], *hkey[1:])
-                g.add(key, self.binding.worker(*hkey[1:]), K.to_device, TaskRef(hkey))
+                g.add(key, self.binding.worker(*hkey[1:]), K.to_device, TaskRef(hkey),
+                      self.block_module)
                 keys.append(key)
             futs = self._submit(g, f"to-device-{self.uid}-s{step}", keys)
             scattered = dict(zip(keys, futs))
@@ -422,10 +427,10 @@ class Sequential:
                     self.client.scatter(mine, workers=[self.binding.worker(i, j)], hash=False,
                                         direct=True)
                 )
-        if self.device == "cuda":  # each cell copies its block to its GPU: one task, no hop
+        if self.block_module:  # each cell copies its block to its GPU: one task, no hop
             for key in blocks:
                 g.add((key[0] + "-dev", *key[1:]), self.binding.worker(*key[1:]), K.to_device,
-                      TaskRef(key))
+                      TaskRef(key), self.block_module)
             xname, yname = xname + "-dev", yname + "-dev"
         x_keys = {(i, j): TaskRef((xname, i, j)) for i, j in grid.cells()}
         y_keys = None if yb is None else {(i, j): TaskRef((yname, i, j)) for i, j in grid.cells()}
@@ -437,7 +442,7 @@ class Sequential:
         On GPUs each owner first copies its block to host memory, so the client
         never needs CuPy or a GPU to receive results.
         """
-        if self.device == "cpu":
+        if not self.block_module:
             return self.client.gather(list(futures))
         step = self._next_step()
         g = StepGraph()
@@ -754,12 +759,10 @@ class Sequential:
         for lay, name in zip(self.engine.param_layouts, self._w):
             dsk = {(name, i, j): self._futures[(name, i, j)] for i, j in self.binding.grid.cells()}
             chunks = (tuple(b - a for a, b in lay.rows), tuple(b - a for a, b in lay.wcols))
-            if self.device == "cuda":
-                import cupy
-
-                meta = cupy.empty((0, 0), dtype=self.dtype)
-            else:
-                meta = np.empty((0, 0), dtype=self.dtype)
+            meta = np.empty((0, 0), dtype=self.dtype)
+            if self.block_module:
+                xp = importlib.import_module(self.block_module)
+                meta = xp.empty((0, 0), dtype=getattr(xp, self.dtype.name))
             out.append(da.Array(dsk, name, chunks, meta=meta))
         return out
 

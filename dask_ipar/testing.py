@@ -43,7 +43,7 @@ def _layers(sizes, activations):
 
 def compare_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh", "linear"),
                 batch=23, steps=20, optimizer=SGD(lr=0.1, momentum=0.9, weight_decay=0.01),
-                fd_eps=1e-6, seed=0) -> dict:
+                fd_eps=1e-6, seed=0, device="cpu") -> dict:
     """Run a float64 MLP on ``grid`` beside the NumPy reference; return every error.
 
     Keys: ``logits``, ``loss``, ``accuracy``, ``dW<k>``/``db<k>`` (relative errors),
@@ -53,7 +53,7 @@ def compare_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh
     """
     X, y = awkward_problem(sizes, batch, seed)
     model = Sequential(_layers(sizes, activations), input_dim=sizes[0], dtype="float64",
-                       seed=seed)
+                       seed=seed, device=device)
     model.distribute(client, grid)
     try:
         params = model.get_weights()
@@ -148,7 +148,7 @@ def awkward_cnn():
 
 def compare_cnn(client, grid, layers=None, input_shape=None, batch=9, steps=2,
                 optimizer=SGD(lr=0.05, momentum=0.9, weight_decay=0.01), fd_eps=None,
-                seed=0) -> dict:
+                seed=0, device="cpu") -> dict:
     """Run a float64 CNN on ``grid`` beside the NumPy reference; return every error.
 
     Keys: ``logits``, ``loss``, ``accuracy``, ``dW<k>``/``db<k>`` (every layer with
@@ -161,7 +161,8 @@ def compare_cnn(client, grid, layers=None, input_shape=None, batch=9, steps=2,
     X = rng.standard_normal((batch, *input_shape))
     n_classes = layers[-1].units
     y = rng.integers(0, n_classes, batch)
-    model = Sequential(layers, input_shape=input_shape, dtype="float64", seed=seed)
+    model = Sequential(layers, input_shape=input_shape, dtype="float64", seed=seed,
+                       device=device)
     model.distribute(client, grid)
     try:
         params = model.get_weights()

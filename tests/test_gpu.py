@@ -48,6 +48,51 @@ def test_cuda_matches_cpu(client, grid):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["1x1", "2x2"])
+def test_cuda_exact_against_the_reference(client, grid):
+    """float64 CuPy blocks: MLP and CNN (domain strips, halos, pooling, flatten, dense)
+    outputs, gradients, SGD steps and bytes moved as on the CPU (the NumPy reference)."""
+    _cupy_with_device()
+    from dask_ipar.testing import check_cnn, check_mlp
+
+    check_mlp(client, grid, steps=4, device="cuda")
+    check_cnn(client, grid, fd_eps=None, device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_cnn_layouts_float32(client):
+    """A CNN with batch, domain and model conv layers in float32: CuPy vs NumPy within
+    1e-5 (relative), after 3 SGD steps too."""
+    _cupy_with_device()
+    import numpy as np
+
+    from dask_ipar import SGD, Sequential
+    from dask_ipar.layers import Conv2d, Dense, Flatten, MaxPool2d
+    from dask_ipar.testing import rel_err
+
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((8, 2, 16, 12)).astype(np.float32), rng.integers(0, 5, 8)
+    out = {}
+    for device in ("cpu", "cuda"):
+        layers = [Conv2d(4, 3, activation="relu", parallel="batch"),
+                  Conv2d(6, 3, activation="relu", parallel="domain"), MaxPool2d(2),
+                  Conv2d(8, 3, activation="tanh", parallel="model"), Flatten(),
+                  Dense(16, "relu"), Dense(5)]
+        m = Sequential(layers, input_shape=(2, 16, 12), dtype="float32", seed=0,
+                       device=device).distribute(client, "2x2")
+        loss, _, grads = m.gradients(X, y)
+        m.fit(X, y, epochs=3, batch_size=8, optimizer=SGD(lr=0.05, momentum=0.9))
+        out[device] = (loss, grads, m.get_weights())
+        m.close()
+    c, g = out["cpu"], out["cuda"]
+    assert abs(c[0] - g[0]) <= 1e-5 * abs(c[0])
+    for (cw, cb), (gw, gb) in zip(c[1], g[1]):
+        assert rel_err(gw, cw) <= 1e-5 and rel_err(gb, cb) <= 1e-5
+    for (cw, _), (gw, _) in zip(c[2], g[2]):
+        assert rel_err(gw, cw) <= 1e-4
+
+
+@pytest.mark.gpu
 def test_blocks_live_on_the_gpu(client):
     cupy = _cupy_with_device()
     from dask_ipar import Dense, Sequential
