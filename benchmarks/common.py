@@ -221,7 +221,8 @@ def local_cluster(n_workers: int, cores: int):
                           "distributed.worker.memory.pause": False,
                           "distributed.worker.memory.terminate": False,
                           "distributed.scheduler.active-memory-manager.start": False,
-                          "optimization.fuse.active": False}):
+                          "optimization.fuse.active": False, "distributed.scheduler.work-stealing": False,
+                          "distributed.worker.profile.enabled": False}):
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
                                dashboard_address=None, memory_limit=0)
         client = Client(cluster)

@@ -6,7 +6,11 @@ import time
 
 from dask_ipar.errors import IparError
 
-__all__ = ["open_client", "wait_for_workers", "dashboard_link", "scheduler_workers"]
+__all__ = ["open_client", "wait_for_workers", "dashboard_link", "scheduler_workers",
+           "hold_replicas", "release_replicas"]
+
+#: Models per scheduler address that hold dask's Active Memory Manager stopped.
+_AMM_HOLDS: dict[str, int] = {}
 
 
 def _has_bokeh() -> bool:
@@ -24,6 +28,46 @@ def scheduler_workers(client) -> dict:
     replace with a summary listing no workers.)
     """
     return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
+def hold_replicas(client) -> bool:
+    """Stop the scheduler's Active Memory Manager while a model trains on it.
+
+    The engine's collectives fetch a block once per worker and then read the replica from
+    several tasks of the step (the forward, the dX pieces, the update). The AMM's
+    ReduceReplicas policy drops replicas that no *running* task needs, so a replica that a
+    later task of the step still needs can go, and be fetched again: bytes the algorithm
+    does not move. Returns True when this call stopped it (release with
+    :func:`release_replicas`); the AMM restarts when the last model on the scheduler closes.
+    """
+    addr = client.scheduler.address
+    if addr in _AMM_HOLDS:
+        _AMM_HOLDS[addr] += 1
+        return True
+    try:
+        running = client.amm.running()
+    except Exception:  # scheduler without the AMM extension
+        return False
+    if not running:
+        return False
+    client.amm.stop()
+    _AMM_HOLDS[addr] = 1
+    return True
+
+
+def release_replicas(client) -> None:
+    """Undo one :func:`hold_replicas`; the last one on a scheduler restarts its AMM."""
+    addr = client.scheduler.address
+    if addr not in _AMM_HOLDS:
+        return
+    _AMM_HOLDS[addr] -= 1
+    if _AMM_HOLDS[addr] <= 0:
+        del _AMM_HOLDS[addr]
+        try:
+            if client.status == "running":
+                client.amm.start()
+        except Exception:  # the scheduler is gone: nothing to restart
+            pass
 
 
 def wait_for_workers(client, n: int, timeout_s: float, log=None) -> None:

@@ -13,13 +13,25 @@ One training step, read as "communicate, compute locally, communicate":
 =========== ================================================ =====================
 phase       tasks on cell (i, j)                             collective
 =========== ================================================ =====================
-w_gather    ``W(i, :) = concat_j' W(i, j')``                 all-gather over Pc
+w_gather    ``W(i, j')`` fetched from the row's owners       all-gather over Pc
 forward     ``A(i, j) = f(W(i, :) X(:, j))``                 local
-fwd_gather  ``X_next(:, j) = concat_i' A(i', j)``            all-gather over Pr
+fwd_gather  ``X_next(:, j)`` = the column's ``A(i', j)``     all-gather over Pr
 dx_reduce   pieces ``W(i, k)^T dZ(i, j)`` go to cell (k, j)  reduce-scatter over Pr
 dw_reduce   pieces ``dZ(i, j) X(j', j)^T`` go to (i, j')     reduce-scatter over Pc
 update      momentum SGD on the owned slice ``W(i, j')``     local
 =========== ================================================ =====================
+
+The gathers have no tasks of their own: the forward task of cell (i, j) takes the
+weight slices of its grid row and the previous layer's blocks of its grid column as
+dependencies and joins them itself, so a layer's forward is one task and one dependent
+hop per cell; the backward tasks read the same fetched blocks (only the column ranges
+they need, as views). One task per cell at the start of a step (``weights.wpre``)
+fetches the row's weight slices of every layer while each is still only on its owner,
+so every slice is sent by its owner (balanced senders); later fetches could be served
+by a replica. Replicas are read by several tasks of a step, so a model holds dask's
+Active Memory Manager stopped while it is distributed
+(:func:`dask_ipar.cluster.hold_replicas`): its ReduceReplicas policy would drop replicas
+that a waiting task still needs, and they would travel again.
 
 The dW reduce-scatter followed by the next step's weight all-gather is the
 ring all-reduce of Eq. 8 with balanced traffic: every cell sends and receives
@@ -29,12 +41,11 @@ only needs its own row block of the previous layer's gradient; it moves half
 the paper's dX volume. Pure batch (``Pr = 1``) and pure model (``Pc = 1``)
 run through the same code; collectives over a group of one are skipped.
 
-Keys that other cells fetch (activation blocks, weight slices) are never read
-again by their owner: the owner reads its rows from its own gathered copy
-(``xgather``, ``wrow``) instead. A replica that dask's Active Memory Manager
-drops (it removes the extra copy of a fetched key, possibly the owner's)
-therefore never has to be fetched again, and the bytes moved stay exactly
-those of the collectives above.
+Buffer donation: a momentum block is read by one task only, its owner's update in the
+next step, so that update writes the new velocity into the old one's buffer
+(:func:`dask_ipar.kernels.sgd_velocity`); the update allocates one block (the new
+weights) instead of three. Futures of a momentum block (``state_blocks``) are valid
+until the next step is submitted.
 
 Every key is ``("<layer>.<task>-<uid>-s<step>", *cell)``, so the dashboard
 groups tasks by layer and phase, and transfer logs attribute bytes to them
@@ -89,6 +100,7 @@ def phase_of_key(key) -> tuple[str, str] | None:
 #: Dashboard span (per layer) of each task name: what the task does in the step.
 TASK_SPAN = {
     "wrow": "w_gather",
+    "wpre": "w_gather",
     "act": "forward",
     "xgather": "fwd_gather",
     "dxp": "dx_reduce",
@@ -183,6 +195,8 @@ class StepGraph:
 
     dsk: dict = field(default_factory=dict)
     place: dict = field(default_factory=dict)
+    #: keys to compute although no key asked for depends on them (prefetches)
+    roots: list = field(default_factory=list)
 
     def add(self, key, worker, func, *args):
         """Add task ``key = func(*args)`` pinned to ``worker``; dependencies are ``TaskRef``."""
@@ -274,31 +288,55 @@ class Engine:
         return out
 
     def _forward(self, g: StepGraph, x_in: dict, w_names: list[str], step: int):
-        """Forward of every layer; returns per-layer inputs, outputs, weight rows, logits."""
+        """Forward of every layer: one task per cell and layer.
+
+        The task on cell (i, j) reads the weight slices ``W(i, j')`` of its grid row (the
+        w_gather over Pc) and the previous layer's blocks ``A(k, j)`` of its grid column
+        (the fwd_gather over Pr) straight from their owners; the gathers end inside it, so
+        a layer costs one task and one dependent hop per cell. Returns per layer the input
+        parts of every cell (``(row ranges, refs)``) and the weight-slice refs of every grid
+        row, and the logits (the last layer's rows gathered on every cell).
+        """
         pr, pc = self.grid.pr, self.grid.pc
-        inputs, acts, wrows = [], [], []
+        cells = self.grid.cells()
+        n0 = self.layouts[0].n_in
+        parts = {c: (((0, n0),), [ref]) for c, ref in x_in.items()}
+        if pc > 1:
+            # The w_gather of every layer starts with the step: one task per cell fetches
+            # its grid row's weight slices, and the forward tasks find them there. All
+            # cells of a row wait for the same slices (their own too), so the scheduler
+            # starts them together, while each slice is still only on its owner: every
+            # fetch is from the owner. Fetches left to the forward tasks, later in the step,
+            # could be served by another cell's replica, which unbalances the senders.
+            pre = self.name("weights", "wpre", step)
+            for i, j in cells:
+                g.add((pre, i, j), self.binding.worker(i, j), K.fetched,
+                      *[TaskRef((w, i, jj)) for w in w_names for jj in range(pc)])
+                g.roots.append((pre, i, j))
+        inputs, wparts = [], []
+        act = None
         for lay, w_name in zip(self.layouts, w_names):
-            wrow = self._weight_rows(g, lay, w_name, step)
+            wp = {i: [TaskRef((w_name, i, jj)) for jj in range(pc)] for i in range(pr)}
             act = self.name(lay.name, "act", step)
-            for i in range(pr):
-                for j in range(pc):
-                    g.add((act, i, j), self.binding.worker(i, j), K.dense_forward,
-                          wrow[(i, j)], x_in[(i, j)], lay.n_in, lay.activation)
-            inputs.append(x_in)
-            acts.append(act)
-            wrows.append(wrow)
-            # forward all-gather over the Pr cells of each column (phase fwd_gather)
-            if pr == 1:
-                x_in = {(0, j): TaskRef((act, 0, j)) for j in range(pc)}
-            else:
-                xg = self.name(lay.name, "xgather", step)
-                x_in = {}
-                for i in range(pr):
-                    for j in range(pc):
-                        g.add((xg, i, j), self.binding.worker(i, j), K.concat_rows,
-                              *[TaskRef((act, k, j)) for k in range(pr)])
-                        x_in[(i, j)] = TaskRef((xg, i, j))
-        return inputs, acts, wrows, x_in
+            for i, j in cells:
+                xb, xr = parts[(i, j)]
+                g.add((act, i, j), self.binding.worker(i, j), K.dense_forward,
+                      lay.wcols, xb, lay.n_in, lay.activation, *wp[i], *xr)
+            inputs.append(parts)
+            wparts.append(wp)
+            parts = {(i, j): (lay.rows, [TaskRef((act, k, j)) for k in range(pr)])
+                     for i, j in cells}
+        # the logits rows gathered on every cell of a column (fwd_gather of the last layer)
+        if pr == 1:
+            logits = {(0, j): TaskRef((act, 0, j)) for j in range(pc)}
+        else:
+            xg = self.name(self.layouts[-1].name, "xgather", step)
+            logits = {}
+            for i, j in cells:
+                g.add((xg, i, j), self.binding.worker(i, j), K.concat_rows,
+                      *[TaskRef((act, k, j)) for k in range(pr)])
+                logits[(i, j)] = TaskRef((xg, i, j))
+        return inputs, wparts, logits
 
     def _loss(self, g: StepGraph, logits: dict, y_keys: dict, batch: int, step: int):
         """Loss gradient rows on every cell and per-column loss statistics on row 0."""
@@ -319,7 +357,7 @@ class Engine:
                   logits[(0, j)], y_keys[(0, j)])
         return [(st, j) for j in range(self.grid.pc)]
 
-    def _backward(self, g, inputs, wrows, dz, step, reduce_fn, batch=None):
+    def _backward(self, g, inputs, wparts, dz, step, reduce_fn, w_names, batch=None):
         """Backward of every layer.
 
         ``reduce_fn(g, lay, l, dw_args)`` adds the tasks that reduce the dW pieces;
@@ -334,21 +372,24 @@ class Engine:
             dwp = self.name(lay.name, "dwp", step)
             for i in range(pr):
                 for j in range(pc):
+                    xb, xr = inputs[l][(i, j)]
                     for jj in range(pc):
                         if jj != j:
                             c0, c1 = lay.wcols[jj]
                             g.add((dwp, i, j, jj), self.binding.worker(i, j), K.dw_piece,
-                                  TaskRef((dz, i, j)), inputs[l][(i, j)], c0, c1, lay.n_in)
+                                  TaskRef((dz, i, j)), xb, c0, c1, lay.n_in, *xr)
 
             def dw_args(i, jj, lay=lay, l=l, dz=dz, dwp=dwp):
                 c0, c1 = lay.wcols[jj]
-                return (TaskRef((dz, i, jj)), inputs[l][(i, jj)], c0, c1, lay.n_in,
+                xb, xr = inputs[l][(i, jj)]
+                return (TaskRef((dz, i, jj)), xb, c0, c1, lay.n_in, *xr,
                         *[TaskRef((dwp, i, j, jj)) for j in range(pc) if j != jj])
 
             reduce_fn(g, lay, l, dw_args)
             if l == 0:
                 if self.front is not None:
-                    return self.front.image_grad(g, wrows[0], dz, step, lay, batch)
+                    wrows = self._weight_rows(g, lay, w_names[0], step)
+                    return self.front.image_grad(g, wrows, dz, step, lay, batch)
                 break
             # dX pieces, reduce-scattered over the column onto the row owners
             prev = self.layouts[l - 1]
@@ -359,14 +400,15 @@ class Engine:
                         c0, c1 = lay.in_rows[k]
                         for j in range(pc):
                             g.add((dxp, i, k, j), self.binding.worker(i, j), K.dx_piece,
-                                  wrows[l][(i, j)], TaskRef((dz, i, j)), c0, c1)
+                                  lay.wcols, c0, c1, TaskRef((dz, i, j)), *wparts[l][i])
             dz_prev = self.name(prev.name, "dz", step)
             for k in range(pr):
                 c0, c1 = lay.in_rows[k]
                 for j in range(pc):
+                    own = inputs[l][(k, j)][1][k]  # this cell's block of the layer's input
                     g.add((dz_prev, k, j), self.binding.worker(k, j), K.dz_from_pieces,
-                          inputs[l][(k, j)], c0, c1, prev.activation,
-                          wrows[l][(k, j)], TaskRef((dz, k, j)), c0, c1,
+                          own, prev.activation, lay.wcols, c0, c1, TaskRef((dz, k, j)),
+                          *wparts[l][k],
                           *[TaskRef((dxp, i, k, j)) for i in range(pr) if i != k])
             dz = dz_prev
 
@@ -377,7 +419,7 @@ class Engine:
         g = StepGraph() if g is None else g
         ctx, x_in = self._inputs(g, x_keys, w_names, step, batch)
         (_, w_names), (front_v, v_names) = self._split(w_names), self._split(v_names)
-        inputs, _, wrows, logits = self._forward(g, x_in, w_names, step)
+        inputs, wparts, logits = self._forward(g, x_in, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         new_w, new_v = [], []
@@ -389,16 +431,16 @@ class Engine:
                 for jj in range(pc):
                     worker = self.binding.worker(i, jj)
                     old_v = None if v_names[l] is None else TaskRef((v_names[l], i, jj))
-                    c0, c1 = lay.wcols[jj]
+                    w_old = TaskRef((w_names[l], i, jj))
                     g.add((v_name, i, jj), worker, K.sgd_velocity,
-                          wrows[l][(i, jj)], momentum, weight_decay, lay.n_decay(jj), old_v,
+                          w_old, momentum, weight_decay, lay.n_decay(jj), old_v,
                           *dw_args(i, jj))
                     g.add((w_name, i, jj), worker, K.sgd_weight,
-                          wrows[l][(i, jj)], c0, c1, TaskRef((v_name, i, jj)), lr)
+                          w_old, TaskRef((v_name, i, jj)), lr)
             new_w.append(w_name)
             new_v.append(v_name)
 
-        dimg = self._backward(g, inputs, wrows, dz, step, update, batch)
+        dimg = self._backward(g, inputs, wparts, dz, step, update, w_names, batch)
         if self.front is not None:
             fw, fv = self._front_update(g, ctx, dimg, front_v, step, lr, momentum, weight_decay)
             new_w += fw
@@ -436,7 +478,7 @@ class Engine:
         g = StepGraph() if g is None else g
         ctx, x_in = self._inputs(g, x_keys, w_names, step, batch)
         _, w_names = self._split(w_names)
-        inputs, _, wrows, logits = self._forward(g, x_in, w_names, step)
+        inputs, wparts, logits = self._forward(g, x_in, w_names, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         names = []
@@ -449,7 +491,7 @@ class Engine:
                           *dw_args(i, jj))
             names.append(gname)
 
-        dimg = self._backward(g, inputs, wrows, dz, step, reduce, batch)
+        dimg = self._backward(g, inputs, wparts, dz, step, reduce, w_names, batch)
         if self.front is not None:
             def reduce_front(g, lay, c, grads, wk, pieces, rows):
                 gname = self.name(lay.name, "grad", step)
@@ -470,7 +512,7 @@ class Engine:
         """
         g = StepGraph() if g is None else g
         _, x_in = self._inputs(g, x_keys, w_names, step, batch)
-        _, _, _, logits = self._forward(g, x_in, self._split(w_names)[1], step)
+        _, _, logits = self._forward(g, x_in, self._split(w_names)[1], step)
         stats = [] if y_keys is None else self._stats(g, logits, y_keys, step)
         return g, [logits[(0, j)].key for j in range(self.grid.pc)], stats
 
@@ -492,10 +534,16 @@ def _shape_cost(func, args, shape, itemsize):
     # mem_bytes: passes over the output of the allocating elementwise work (a fresh
     # array written is one pass, ``a += b`` three, ``a = s * b`` two)
     if name == "dense_forward":
-        w, x = shape(args[0]), shape(args[1])
+        wb, xb, n_in, act = args[:4]
+        blocks = args[4:]
+        w, x = shape(blocks[0]), shape(blocks[len(wb)])
         out = (w[0], x[1])
-        passes = 1 + (3 if w[1] > args[2] else 0) + (4 if args[3] != "linear" else 0)
-        return out, 2.0 * w[0] * args[2] * x[1], passes * out[0] * out[1] * itemsize
+        n_cols = wb[-1][1] - wb[0][0]
+        # the gathers end here: joining slices (pieces) copies them, two passes each
+        copies = (2 * w[0] * n_cols if len(wb) > 1 else 0) + (2 * n_in * x[1] if len(xb) > 1
+                                                                 else 0)
+        passes = 1 + (3 if n_cols > n_in else 0) + (2 if act != "linear" else 0)
+        return out, 2.0 * w[0] * n_in * x[1], (passes * out[0] * out[1] + copies) * itemsize
     if name == "softmax_xent_grad":
         lg = shape(args[0])
         return (args[3] - args[2], lg[1]), 0.0, 6 * lg[0] * lg[1] * itemsize
@@ -503,29 +551,30 @@ def _shape_cost(func, args, shape, itemsize):
         lg = shape(args[0])
         return (2,), 0.0, 6 * lg[0] * lg[1] * itemsize
     if name == "dx_piece":
-        w, dz = shape(args[0]), shape(args[1])
-        out = (args[3] - args[2], dz[1])
-        return out, 2.0 * w[0] * out[0] * out[1], out[0] * out[1] * itemsize
+        c0, c1, dz = args[1], args[2], shape(args[3])
+        out = (c1 - c0, dz[1])
+        return out, 2.0 * dz[0] * out[0] * out[1], out[0] * out[1] * itemsize
     if name == "dz_from_pieces":
-        w, dz = shape(args[4]), shape(args[5])
-        out = (args[7] - args[6], dz[1])
-        nrem = len(args) - 8
-        passes = 1 + 3 * nrem + (6 if args[3] != "linear" else 0)
-        return (out, 2.0 * w[0] * out[0] * out[1], passes * out[0] * out[1] * itemsize)
+        act, wb, c0, c1, dz = args[1], args[2], args[3], args[4], shape(args[5])
+        out = (c1 - c0, dz[1])
+        nrem = len(args) - 6 - len(wb)
+        passes = 1 + 3 * nrem + {"relu": 4, "tanh": 6}.get(act, 0)
+        return (out, 2.0 * dz[0] * out[0] * out[1], passes * out[0] * out[1] * itemsize)
     if name in ("dw_piece", "dw_reduce", "sgd_velocity"):
         off = 5 if name == "sgd_velocity" else 0
-        dz, (c0, c1, n_in) = shape(args[off]), args[off + 2:off + 5]
+        dz, xb, (c0, c1, n_in) = shape(args[off]), args[off + 1], args[off + 2:off + 5]
         out = (dz[0], c1 - c0)
-        nrem = len(args) - off - 5
+        nrem = len(args) - off - 5 - len(xb)
         passes = 1 + 3 * nrem
-        if name == "sgd_velocity":
-            passes += (4 if args[2] and args[3] else 0) + (5 if args[4] is not None else 0)
+        if name == "sgd_velocity":  # in-place scale-and-adds: read two, write one
+            passes += (3 if args[2] and args[3] else 0) + (3 if args[4] is not None else 0)
         return (out, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1],
                 passes * out[0] * out[1] * itemsize)
     if name == "sgd_weight":
-        w = shape(args[0])
-        out = (w[0], args[2] - args[1])
+        out = shape(args[0])
         return out, 0.0, 5 * out[0] * out[1] * itemsize
+    if name == "fetched":
+        return (), 0.0, 0.0
     if name in ("to_device", "to_host"):
         s = shape(args[0])
         return s, 0.0, 2 * _numel(s) * itemsize

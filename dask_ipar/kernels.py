@@ -11,6 +11,7 @@ are ``features x samples``.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import numpy as np
 from dask.sizeof import sizeof
@@ -25,8 +26,11 @@ __all__ = [
     "xp_of",
     "concat_rows",
     "concat_cols",
+    "span",
     "dense_forward",
     "activation_grad",
+    "times_activation_grad_",
+    "axpy_",
     "softmax_xent_grad",
     "softmax_xent_stats",
     "dx_piece",
@@ -47,6 +51,7 @@ __all__ = [
     "concat_axis",
     "slice_axis",
     "sum_pieces",
+    "fetched",
     "first_of",
     "dx_sample_piece",
     "dz_sample_from_pieces",
@@ -91,24 +96,84 @@ def concat_cols(*blocks):
     return xp_of(blocks[0]).concat(list(blocks), axis=1)
 
 
+def _ufuncs(x):
+    """NumPy or CuPy when ``x`` is one of their arrays (their ufuncs write into ``out=``),
+    else None: other array API libraries get the out-of-place forms."""
+    if isinstance(x, np.ndarray):
+        return np
+    if type(x).__module__.split(".")[0] == "cupy":
+        return sys.modules["cupy"]
+    return None
+
+
+#: Rows per slice of the chunked updates: temporaries stay about this many bytes.
+_CHUNK_BYTES = 1 << 20
+
+
+def _row_chunks(a, nbytes=None):
+    itemsize = getattr(a.dtype, "itemsize", 8)  # array_api_strict dtypes have none
+    step = max(1, (nbytes or _CHUNK_BYTES) // max(1, a.shape[1] * itemsize))
+    return [(r, min(r + step, a.shape[0])) for r in range(0, a.shape[0], step)]
+
+
+def axpy_(y, alpha, x):
+    """``y += alpha * x`` in place, a slice of rows at a time (no temporary of ``y``'s size)."""
+    if y.ndim != 2:
+        y += alpha * x
+        return y
+    for r0, r1 in _row_chunks(y):
+        y[r0:r1, ...] += alpha * x[r0:r1, ...]
+    return y
+
+
 def _activate(z, activation):
-    xp = xp_of(z)
+    """``f(z)``; ``z`` is the caller's own new array and is overwritten where possible."""
+    m = _ufuncs(z)
     if activation == "relu":
+        if m is not None:
+            return m.maximum(z, 0, out=z)
+        xp = xp_of(z)
         return xp.where(z > 0, z, xp.zeros_like(z))
     if activation == "tanh":
-        return xp.tanh(z)
+        return m.tanh(z, out=z) if m is not None else xp_of(z).tanh(z)
     return z
 
 
-def dense_forward(wrow, x, n_in, activation):
+def span(bounds, lo, hi, axis, *parts):
+    """Indices ``lo:hi`` along ``axis`` of the concatenation of ``parts`` (``bounds[k]`` is
+    the index range part ``k`` holds): a view when one part holds them all, else the
+    concatenation of just the overlapping pieces."""
+    xp = xp_of(parts[0])
+    pieces = []
+    for (b0, b1), part in zip(bounds, parts):
+        a, b = max(lo, b0), min(hi, b1)
+        if a < b:
+            pieces.append(part[a - b0:b - b0, :] if axis == 0 else part[:, a - b0:b - b0])
+    if len(pieces) == 1:
+        one = pieces[0]
+        # A block that arrived over the network can sit at an odd address in its message
+        # buffer; BLAS then runs far below its speed on it (measured: a 4 MiB-per-row
+        # dW update 3x slower). An aligned copy costs one pass.
+        if isinstance(one, np.ndarray) and not one.flags.aligned:
+            return one.copy()
+        return one
+    return xp.concat(pieces, axis=axis)
+
+
+def dense_forward(wb, xb, n_in, activation, *blocks):
     """``f(W[:, :n_in] @ x + b)`` for one block row of a dense layer.
 
-    ``wrow`` is the gathered block row ``W(i, :)``; its column ``n_in`` (if
-    present) is the bias.
+    ``blocks`` are the column slices of the block row ``W(i, :)`` (``wb`` their column
+    ranges; the column ``n_in``, if present, is the bias), then the row pieces of the input
+    column ``X(:, j)`` (``xb`` their row ranges): the all-gathers over the grid row and
+    column end here, inside the task that uses them.
     """
-    z = wrow[:, :n_in] @ x
-    if wrow.shape[1] > n_in:
-        z += wrow[:, n_in:n_in + 1]
+    nw = len(wb)
+    w, x = blocks[:nw], blocks[nw:]
+    xfull = span(xb, 0, n_in, 0, *x)
+    z = span(wb, 0, n_in, 1, *w) @ xfull
+    if wb[-1][1] > n_in:
+        z += span(wb, n_in, n_in + 1, 1, *w)
     return _activate(z, activation)
 
 
@@ -119,6 +184,19 @@ def activation_grad(a, activation):
     if activation == "tanh":
         return 1 - a * a
     return None
+
+
+def times_activation_grad_(g, a, activation):
+    """``g * f'(a)`` (``a`` the activation's output), written into ``g`` (the caller's own)."""
+    m = _ufuncs(g)
+    if activation == "relu" and m is not None:
+        return m.multiply(g, a > 0, out=g)
+    d = activation_grad(a, activation)
+    if d is None:
+        return g
+    if m is not None:
+        return m.multiply(g, d, out=g)
+    return g * d
 
 
 def _softmax_parts(logits):
@@ -153,71 +231,100 @@ def softmax_xent_stats(logits, labels):
     return np.array([float(-xp.sum(logp)), float(correct)], dtype=np.float64)
 
 
-def dx_piece(wrow, dz, c0, c1):
-    """``W(i, c0:c1)^T dZ(i, j)``: one piece of the dX reduce-scatter."""
-    return wrow[:, c0:c1].T @ dz
+def dx_piece(wb, c0, c1, dz, *w):
+    """``W(i, c0:c1)^T dZ(i, j)``: one piece of the dX reduce-scatter (``w``: the column
+    slices of ``W(i, :)``, ``wb`` their ranges)."""
+    return span(wb, c0, c1, 1, *w).T @ dz
 
 
-def dz_from_pieces(x_full, r0, r1, activation, wrow, dz, c0, c1, *remote):
+def dz_from_pieces(a, activation, wb, c0, c1, dz, *rest):
     """The reduce of the dX reduce-scatter on cell (k, j), then the activation'.
 
-    The local piece ``W(k, c0:c1)^T dZ(k, j)`` is computed here; ``remote`` are
-    the pieces that cells (i != k, j) computed and sent. The activation output
-    of this cell's rows is read from ``x_full[r0:r1]``, the gathered column that
-    the forward pass kept on this cell (see the engine for why).
+    ``rest`` is the column slices of ``W(k, :)`` (``wb`` their ranges), then the pieces
+    that cells (i != k, j) computed and sent; the local piece ``W(k, c0:c1)^T dZ(k, j)``
+    is computed here. ``a`` is this cell's block of the layer's input, the previous
+    layer's output, whose activation' it takes.
     """
-    g = dx_piece(wrow, dz, c0, c1)
-    for r in remote:
+    nw = len(wb)
+    g = dx_piece(wb, c0, c1, dz, *rest[:nw])
+    for r in rest[nw:]:
         g += r
-    d = activation_grad(x_full[r0:r1, :], activation)
-    return g if d is None else g * d
+    return times_activation_grad_(g, a, activation)
 
 
-def dw_piece(dz, x, c0, c1, n_in):
+def dw_piece(dz, xb, c0, c1, n_in, *x):
     """Columns ``c0:c1`` of ``dZ(i, j) [X(:, j); 1]^T`` (the bias is column ``n_in``).
 
-    With the bias column in the slice, a row of ones joins the (small) input rows so
-    that one matmul writes the whole slice (no concatenation of the large result).
+    ``x`` is the row pieces of ``X(:, j)`` (``xb`` their ranges). With the bias column
+    in the slice, its column is a row sum of ``dZ`` beside one matmul.
     """
     xp = xp_of(dz)
-    if c1 <= n_in:
-        return dz @ x[c0:c1, :].T
     if c0 >= n_in:
         return xp.sum(dz, axis=1, keepdims=True)
-    ones = xp.ones((1, x.shape[1]), dtype=x.dtype)
-    return dz @ xp.concat([x[c0:n_in, :], ones], axis=0).T
+    xs = span(xb, c0, min(c1, n_in), 0, *x)
+    if c1 <= n_in:
+        return dz @ xs.T
+    m = _ufuncs(dz)
+    if m is not None:  # one matmul into the slice's first columns, the bias sum beside it
+        out = m.empty((dz.shape[0], c1 - c0), dtype=dz.dtype)
+        m.matmul(dz, xs.T, out=out[:, :n_in - c0])
+        m.sum(dz, axis=1, out=out[:, n_in - c0])
+        return out
+    ones = xp.ones((1, xs.shape[1]), dtype=xs.dtype)
+    return dz @ xp.concat([xs, ones], axis=0).T
 
 
-def dw_reduce(dz, x, c0, c1, n_in, *remote):
-    """The reduce of the dW reduce-scatter on cell (i, j): local piece plus remote pieces."""
-    g = dw_piece(dz, x, c0, c1, n_in)
-    for r in remote:
+def dw_reduce(dz, xb, c0, c1, n_in, *rest):
+    """The reduce of the dW reduce-scatter on cell (i, j): the local piece (from the input
+    pieces, the first ``len(xb)`` of ``rest``) plus the remote pieces (the others)."""
+    nx = len(xb)
+    g = dw_piece(dz, xb, c0, c1, n_in, *rest[:nx])
+    for r in rest[nx:]:
         g += r
     return g
 
 
-def sgd_velocity(wrow, momentum, weight_decay, n_decay, v, dz, x, c0, c1, n_in, *remote):
-    """``v <- momentum * v + g + weight_decay * w`` for the owned slice ``w = wrow[:, c0:c1]``.
+def sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *rest):
+    """``v <- momentum * v + g + weight_decay * w`` for the owned slice ``w``
+    (columns ``c0:c1`` of the layer).
 
     ``g`` is the reduced dW slice (:func:`dw_reduce` of the local and remote
     pieces); weight decay applies to the first ``n_decay`` columns of the slice
     (not to the bias column). ``v`` is None on the first step (then ``v = g``).
+
+    On NumPy and CuPy blocks the new velocity is written into ``v``'s buffer, a slice of
+    rows at a time (the local dW piece too), so no block-sized array is allocated: the
+    engine donates the previous velocity to this task, its only reader (see
+    :class:`dask_ipar.engine.Engine`). Other array libraries get a new array.
     """
-    g = dw_reduce(dz, x, c0, c1, n_in, *remote)
-    if weight_decay and n_decay:
-        g[:, :n_decay] += weight_decay * wrow[:, c0:c0 + n_decay]
-    if v is None:
-        return g
-    # g is this task's own array: scale-and-add into it (one allocation fewer than
-    # momentum * v + g, same arithmetic); v itself is never modified.
-    g += momentum * v
-    return g
+    if v is None or _ufuncs(v) is None:
+        g = dw_reduce(dz, xb, c0, c1, n_in, *rest)
+        if weight_decay and n_decay:
+            axpy_(g[:, :n_decay], weight_decay, w[:, :n_decay])
+        return g if v is None else axpy_(g, momentum, v)
+    m = _ufuncs(v)
+    nx = len(xb)
+    remote = rest[nx:]
+    nw = max(0, min(c1, n_in) - c0)  # weight columns of the slice (then maybe the bias)
+    xs = span(xb, c0, c0 + nw, 0, *rest[:nx]) if nw else None
+    for r0, r1 in _row_chunks(v, 8 * _CHUNK_BYTES):
+        vr = v[r0:r1, :]
+        vr *= momentum
+        if nw:
+            vr[:, :nw] += dz[r0:r1, :] @ xs.T
+        if c1 > n_in:
+            vr[:, nw] += m.sum(dz[r0:r1, :], axis=1)
+        for r in remote:
+            vr += r[r0:r1, :]
+        if weight_decay and n_decay:
+            vr[:, :n_decay] += weight_decay * w[r0:r1, :n_decay]
+    return v
 
 
-def sgd_weight(wrow, c0, c1, v, lr):
-    """``w <- w - lr * v`` for the owned slice ``w = wrow[:, c0:c1]`` (one new array)."""
+def sgd_weight(w, v, lr):
+    """``w <- w - lr * v`` for the owned slice ``w`` (one new array)."""
     out = v * (-lr)
-    out += wrow[:, c0:c1]
+    out += w
     return out
 
 
@@ -253,10 +360,8 @@ def block_sgd_velocity(wfull, r0, r1, c0, c1, momentum, weight_decay, n_decay, v
     """
     g = block_reduce(grad, r0, r1, c0, c1, *remote)
     if weight_decay and n_decay:
-        g[:, :n_decay] += weight_decay * wfull[r0:r1, c0:c0 + n_decay]
-    if v is not None:
-        g += momentum * v
-    return g
+        axpy_(g[:, :n_decay], weight_decay, wfull[r0:r1, c0:c0 + n_decay])
+    return g if v is None else axpy_(g, momentum, v)
 
 
 def block_sgd_weight(wfull, r0, r1, c0, c1, v, lr):
@@ -291,6 +396,11 @@ def sum_pieces(own, *remote):
     for r in remote:
         own += r
     return own
+
+
+def fetched(*blocks):
+    """Nothing: a task whose only work is to bring its dependencies to its worker."""
+    return None
 
 
 def first_of(pair):

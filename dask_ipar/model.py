@@ -190,6 +190,7 @@ class Sequential:
         self._w: list[str] | None = None
         self._v: list[str | None] | None = None
         self._futures: dict = {}
+        self._roots: deque = deque(maxlen=4)
         self._step = 0
         #: Batches up to this many bytes (times Pr) travel inside the step graph.
         self.embed_bytes = 2**20
@@ -250,6 +251,9 @@ class Sequential:
         binding = bind_grid(grid, client, workers)
         params = self.get_weights() if self._w is not None else self._init_params
         self.close()
+        from dask_ipar.cluster import hold_replicas
+
+        self._amm_held = hold_replicas(client)
         self.client, self.binding = client, binding
         self._init_params = params
         if self.input_dim is not None:
@@ -455,7 +459,12 @@ class Sequential:
         return self.client.gather(fetched)
 
     def _submit(self, graph, name, keys):
-        return self.client.get(graph.to_hlg(name), keys, sync=False)
+        """Submit ``graph``; futures of ``keys``. The graph's roots (prefetch tasks) are
+        computed too, their futures held until the next submission."""
+        futs = self.client.get(graph.to_hlg(name), list(keys) + graph.roots, sync=False)
+        if graph.roots:  # released four submissions later: by then they have run
+            self._roots.append(futs[len(keys):])
+        return futs[:len(keys)]
 
     # ------------------------------------------------------------ training
     def _min_samples(self) -> int:
@@ -859,7 +868,9 @@ class Sequential:
         "w": {(i, j): Future}, "v": {(i, j): Future} or None, "workers": {(i, j): addr}}``.
         Weight block ``(i, j)`` holds rows ``rows[i]`` and columns ``wcols[j]`` of the
         ``n_out x (n_in + bias)`` matrix whose last column is the bias; ``v`` is the
-        momentum buffer of the same shape (None before the first step).
+        momentum buffer of the same shape (None before the first step). The next
+        step's update reuses the momentum buffers in place, so read them before
+        submitting another step.
         """
         self._require()
         cells = self.binding.grid.cells()
@@ -903,8 +914,14 @@ class Sequential:
     def close(self):
         """Release every block this model holds on the cluster."""
         self._futures.clear()
+        self._roots.clear()
         self._w = self._v = None
         self.engine = None
+        if getattr(self, "_amm_held", False):
+            from dask_ipar.cluster import release_replicas
+
+            self._amm_held = False
+            release_replicas(self.client)
 
     def __enter__(self):
         return self

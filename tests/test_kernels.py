@@ -35,12 +35,49 @@ def _same(fn, *arrays, args=()):
 rng = np.random.default_rng(0)
 
 
+def _same_parts(fn, lead, arrays, trail=()):
+    """``fn(*lead, *arrays, *trail)`` on NumPy and on array_api_strict arrays, compared."""
+    (na, sa) = _both(*arrays)
+    out_np = fn(*lead, *na, *trail)
+    out_strict = fn(*lead, *sa, *trail)
+    assert not isinstance(out_strict, np.ndarray), "the strict input must give a strict result"
+    np.testing.assert_allclose(_host(out_strict), out_np, rtol=1e-13, atol=1e-15)
+    return out_np
+
+
+#: Column ranges of a block row's slices (7 inputs + bias), row ranges of input pieces.
+WB, XB = ((0, 3), (3, 8)), ((0, 2), (2, 7))
+
+
+def _cols(w):
+    return [w[:, a:b] for a, b in WB]
+
+
+def _rows(x):
+    return [x[a:b] for a, b in XB]
+
+
+def test_span():
+    w = rng.standard_normal((5, 8))
+    for lo, hi in [(0, 3), (1, 2), (3, 8), (2, 6), (0, 8), (7, 8)]:
+        np.testing.assert_array_equal(_same_parts(K.span, (WB, lo, hi, 1), _cols(w)),
+                                      w[:, lo:hi])
+    x = rng.standard_normal((7, 4))
+    for lo, hi in [(0, 2), (1, 5), (2, 7), (0, 7)]:
+        np.testing.assert_array_equal(_same_parts(K.span, (XB, lo, hi, 0), _rows(x)), x[lo:hi])
+    # inside one part it is a view (no copy)
+    assert np.shares_memory(K.span(WB, 4, 6, 1, *_cols(w)), w)
+
+
 @pytest.mark.parametrize("activation", ["linear", "relu", "tanh"])
 def test_dense_forward(activation):
     w, x = rng.standard_normal((5, 8)), rng.standard_normal((7, 3))
-    out = _same(K.dense_forward, w, x, args=(7, activation))
     z = w[:, :7] @ x + w[:, 7:8]
     ref = {"linear": z, "relu": np.maximum(z, 0), "tanh": np.tanh(z)}[activation]
+    out = _same_parts(K.dense_forward, (WB, XB, 7, activation), _cols(w) + _rows(x))
+    np.testing.assert_allclose(out, ref, rtol=1e-14)
+    # one slice and one piece (1x1 grids): nothing to join
+    out = _same_parts(K.dense_forward, (((0, 8),), ((0, 7),), 7, activation), [w, x])
     np.testing.assert_allclose(out, ref, rtol=1e-14)
 
 
@@ -74,50 +111,76 @@ def test_backward_pieces_and_reductions():
     dz = rng.standard_normal((5, 4))
     x = rng.standard_normal((7, 4))
     xa = np.vstack([x, np.ones((1, 4))])
-    np.testing.assert_allclose(_same(K.dx_piece, w, dz, args=(2, 6)), w[:, 2:6].T @ dz)
-    for c0, c1 in [(0, 3), (3, 8), (7, 8)]:
-        np.testing.assert_allclose(_same(K.dw_piece, dz, x, args=(c0, c1, 7)),
-                                   (dz @ xa.T)[:, c0:c1], rtol=1e-13)
+    for c0, c1 in [(2, 6), (0, 2), (3, 7)]:
+        np.testing.assert_allclose(_same_parts(K.dx_piece, (WB, c0, c1), [dz] + _cols(w)),
+                                   w[:, c0:c1].T @ dz, rtol=1e-13)
+    for c0, c1 in [(0, 3), (3, 8), (7, 8), (1, 8)]:
+        np.testing.assert_allclose(
+            _same_parts(lambda d, *xs, c0=c0, c1=c1: K.dw_piece(d, XB, c0, c1, 7, *xs), (),
+                        [dz] + _rows(x)),
+            (dz @ xa.T)[:, c0:c1], rtol=1e-13)
     r1 = rng.standard_normal((5, 3))
-    (nd, nx, nr), (sd, sx, sr) = _both(dz, x, r1)
-    for args in ((nd, nx, 0, 3, 7, nr), (sd, sx, 0, 3, 7, sr)):
-        out = K.dw_reduce(*args)
-        got = _host(out)
-        np.testing.assert_allclose(got, (dz @ xa.T)[:, 0:3] + r1, rtol=1e-13)
+    out = _same_parts(lambda d, *rest: K.dw_reduce(d, XB, 0, 3, 7, *rest), (),
+                      [dz] + _rows(x) + [r1])
+    np.testing.assert_allclose(out, (dz @ xa.T)[:, 0:3] + r1, rtol=1e-13)
 
 
 @pytest.mark.parametrize("activation", ["linear", "relu", "tanh"])
 def test_dz_from_pieces(activation):
-    x_full = np.tanh(rng.standard_normal((9, 4)))  # gathered activations of the column
-    w = rng.standard_normal((5, 10))
+    a = np.tanh(rng.standard_normal((3, 4)))  # this cell's block of the layer's input
+    w = rng.standard_normal((5, 8))
     dz = rng.standard_normal((5, 4))
     remote = rng.standard_normal((3, 4))
-    g = w[:, 4:7].T @ dz + remote
-    a = x_full[4:7]
+    g = w[:, 2:5].T @ dz + remote  # rows 2:5 of the input span both weight slices
     d = {"linear": 1.0, "relu": (a > 0).astype(float), "tanh": 1 - a * a}[activation]
-    for arrs in _both(x_full, w, dz, remote):
-        xf, ww, dd, rr = arrs
-        out = K.dz_from_pieces(xf, 4, 7, activation, ww, dd, 4, 7, rr)
-        got = _host(out)
-        np.testing.assert_allclose(got, g * d, rtol=1e-13)
+    out = _same_parts(lambda aa, dd, *rest: K.dz_from_pieces(aa, activation, WB, 2, 5, dd,
+                                                             *rest),
+                      (), [a, dz] + _cols(w) + [remote])
+    np.testing.assert_allclose(out, g * d, rtol=1e-13)
 
 
 def test_sgd_update():
-    wrow = rng.standard_normal((5, 8))
+    w = rng.standard_normal((5, 3))  # the owned slice: columns 5:8 (5, 6 weights, 7 bias)
     v = rng.standard_normal((5, 3))
     dz, x = rng.standard_normal((5, 4)), rng.standard_normal((7, 4))
     remote = rng.standard_normal((5, 3))
     xa = np.vstack([x, np.ones((1, 4))])
     g = (dz @ xa.T)[:, 5:8] + remote
-    g[:, :2] += 0.01 * wrow[:, 5:7]  # columns 5, 6 are weights; 7 is the bias
-    for arrs in _both(wrow, v, dz, x, remote):
-        ww, vv, dd, xx, rr = arrs
-        vel = K.sgd_velocity(ww, 0.9, 0.01, 2, vv, dd, xx, 5, 8, 7, rr)
-        new = K.sgd_weight(ww, 5, 8, vel, 0.1)
-        got_v = _host(vel)
-        got_w = _host(new)
-        np.testing.assert_allclose(got_v, 0.9 * v + g, rtol=1e-13)
-        np.testing.assert_allclose(got_w, wrow[:, 5:8] - 0.1 * (0.9 * v + g), rtol=1e-13)
-        first = K.sgd_velocity(ww, 0.9, 0.01, 2, None, dd, xx, 5, 8, 7, rr)
-        got_f = _host(first)
-        np.testing.assert_allclose(got_f, g, rtol=1e-13)
+    g[:, :2] += 0.01 * w[:, :2]
+    for arrs in _both(w, v, dz, remote, *_rows(x)):
+        ww, vv, dd, rr, *xs = arrs
+        vv = vv.copy() if isinstance(vv, np.ndarray) else xps.asarray(v.copy())
+        first = K.sgd_velocity(ww, 0.9, 0.01, 2, None, dd, XB, 5, 8, 7, *xs, rr)
+        np.testing.assert_allclose(_host(first), g, rtol=1e-13)
+        vel = K.sgd_velocity(ww, 0.9, 0.01, 2, vv, dd, XB, 5, 8, 7, *xs, rr)
+        new = K.sgd_weight(ww, vel, 0.1)
+        np.testing.assert_allclose(_host(vel), 0.9 * v + g, rtol=1e-13)
+        np.testing.assert_allclose(_host(new), w - 0.1 * (0.9 * v + g), rtol=1e-13)
+        if isinstance(vv, np.ndarray):  # NumPy: the previous velocity's buffer is reused
+            assert vel is vv
+
+
+@pytest.mark.parametrize("cols", [(0, 3), (5, 8), (7, 8)])
+def test_sgd_velocity_in_place_in_slices(monkeypatch, cols):
+    """Written into v a few rows at a time: the same as the out-of-place form."""
+    c0, c1 = cols
+    monkeypatch.setattr(K, "_CHUNK_BYTES", 2 * (c1 - c0) * 8 // 8)  # 2 rows per slice
+    w, v = rng.standard_normal((7, c1 - c0)), rng.standard_normal((7, c1 - c0))
+    dz, x = rng.standard_normal((7, 4)), rng.standard_normal((7, 4))
+    remote = rng.standard_normal((7, c1 - c0))
+    xa = np.vstack([x, np.ones((1, 4))])
+    ref = 0.9 * v + (dz @ xa.T)[:, c0:c1] + remote
+    nd = max(0, min(c1, 7) - c0)
+    ref[:, :nd] += 0.01 * w[:, :nd]
+    out = K.sgd_velocity(w, 0.9, 0.01, nd, v.copy(), dz, XB, c0, c1, 7, *_rows(x), remote)
+    np.testing.assert_allclose(out, ref, rtol=1e-13)
+
+
+def test_axpy_in_place_in_slices(monkeypatch):
+    """The chunked scale-and-add equals the one-shot form for any chunk size."""
+    y, x = rng.standard_normal((37, 5)), rng.standard_normal((37, 5))
+    monkeypatch.setattr(K, "_CHUNK_BYTES", 3 * 5 * 8)  # three rows per slice
+    for yy, xx in ((y.copy(), x), (xps.asarray(y.copy()), xps.asarray(x))):
+        out = K.axpy_(yy, 0.3, xx)
+        assert out is yy
+        np.testing.assert_allclose(_host(out), y + 0.3 * x, rtol=1e-15)
