@@ -397,6 +397,11 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
         raise IparError(f"keep must be a positive integer or None, got {keep!r}.")
     sb = model.state_blocks()
     client = model.client
+    # the momentum blocks are rewritten in place by the update that makes the weights:
+    # they are this step's once the weights are done
+    _wait_alive(client, [f for lay in sb["layers"] for f in lay["w"].values()],
+                sorted({w for lay in sb["layers"] for w in lay["workers"].values()}),
+                f"the steps before checkpoint {step}", timeout_s)
     pr, pc = sb["grid"]
     has_v = all(lay["v"] is not None for lay in sb["layers"])
     meta = {

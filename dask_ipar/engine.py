@@ -41,11 +41,12 @@ only needs its own row block of the previous layer's gradient; it moves half
 the paper's dX volume. Pure batch (``Pr = 1``) and pure model (``Pc = 1``)
 run through the same code; collectives over a group of one are skipped.
 
-Buffer donation: a momentum block is read by one task only, its owner's update in the
-next step, so that update writes the new velocity into the old one's buffer
-(:func:`dask_ipar.kernels.sgd_velocity`); the update allocates one block (the new
-weights) instead of three. Futures of a momentum block (``state_blocks``) are valid
-until the next step is submitted.
+Momentum in place: a momentum block is read by one task only, its owner's update in the
+next step, so after the first step it is a long-lived state block that the update task
+(:func:`dask_ipar.kernels.sgd_update`, one task per cell) rewrites in place while it
+computes the new weights: no block-sized allocation but the new weights. Successive
+updates of a cell are ordered through its weights. Read the momentum blocks
+(``state_blocks``) between steps.
 
 Every key is ``("<layer>.<task>-<uid>-s<step>", *cell)``, so the dashboard
 groups tasks by layer and phase, and transfer logs attribute bytes to them
@@ -425,18 +426,26 @@ class Engine:
         new_w, new_v = [], []
 
         def update(g, lay, l, dw_args):
-            v_name = self.name(lay.name, "v", step)
             w_name = self.name(lay.name, "w", step)
+            # The first step creates the momentum blocks (a task each); later steps update
+            # them in place inside the weight update, one task per cell: a momentum block
+            # is read by nothing but its owner's next update, which depends on this one
+            # through the weights, so updates of a block never overlap.
+            v_name = self.name(lay.name, "v", step) if v_names[l] is None else v_names[l]
             for i in range(pr):
                 for jj in range(pc):
                     worker = self.binding.worker(i, jj)
-                    old_v = None if v_names[l] is None else TaskRef((v_names[l], i, jj))
                     w_old = TaskRef((w_names[l], i, jj))
-                    g.add((v_name, i, jj), worker, K.sgd_velocity,
-                          w_old, momentum, weight_decay, lay.n_decay(jj), old_v,
-                          *dw_args(i, jj))
-                    g.add((w_name, i, jj), worker, K.sgd_weight,
-                          w_old, TaskRef((v_name, i, jj)), lr)
+                    if v_names[l] is None:
+                        g.add((v_name, i, jj), worker, K.sgd_velocity,
+                              w_old, momentum, weight_decay, lay.n_decay(jj), None,
+                              *dw_args(i, jj))
+                        g.add((w_name, i, jj), worker, K.sgd_weight,
+                              w_old, TaskRef((v_name, i, jj)), lr)
+                    else:
+                        g.add((w_name, i, jj), worker, K.sgd_update, w_old,
+                              TaskRef((v_name, i, jj)), lr, momentum, weight_decay,
+                              lay.n_decay(jj), *dw_args(i, jj))
             new_w.append(w_name)
             new_v.append(v_name)
 
@@ -573,6 +582,12 @@ def _shape_cost(func, args, shape, itemsize):
     if name == "sgd_weight":
         out = shape(args[0])
         return out, 0.0, 5 * out[0] * out[1] * itemsize
+    if name == "sgd_update":  # sgd_velocity in place, then sgd_weight
+        w, dz, xb, (c0, c1, n_in) = shape(args[0]), shape(args[6]), args[7], args[8:11]
+        nrem = len(args) - 11 - len(xb)
+        passes = 3 + 3 * nrem + (3 if args[4] and args[5] else 0) + 5
+        return (w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1],
+                passes * w[0] * w[1] * itemsize)
     if name == "fetched":
         return (), 0.0, 0.0
     if name in ("to_device", "to_host"):

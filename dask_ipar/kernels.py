@@ -39,6 +39,7 @@ __all__ = [
     "dw_reduce",
     "sgd_velocity",
     "sgd_weight",
+    "sgd_update",
     "DEVICE_MODULES",
     "to_device",
     "to_host",
@@ -319,6 +320,20 @@ def sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *r
         if weight_decay and n_decay:
             vr[:, :n_decay] += weight_decay * w[r0:r1, :n_decay]
     return v
+
+
+def sgd_update(w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1, n_in, *rest):
+    """Momentum SGD on the owned slice in one task: the velocity block ``v`` is updated in
+    place (:func:`sgd_velocity`; libraries without ``out=`` copy the result back in) and
+    the new weights ``w - lr * v`` are returned.
+
+    ``v`` is a long-lived state block that only this cell's update reads; the engine
+    orders successive updates of a cell through their weights.
+    """
+    new_v = sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *rest)
+    if new_v is not v:
+        v[...] = new_v
+    return sgd_weight(w, v, lr)
 
 
 def sgd_weight(w, v, lr):

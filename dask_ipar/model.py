@@ -504,10 +504,12 @@ class Sequential:
             x_keys, y_keys, Xb.shape[0], self._w, self._v, step,
             optimizer.lr, optimizer.momentum, optimizer.weight_decay, g=g,
         )
-        keys = [(n, i, j) for n in new_w + new_v for i, j in self.binding.grid.cells()]
+        # momentum blocks updated in place keep their names (and futures)
+        fresh = [n for n in new_w + new_v if n not in self._v]
+        keys = [(n, i, j) for n in fresh for i, j in self.binding.grid.cells()]
         futs = self._submit(g, f"step-{self.uid}-s{step}", keys + stats)
         self._keep(keys, futs[: len(keys)])
-        self._release(self._w + self._v)
+        self._release([n for n in self._w + self._v if n not in new_v])
         self._w, self._v = new_w, new_v
         del data  # the graph holds the batch now
         return futs[len(keys):]
@@ -868,9 +870,10 @@ class Sequential:
         "w": {(i, j): Future}, "v": {(i, j): Future} or None, "workers": {(i, j): addr}}``.
         Weight block ``(i, j)`` holds rows ``rows[i]`` and columns ``wcols[j]`` of the
         ``n_out x (n_in + bias)`` matrix whose last column is the bias; ``v`` is the
-        momentum buffer of the same shape (None before the first step). The next
-        step's update reuses the momentum buffers in place, so read them before
-        submitting another step.
+        momentum buffer of the same shape (None before the first step). A step's
+        update rewrites the momentum blocks in place: they hold that step's values once
+        the weight futures have finished, so wait for those before reading them, and
+        read them before submitting another step.
         """
         self._require()
         cells = self.binding.grid.cells()

@@ -58,7 +58,11 @@ def run_steps(model, X, y, start, stop, batch=12, seed=0):
 
 
 def velocity(model):
+    from distributed import wait
+
     sb = model.state_blocks()
+    # momentum is rewritten in place by the update that makes the weights
+    wait([f for lay in sb["layers"] for f in lay["w"].values()])
     out = []
     for lay in sb["layers"]:
         pr, pc = sb["grid"]

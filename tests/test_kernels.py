@@ -184,3 +184,20 @@ def test_axpy_in_place_in_slices(monkeypatch):
         out = K.axpy_(yy, 0.3, xx)
         assert out is yy
         np.testing.assert_allclose(_host(out), y + 0.3 * x, rtol=1e-15)
+
+
+def test_sgd_update_rewrites_the_momentum_block():
+    """One task: the velocity block is updated in place, the new weights returned."""
+    w, v = rng.standard_normal((5, 3)), rng.standard_normal((5, 3))
+    dz, x = rng.standard_normal((5, 4)), rng.standard_normal((7, 4))
+    remote = rng.standard_normal((5, 3))
+    g = (np.vstack([x, np.ones((1, 4))]) @ dz.T).T[:, 5:8] + remote
+    g[:, :2] += 0.01 * w[:, :2]
+    for vv, ww, dd, rr, xs in (
+        (v.copy(), w, dz, remote, _rows(x)),
+        (xps.asarray(v.copy()), xps.asarray(w), xps.asarray(dz), xps.asarray(remote),
+         [xps.asarray(p) for p in _rows(x)]),
+    ):
+        new_w = K.sgd_update(ww, vv, 0.1, 0.9, 0.01, 2, dd, XB, 5, 8, 7, *xs, rr)
+        np.testing.assert_allclose(_host(vv), 0.9 * v + g, rtol=1e-13)
+        np.testing.assert_allclose(_host(new_w), w - 0.1 * (0.9 * v + g), rtol=1e-13)
