@@ -329,6 +329,66 @@ def graph_profile(model, cfg: MLPConfig, optimizer) -> dict:
     }
 
 
+# ------------------------------------------------------ scheduler in its own process
+def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int) -> dict:
+    """Per-step scheduler CPU with the scheduler in a process of its own.
+
+    In a LocalCluster the scheduler's event loop is also the client's: its CPU time then
+    includes sending the batches and the graph. Here the scheduler runs in its own
+    subprocess (``SubprocessCluster``), as on a real cluster, and its whole-process CPU
+    time (all threads) per step is measured with psutil; the client's graph build is
+    measured separately (:func:`graph_profile`).
+    """
+    import psutil
+    from distributed import Client
+    from distributed.deploy.subprocess import SubprocessCluster
+
+    from dask_ipar import SGD, Dense, Sequential
+
+    n = eval(grid.replace("x", "*"))  # noqa: S307 - "PRxPC" from grids_of
+    env = {"DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING": "False",
+           "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
+           "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        cluster = SubprocessCluster(n_workers=n, threads_per_worker=1, dashboard_address=None,
+                                    worker_kwargs={"memory_limit": 0})
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    client = Client(cluster)
+    opt = SGD(lr=0.01, momentum=0.9)
+    model = Sequential([Dense(w, "relu") for w in cfg.widths[1:-1]] + [Dense(cfg.widths[-1])],
+                       input_dim=cfg.widths[0], dtype="float32", seed=0)
+    try:
+        client.wait_for_workers(n)
+        sched = psutil.Process(client.run_on_scheduler(os.getpid))
+        X, y = make_data(cfg, 2)
+        batches = [(X[k * cfg.batch:(k + 1) * cfg.batch], y[k * cfg.batch:(k + 1) * cfg.batch])
+                   for k in range(2)]
+        model.distribute(client, grid)
+        for k in range(2):
+            client.gather(model.train_step(*batches[k % 2], opt))
+        ts = []
+        c0 = sum(sched.cpu_times()[:2])  # clock-tick resolution: take the mean over steps
+        for k in range(steps):
+            t0 = time.perf_counter()
+            client.gather(model.train_step(*batches[k % 2], opt))
+            ts.append(time.perf_counter() - t0)
+        cpu = sum(sched.cpu_times()[:2]) - c0
+        prof = graph_profile(model, cfg, opt)
+        return {"grid": grid, "step_s": median(ts), "sched_cpu_s": cpu / steps,
+                "build_s": prof["build_s"], "tasks": prof["tasks"]}
+    finally:
+        model.close()
+        client.close()
+        cluster.close()
+
+
 # -------------------------------------------------------------- timed dask steps
 def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 1,
                    memory: bool = False, pids=None, profile: bool = True) -> dict:

@@ -10,9 +10,11 @@ load that changed between two parts of a long run. Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import os
 import sys
+import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,12 +30,15 @@ def main(argv=None):
     ap.add_argument("--grid", default=None, help="default: Px1")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--save", action="store_true",
+                    help="write benchmarks/results/paired-<mlp>-P<procs>-<time>.json")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     cfg = {c.key: c for c in C.configs(a.quick)}[a.mlp]
     grid = a.grid or f"{a.procs}x1"
     cores = os.cpu_count()
-    out = {"mlp": cfg.key, "procs": a.procs, "grid": grid, "quick": a.quick, "runs": []}
+    out = {"mlp": cfg.key, "procs": a.procs, "grid": grid, "quick": a.quick, "runs": [],
+           "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     for what in ("ddp", "dask", "ddp"):
         load = os.getloadavg()[0]
         if what == "ddp":
@@ -53,6 +58,11 @@ def main(argv=None):
     if ddp and dk:
         out["ratio_vs_mean_ddp"] = dk / (sum(ddp) / len(ddp))
     print(json.dumps(out))
+    if a.save:
+        name = f"paired-{cfg.key}-P{a.procs}-{time.strftime('%Y%m%dT%H%M')}.json"
+        with open(os.path.join(HERE, "results", name), "w") as fh:
+            json.dump(out, fh, indent=1)
+    return out
 
 
 if __name__ == "__main__":

@@ -82,6 +82,10 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
                 for pr, pc in C.grids_of(p):
                     g = f"{pr}x{pc}"
                     log(f"dask {c.label} {g}")
+                    if p == 4:
+                        # fresh worker processes: peak memory is this grid's, not what the
+                        # allocator kept from the grids before it
+                        client.restart()
                     r = C.time_dask_grid(client, c, g, steps, warmup=1,
                                          memory=(p == 4))
                     res["dask"][c.key][g] = r
@@ -94,6 +98,13 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
             client.close()
             cluster.close()
 
+    log("scheduler in its own process: overhead on 2x2")
+    res["own_scheduler"] = {}
+    for c in [cf for cf in cfgs if cf.key == "compute"] + [C.TINY]:
+        log(f"   {c.label}")
+        res["own_scheduler"][c.key] = C.time_own_scheduler(c, "2x2", 10 if c is C.TINY else steps)
+        res["own_scheduler"][c.key]["widths"] = c.widths
+
     if C.torch_available():
         import torch
         res["host"]["torch"] = torch.__version__
@@ -105,6 +116,15 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
         res["torch"] = None
 
     res["planner"] = planner_section(res, cfgs)
+
+    if C.torch_available() and not quick:
+        import paired
+
+        for p in (2, 4):  # A-B-A re-check of target 3 with the best grid of this run
+            meas = {g: v["step_s"] for g, v in res["dask"]["weight"].items() if _procs(g) == p}
+            best = min(meas, key=meas.get)
+            log(f"paired re-check, weight-dominated, P={p}, {best}")
+            paired.main(["--procs", str(p), "--mlp", "weight", "--grid", best, "--save"])
 
     if netcluster:
         out = os.path.join(HERE, "results", "netcluster.json")
@@ -167,12 +187,14 @@ def targets(res) -> list[dict]:
         r = d["compute"]["1x1"]["step_s"] / res["numpy"]["compute"]["step_s"]
         out.append({"id": 1, "target": "dask-ipar 1x1 step / NumPy step (compute-bound MLP)",
                     "limit": f"<= {LIMITS['t1']:.2f}", "value": r, "ok": r <= LIMITS["t1"]})
-    if "compute" in d and "2x2" in d["compute"]:
-        r = d["compute"]["2x2"]
-        L = len(res["configs"]["compute"]["widths"]) - 1
-        ms = (r["profile"]["build_s"] + r["sched_cpu_s"]) / L * 1e3
-        out.append({"id": 2, "target": "scheduler + graph-build time per layer per step, 2x2 "
-                    "(compute-bound MLP)", "limit": f"<= {LIMITS['t2_ms']:.0f} ms",
+    for key, label in (("compute", "compute-bound MLP"), ("tiny", "tiny MLP")):
+        r = (res.get("own_scheduler") or {}).get(key)
+        if not r:
+            continue
+        L = len(r["widths"]) - 1
+        ms = (r["build_s"] + r["sched_cpu_s"]) / L * 1e3
+        out.append({"id": 2, "target": "scheduler CPU (its own process) + graph-build time per "
+                    f"layer per step, 2x2 ({label})", "limit": f"<= {LIMITS['t2_ms']:.0f} ms",
                     "value": ms, "unit": "ms", "ok": ms <= LIMITS["t2_ms"]})
     if res.get("tiny_2x2"):
         t = res["tiny_2x2"]
@@ -204,6 +226,8 @@ def targets(res) -> list[dict]:
         with open(f) as fh:
             pr = json.load(fh)
         if "ratio_vs_mean_ddp" not in pr or bool(pr.get("quick", False)) != bool(res["quick"]):
+            continue
+        if pr.get("when", "") < res["when"]:  # only re-checks made with this run's code
             continue
         runs = ", ".join(f"{r['what']} {r['step_s']:.2f} s (load {r['load1']:.1f})" for r in pr["runs"])
         out.append({"id": "3 (paired)", "target": f"re-check, dask-ipar {pr['grid']} / mean PyTorch DDP, "
@@ -279,7 +303,9 @@ def render(res) -> str:
       "comms). Submit = wall time of `model.train_step` (build + batch placement + send).")
     w("- Peak memory: per-worker peak RSS (`VmHWM`, reset by writing 5 to "
       "`/proc/PID/clear_refs` after the warm-up step, i.e. with weights and momentum already "
-      "resident) over the timed steps; the largest worker is reported.\n")
+      "resident) over the timed steps; the largest worker is reported. The 4-worker cluster's "
+      "workers are restarted (`client.restart()`) before each grid, so a grid's peak is not "
+      "memory the allocator kept from the grids before it.\n")
 
     w(f"sgemm ceiling on this machine in this run: **{res['sgemm_gflops']:.1f} GFLOP/s** "
       "(all cores, float32).\n")
@@ -322,6 +348,27 @@ def render(res) -> str:
           f"| {p['depth']} | {p['hops_per_layer']:.2f} | {p['build_s'] * 1e3:.2f} | "
           f"{r['submit_s'] * 1e3:.1f} | {r['sched_cpu_s'] * 1e3:.1f} | {fmt(r['step_s'])} |")
     w("")
+
+    own = res.get("own_scheduler") or {}
+    if own:
+        w("### Scheduler in its own process (2x2)\n")
+        w("In the LocalCluster rows above the scheduler's event loop also runs the client's "
+          "comms (sending the batches and the graph), so its CPU time counts that data "
+          "movement too. Here the scheduler is a subprocess of its own "
+          "(`distributed.deploy.subprocess.SubprocessCluster`, as on a real cluster) and its "
+          "whole-process CPU time is measured (psutil, mean over the steps); the graph build is "
+          "the client's. This is what target 2 reads.\n")
+        w("| MLP | tasks/step | step (s) | scheduler CPU per step (ms) | per task (ms) "
+          "| graph build (ms) | per layer: scheduler + build (ms) |")
+        w("|---|---|---|---|---|---|---|")
+        for k, r in own.items():
+            lab = res["configs"][k]["label"] if k in res["configs"] else \
+                "tiny " + "-".join(map(str, r["widths"]))
+            nl = len(r["widths"]) - 1
+            w(f"| {lab} | {r['tasks']} | {fmt(r['step_s'])} | {r['sched_cpu_s'] * 1e3:.1f} | "
+              f"{r['sched_cpu_s'] / r['tasks'] * 1e3:.2f} | {r['build_s'] * 1e3:.2f} | "
+              f"{(r['sched_cpu_s'] + r['build_s']) / nl * 1e3:.1f} |")
+        w("")
 
     wd = res["dask"].get("weight", {})
     mem = [(g, r) for g, r in wd.items() if "peak_rss_max" in r]
