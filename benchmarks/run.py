@@ -124,7 +124,8 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
             meas = {g: v["step_s"] for g, v in res["dask"]["weight"].items() if _procs(g) == p}
             best = min(meas, key=meas.get)
             log(f"paired re-check, weight-dominated, P={p}, {best}")
-            paired.main(["--procs", str(p), "--mlp", "weight", "--grid", best, "--save"])
+            paired.main(["--procs", str(p), "--mlp", "weight", "--grid", best, "--save",
+                         "--steps", str(steps)])
 
     if netcluster:
         out = os.path.join(HERE, "results", "netcluster.json")
