@@ -41,12 +41,16 @@ only needs its own row block of the previous layer's gradient; it moves half
 the paper's dX volume. Pure batch (``Pr = 1``) and pure model (``Pc = 1``)
 run through the same code; collectives over a group of one are skipped.
 
-Momentum in place: a momentum block is read by one task only, its owner's update in the
+Updates in place: a momentum block is read by one task only, its owner's update in the
 next step, so after the first step it is a long-lived state block that the update task
-(:func:`dask_ipar.kernels.sgd_update`, one task per cell) rewrites in place while it
-computes the new weights: no block-sized allocation but the new weights. Successive
-updates of a cell are ordered through its weights. Read the momentum blocks
-(``state_blocks``) between steps.
+(:func:`dask_ipar.kernels.sgd_update`, one task per cell) rewrites in place; successive
+updates of a cell are ordered through its weights. The update writes the new weights into
+the old weight block too, after the tasks of its cell that read it (the dX pieces and the
+dX sum of the layer, added as dependencies); the other cells' copies were fetched before
+(the dW pieces the update sums are computed from them). A step then allocates no
+weight-sized block. Not with in-process workers (``inproc://``), whose fetched copies can be
+the owner's arrays, nor for the first dense layer of a CNN (the front's tasks read it). So
+weight and momentum futures hold a step's values only until the next step is submitted.
 
 Every key is ``("<layer>.<task>-<uid>-s<step>", *cell)``, so the dashboard
 groups tasks by layer and phase, and transfer logs attribute bytes to them
@@ -247,6 +251,9 @@ class Engine:
         self.layouts = layouts
         self.uid = uid
         self.front = front
+        #: update weight blocks in place; not with in-process workers (``inproc://``), whose
+        #: "fetched" replicas can be the owner's very arrays
+        self.weights_in_place = not any(w.startswith("inproc") for w in binding.workers)
 
     @property
     def param_layouts(self) -> list[LayerLayout]:
@@ -361,9 +368,11 @@ class Engine:
     def _backward(self, g, inputs, wparts, dz, step, reduce_fn, w_names, batch=None):
         """Backward of every layer.
 
-        ``reduce_fn(g, lay, l, dw_args)`` adds the tasks that reduce the dW pieces;
+        ``reduce_fn(g, lay, l, dw_args, readers)`` adds the tasks that reduce the dW pieces;
         ``dw_args(i, jj)`` gives the :func:`~dask_ipar.kernels.dw_reduce` arguments
-        of slice ``(i, jj)`` (local inputs, then the remote pieces).
+        of slice ``(i, jj)`` (local inputs, then the remote pieces); ``readers(i, jj)`` the
+        tasks of cell (i, jj) that read its weight slice after the forward pass (an update
+        in place must follow them), or None when they are not known (no update in place).
         """
         pr, pc = self.grid.pr, self.grid.pc
         for l in range(len(self.layouts) - 1, -1, -1):
@@ -386,8 +395,11 @@ class Engine:
                 return (TaskRef((dz, i, jj)), xb, c0, c1, lay.n_in, *xr,
                         *[TaskRef((dwp, i, j, jj)) for j in range(pc) if j != jj])
 
-            reduce_fn(g, lay, l, dw_args)
             if l == 0:
+                # the owner's readers of its weight slice: the forward only (ordered before
+                # the update through dZ); with a front, the image-gradient tasks too
+                reduce_fn(g, lay, l, dw_args, None if self.front is not None else
+                          (lambda i, jj: []))
                 if self.front is not None:
                     wrows = self._weight_rows(g, lay, w_names[0], step)
                     return self.front.image_grad(g, wrows, dz, step, lay, batch)
@@ -411,6 +423,13 @@ class Engine:
                           own, prev.activation, lay.wcols, c0, c1, TaskRef((dz, k, j)),
                           *wparts[l][k],
                           *[TaskRef((dxp, i, k, j)) for i in range(pr) if i != k])
+
+            def readers(i, jj, dxp=dxp, dz_prev=dz_prev):
+                """The tasks of cell (i, jj) that read its weight slice after the forward."""
+                return ([TaskRef((dxp, i, k, jj)) for k in range(pr) if k != i]
+                        + [TaskRef((dz_prev, i, jj))])
+
+            reduce_fn(g, lay, l, dw_args, readers)
             dz = dz_prev
 
     # ---------------------------------------------------------------- graphs
@@ -425,12 +444,15 @@ class Engine:
         pr, pc = self.grid.pr, self.grid.pc
         new_w, new_v = [], []
 
-        def update(g, lay, l, dw_args):
+        def update(g, lay, l, dw_args, readers):
             w_name = self.name(lay.name, "w", step)
             # The first step creates the momentum blocks (a task each); later steps update
             # them in place inside the weight update, one task per cell: a momentum block
             # is read by nothing but its owner's next update, which depends on this one
-            # through the weights, so updates of a block never overlap.
+            # through the weights, so updates of a block never overlap. The weights are
+            # rewritten in place too, after every task of the cell that reads them (their
+            # copies on other cells were fetched before: the dW pieces this update sums are
+            # computed from them).
             v_name = self.name(lay.name, "v", step) if v_names[l] is None else v_names[l]
             for i in range(pr):
                 for jj in range(pc):
@@ -443,9 +465,12 @@ class Engine:
                         g.add((w_name, i, jj), worker, K.sgd_weight,
                               w_old, TaskRef((v_name, i, jj)), lr)
                     else:
+                        after = (None if readers is None or not self.weights_in_place
+                                 else readers(i, jj))
                         g.add((w_name, i, jj), worker, K.sgd_update, w_old,
                               TaskRef((v_name, i, jj)), lr, momentum, weight_decay,
-                              lay.n_decay(jj), *dw_args(i, jj))
+                              lay.n_decay(jj), after is not None, len(after or ()),
+                              *dw_args(i, jj), *(after or ()))
             new_w.append(w_name)
             new_v.append(v_name)
 
@@ -492,7 +517,7 @@ class Engine:
         pr, pc = self.grid.pr, self.grid.pc
         names = []
 
-        def reduce(g, lay, l, dw_args):
+        def reduce(g, lay, l, dw_args, readers):
             gname = self.name(lay.name, "grad", step)
             for i in range(pr):
                 for jj in range(pc):
@@ -582,10 +607,10 @@ def _shape_cost(func, args, shape, itemsize):
     if name == "sgd_weight":
         out = shape(args[0])
         return out, 0.0, 5 * out[0] * out[1] * itemsize
-    if name == "sgd_update":  # sgd_velocity in place, then sgd_weight
-        w, dz, xb, (c0, c1, n_in) = shape(args[0]), shape(args[6]), args[7], args[8:11]
-        nrem = len(args) - 11 - len(xb)
-        passes = 3 + 3 * nrem + (3 if args[4] and args[5] else 0) + 5
+    if name == "sgd_update":  # sgd_velocity in place, then the weights (in place or new)
+        w, dz, xb, (c0, c1, n_in) = shape(args[0]), shape(args[8]), args[9], args[10:13]
+        nrem = len(args) - 13 - len(xb) - args[7]
+        passes = 3 + 3 * nrem + (3 if args[4] and args[5] else 0) + (3 if args[6] else 5)
         return (w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1],
                 passes * w[0] * w[1] * itemsize)
     if name == "fetched":

@@ -322,18 +322,34 @@ def sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *r
     return v
 
 
-def sgd_update(w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1, n_in, *rest):
+def sgd_update(w, v, lr, momentum, weight_decay, n_decay, in_place, n_after, dz, xb, c0, c1,
+               n_in, *rest):
     """Momentum SGD on the owned slice in one task: the velocity block ``v`` is updated in
-    place (:func:`sgd_velocity`; libraries without ``out=`` copy the result back in) and
-    the new weights ``w - lr * v`` are returned.
+    place (:func:`sgd_velocity`; libraries without ``out=`` copy the result back in), then
+    the weights ``w - lr * v``.
 
     ``v`` is a long-lived state block that only this cell's update reads; the engine
-    orders successive updates of a cell through their weights.
+    orders successive updates of a cell through their weights. With ``in_place`` the new
+    weights are written into ``w`` (NumPy and CuPy blocks that are writeable and aligned;
+    others get a new array): the engine passes as the last ``n_after`` arguments the
+    tasks of this cell that read ``w``, so that they run first (their values are unused).
+    ``rest``: the input pieces (``len(xb)``), the remote dW pieces, those tasks.
     """
+    if n_after:
+        rest = rest[:-n_after]
     new_v = sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *rest)
     if new_v is not v:
         v[...] = new_v
+    if in_place and _ufuncs(w) is not None and _writable(w):
+        return axpy_(w, -lr, v)
     return sgd_weight(w, v, lr)
+
+
+def _writable(x):
+    """A NumPy or CuPy block this process may overwrite: writeable, aligned, its own."""
+    flags = x.flags
+    return bool(getattr(flags, "writeable", True) and getattr(flags, "aligned", True)
+                and flags.c_contiguous)
 
 
 def sgd_weight(w, v, lr):

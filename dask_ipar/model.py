@@ -761,7 +761,8 @@ class Sequential:
     def weight_arrays(self):
         """The master weights as dask arrays (``d_out x (d_in + bias)``), block (i, j) on cell (i, j).
 
-        Computing one gathers it to the client.
+        Computing one gathers it to the client. The next training step rewrites the
+        weight blocks in place: compute (or copy) the arrays before submitting it.
         """
         import dask.array as da
 
@@ -871,9 +872,9 @@ class Sequential:
         Weight block ``(i, j)`` holds rows ``rows[i]`` and columns ``wcols[j]`` of the
         ``n_out x (n_in + bias)`` matrix whose last column is the bias; ``v`` is the
         momentum buffer of the same shape (None before the first step). A step's
-        update rewrites the momentum blocks in place: they hold that step's values once
-        the weight futures have finished, so wait for those before reading them, and
-        read them before submitting another step.
+        update rewrites the weight and momentum blocks in place: they hold that step's
+        values once the weight futures have finished, so wait for those before reading
+        the momentum, and read both before submitting another step.
         """
         self._require()
         cells = self.binding.grid.cells()

@@ -186,18 +186,29 @@ def test_axpy_in_place_in_slices(monkeypatch):
         np.testing.assert_allclose(_host(out), y + 0.3 * x, rtol=1e-15)
 
 
-def test_sgd_update_rewrites_the_momentum_block():
-    """One task: the velocity block is updated in place, the new weights returned."""
+@pytest.mark.parametrize("in_place", [False, True])
+def test_sgd_update_rewrites_the_momentum_block(in_place):
+    """One task: the velocity block is updated in place, the new weights returned (written
+    into the old ones with ``in_place``); trailing ordering arguments are ignored."""
     w, v = rng.standard_normal((5, 3)), rng.standard_normal((5, 3))
     dz, x = rng.standard_normal((5, 4)), rng.standard_normal((7, 4))
     remote = rng.standard_normal((5, 3))
     g = (np.vstack([x, np.ones((1, 4))]) @ dz.T).T[:, 5:8] + remote
     g[:, :2] += 0.01 * w[:, :2]
     for vv, ww, dd, rr, xs in (
-        (v.copy(), w, dz, remote, _rows(x)),
-        (xps.asarray(v.copy()), xps.asarray(w), xps.asarray(dz), xps.asarray(remote),
+        (v.copy(), w.copy(), dz, remote, _rows(x)),
+        (xps.asarray(v.copy()), xps.asarray(w.copy()), xps.asarray(dz), xps.asarray(remote),
          [xps.asarray(p) for p in _rows(x)]),
     ):
-        new_w = K.sgd_update(ww, vv, 0.1, 0.9, 0.01, 2, dd, XB, 5, 8, 7, *xs, rr)
+        new_w = K.sgd_update(ww, vv, 0.1, 0.9, 0.01, 2, in_place, 2, dd, XB, 5, 8, 7, *xs, rr,
+                             "after-1", "after-2")
         np.testing.assert_allclose(_host(vv), 0.9 * v + g, rtol=1e-13)
         np.testing.assert_allclose(_host(new_w), w - 0.1 * (0.9 * v + g), rtol=1e-13)
+        if isinstance(ww, np.ndarray):
+            assert (new_w is ww) == in_place
+    ro = w.copy()
+    ro.flags.writeable = False  # e.g. a block deserialized from a read-only buffer
+    out = K.sgd_update(ro, v.copy(), 0.1, 0.9, 0.01, 2, True, 0, dz, XB, 5, 8, 7, *_rows(x),
+                       remote)
+    assert out is not ro
+    np.testing.assert_allclose(out, w - 0.1 * (0.9 * v + g), rtol=1e-13)

@@ -91,3 +91,21 @@ def test_amm_held_while_a_model_is_distributed(client):
     assert not client.amm.running(), "b still trains"
     b.close()
     assert client.amm.running() == before
+
+
+def test_weights_in_place_only_across_processes(client):
+    """Weight blocks are rewritten in place on worker processes; in-process workers (whose
+    fetched copies can be the owner's arrays) get new blocks and stay exact."""
+    from distributed import Client, LocalCluster
+
+    from dask_ipar.testing import check_mlp
+
+    m = Sequential([Dense(5, "relu"), Dense(3)], input_dim=4).distribute(client, "2x2")
+    assert m.engine.weights_in_place
+    m.close()
+    with LocalCluster(n_workers=4, processes=False, threads_per_worker=1,
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        m = Sequential([Dense(5, "relu"), Dense(3)], input_dim=4).distribute(c, "2x2")
+        assert not m.engine.weights_in_place
+        m.close()
+        check_mlp(c, "2x2", steps=4)
