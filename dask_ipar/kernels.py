@@ -294,11 +294,12 @@ def sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *r
     (not to the bias column). ``v`` is None on the first step (then ``v = g``).
 
     On NumPy and CuPy blocks the new velocity is written into ``v``'s buffer, a slice of
-    rows at a time (the local dW piece too), so no block-sized array is allocated: the
-    engine donates the previous velocity to this task, its only reader (see
-    :class:`dask_ipar.engine.Engine`). Other array libraries get a new array.
+    rows at a time (the local dW piece too), so no block-sized array is allocated: ``v`` is
+    the cell's long-lived momentum block, which only this task reads (see
+    :class:`dask_ipar.engine.Engine`). Other array libraries, and blocks this process may
+    not overwrite, get a new array.
     """
-    if v is None or _ufuncs(v) is None:
+    if v is None or _ufuncs(v) is None or not _writable(v):
         g = dw_reduce(dz, xb, c0, c1, n_in, *rest)
         if weight_decay and n_decay:
             axpy_(g[:, :n_decay], weight_decay, w[:, :n_decay])
@@ -346,7 +347,8 @@ def sgd_update(w, v, lr, momentum, weight_decay, n_decay, in_place, n_after, dz,
 
 
 def _writable(x):
-    """A NumPy or CuPy block this process may overwrite: writeable, aligned, its own."""
+    """Whether a NumPy or CuPy block may be overwritten in place: writeable, aligned and
+    C-contiguous (CuPy blocks have no writeable/aligned flags: always both)."""
     flags = x.flags
     return bool(getattr(flags, "writeable", True) and getattr(flags, "aligned", True)
                 and flags.c_contiguous)
