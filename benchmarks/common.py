@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from unittest import mock
 
 import numpy as np
 
@@ -344,22 +345,16 @@ def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int) -> dict:
     from distributed.deploy.subprocess import SubprocessCluster
 
     from dask_ipar import SGD, Dense, Sequential
+    from dask_ipar.grid import parse_grid
 
-    n = eval(grid.replace("x", "*"))  # noqa: S307 - "PRxPC" from grids_of
+    n = parse_grid(grid).size
+    # the subprocesses read their dask config from the environment
     env = {"DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING": "False",
            "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
            "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         cluster = SubprocessCluster(n_workers=n, threads_per_worker=1, dashboard_address=None,
                                     worker_kwargs={"memory_limit": 0})
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     client = Client(cluster)
     opt = SGD(lr=0.01, momentum=0.9)
     model = Sequential([Dense(w, "relu") for w in cfg.widths[1:-1]] + [Dense(cfg.widths[-1])],

@@ -39,9 +39,15 @@ def torch_step(widths, batch):
     for i, o in zip(widths[:-1], widths[1:]):
         layers += [torch.nn.Linear(i, o), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers[:-1]).cuda()
+    return _torch_sgd_step(model, torch.randn(batch, widths[0], device="cuda"),
+                           torch.randint(0, widths[-1], (batch,), device="cuda"))
+
+
+def _torch_sgd_step(model, X, y):
+    """One PyTorch SGD step (momentum 0.9) of ``model`` on ``(X, y)``, synchronised."""
+    import torch
+
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    X = torch.randn(batch, widths[0], device="cuda")
-    y = torch.randint(0, widths[-1], (batch,), device="cuda")
 
     def step():
         opt.zero_grad()
@@ -100,16 +106,8 @@ def torch_cnn_step():
                           nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                           nn.Flatten(), nn.Linear(64 * (h // 4) * (w // 4), 256), nn.ReLU(),
                           nn.Linear(256, 10)).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    X = torch.randn(CNN_BATCH, *CNN_INPUT, device="cuda")
-    y = torch.randint(0, 10, (CNN_BATCH,), device="cuda")
-
-    def step():
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(X), y).backward()
-        opt.step()
-        torch.cuda.synchronize()
-    return step
+    return _torch_sgd_step(model, torch.randn(CNN_BATCH, *CNN_INPUT, device="cuda"),
+                           torch.randint(0, 10, (CNN_BATCH,), device="cuda"))
 
 
 def _max_grad_err(a, b):

@@ -247,9 +247,7 @@ def dz_from_pieces(a, activation, wb, c0, c1, dz, *rest):
     layer's output, whose activation' it takes.
     """
     nw = len(wb)
-    g = dx_piece(wb, c0, c1, dz, *rest[:nw])
-    for r in rest[nw:]:
-        g += r
+    g = sum_pieces(dx_piece(wb, c0, c1, dz, *rest[:nw]), *rest[nw:])
     return times_activation_grad_(g, a, activation)
 
 
@@ -279,10 +277,7 @@ def dw_reduce(dz, xb, c0, c1, n_in, *rest):
     """The reduce of the dW reduce-scatter on cell (i, j): the local piece (from the input
     pieces, the first ``len(xb)`` of ``rest``) plus the remote pieces (the others)."""
     nx = len(xb)
-    g = dw_piece(dz, xb, c0, c1, n_in, *rest[:nx])
-    for r in rest[nx:]:
-        g += r
-    return g
+    return sum_pieces(dw_piece(dz, xb, c0, c1, n_in, *rest[:nx]), *rest[nx:])
 
 
 def sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *rest):
@@ -299,12 +294,12 @@ def sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *r
     :class:`dask_ipar.engine.Engine`). Other array libraries, and blocks this process may
     not overwrite, get a new array.
     """
-    if v is None or _ufuncs(v) is None or not _writable(v):
+    m = None if v is None else _ufuncs(v)
+    if m is None or not _writable(v):
         g = dw_reduce(dz, xb, c0, c1, n_in, *rest)
         if weight_decay and n_decay:
             axpy_(g[:, :n_decay], weight_decay, w[:, :n_decay])
         return g if v is None else axpy_(g, momentum, v)
-    m = _ufuncs(v)
     nx = len(xb)
     remote = rest[nx:]
     nw = max(0, min(c1, n_in) - c0)  # weight columns of the slice (then maybe the bias)

@@ -191,6 +191,7 @@ class Sequential:
         self._v: list[str | None] | None = None
         self._futures: dict = {}
         self._roots: deque = deque(maxlen=4)
+        self._amm_held = False  # whether distribute() stopped the scheduler's AMM
         self._step = 0
         #: Batches up to this many bytes (times Pr) travel inside the step graph.
         self.embed_bytes = 2**20
@@ -921,7 +922,7 @@ class Sequential:
         self._roots.clear()
         self._w = self._v = None
         self.engine = None
-        if getattr(self, "_amm_held", False):
+        if self._amm_held:
             from dask_ipar.cluster import release_replicas
 
             self._amm_held = False
