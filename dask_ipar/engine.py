@@ -303,7 +303,8 @@ class Engine:
         (the fwd_gather over Pr) straight from their owners; the gathers end inside it, so
         a layer costs one task and one dependent hop per cell. Returns per layer the input
         parts of every cell (``(row ranges, refs)``) and the weight-slice refs of every grid
-        row, and the logits (the last layer's rows gathered on every cell).
+        row, and the logits of every cell: refs of its column's last-layer row pieces
+        (the loss tasks read them; the fwd_gather of the last layer ends there).
         """
         pr, pc = self.grid.pr, self.grid.pc
         cells = self.grid.cells()
@@ -334,16 +335,9 @@ class Engine:
             wparts.append(wp)
             parts = {(i, j): (lay.rows, [TaskRef((act, k, j)) for k in range(pr)])
                      for i, j in cells}
-        # the logits rows gathered on every cell of a column (fwd_gather of the last layer)
-        if pr == 1:
-            logits = {(0, j): TaskRef((act, 0, j)) for j in range(pc)}
-        else:
-            xg = self.name(self.layouts[-1].name, "xgather", step)
-            logits = {}
-            for i, j in cells:
-                g.add((xg, i, j), self.binding.worker(i, j), K.concat_rows,
-                      *[TaskRef((act, k, j)) for k in range(pr)])
-                logits[(i, j)] = TaskRef((xg, i, j))
+        # the logits: the last layer's row pieces of every cell's column (its fwd_gather
+        # ends in the loss tasks that read them)
+        logits = {(i, j): [TaskRef((act, k, j)) for k in range(pr)] for i, j in cells}
         return inputs, wparts, logits
 
     def _loss(self, g: StepGraph, logits: dict, y_keys: dict, batch: int, step: int):
@@ -355,14 +349,14 @@ class Engine:
             r0, r1 = last.rows[i]
             for j in range(pc):
                 g.add((dz, i, j), self.binding.worker(i, j), K.softmax_xent_grad,
-                      logits[(i, j)], y_keys[(i, j)], r0, r1, batch)
+                      y_keys[(i, j)], r0, r1, batch, *logits[(i, j)])
         return dz, self._stats(g, logits, y_keys, step)
 
     def _stats(self, g: StepGraph, logits: dict, y_keys: dict, step: int) -> list:
         st = self.name("loss", "stats", step)
         for j in range(self.grid.pc):
             g.add((st, j), self.binding.worker(0, j), K.softmax_xent_stats,
-                  logits[(0, j)], y_keys[(0, j)])
+                  y_keys[(0, j)], *logits[(0, j)])
         return [(st, j) for j in range(self.grid.pc)]
 
     def _backward(self, g, inputs, wparts, dz, step, reduce_fn, w_names, batch=None):
@@ -548,7 +542,14 @@ class Engine:
         _, x_in = self._inputs(g, x_keys, w_names, step, batch)
         _, _, logits = self._forward(g, x_in, self._split(w_names)[1], step)
         stats = [] if y_keys is None else self._stats(g, logits, y_keys, step)
-        return g, [logits[(0, j)].key for j in range(self.grid.pc)], stats
+        pieces = [logits[(0, j)] for j in range(self.grid.pc)]
+        if self.grid.pr == 1:
+            return g, [p[0].key for p in pieces], stats
+        # the logits rows gathered on row 0 (fwd_gather of the last layer)
+        xg = self.name(self.layouts[-1].name, "xgather", step)
+        for j, parts in enumerate(pieces):
+            g.add((xg, 0, j), self.binding.worker(0, j), K.concat_rows, *parts)
+        return g, [(xg, 0, j) for j in range(self.grid.pc)], stats
 
 
 # ------------------------------------------------------------ step-time model
@@ -578,12 +579,12 @@ def _shape_cost(func, args, shape, itemsize):
                                                                  else 0)
         passes = 1 + (3 if n_cols > n_in else 0) + (2 if act != "linear" else 0)
         return out, 2.0 * w[0] * n_in * x[1], (passes * out[0] * out[1] + copies) * itemsize
-    if name == "softmax_xent_grad":
-        lg = shape(args[0])
-        return (args[3] - args[2], lg[1]), 0.0, 6 * lg[0] * lg[1] * itemsize
-    if name == "softmax_xent_stats":
-        lg = shape(args[0])
-        return (2,), 0.0, 6 * lg[0] * lg[1] * itemsize
+    if name in ("softmax_xent_grad", "softmax_xent_stats"):  # logits pieces joined first
+        parts = [shape(a) for a in args[4 if name == "softmax_xent_grad" else 1:]]
+        lg = (sum(p[0] for p in parts), parts[0][1])
+        mem = (6 + (2 if len(parts) > 1 else 0)) * lg[0] * lg[1] * itemsize
+        out = (args[2] - args[1], lg[1]) if name == "softmax_xent_grad" else (2,)
+        return out, 0.0, mem
     if name == "dx_piece":
         c0, c1, dz = args[1], args[2], shape(args[3])
         out = (c1 - c0, dz[1])
@@ -610,7 +611,11 @@ def _shape_cost(func, args, shape, itemsize):
     if name == "sgd_update":  # sgd_velocity in place, then the weights (in place or new)
         w, dz, xb, (c0, c1, n_in) = shape(args[0]), shape(args[8]), args[9], args[10:13]
         nrem = len(args) - 13 - len(xb) - args[7]
-        passes = 3 + 3 * nrem + (3 if args[4] and args[5] else 0) + (3 if args[6] else 5)
+        if args[6]:  # fused in place: dW written and read, v and w read and written once,
+            # the remote pieces and the decayed weights read (v stays in cache meanwhile)
+            passes = 6 + nrem + (1 if args[4] and args[5] else 0)
+        else:
+            passes = 3 + 3 * nrem + (3 if args[4] and args[5] else 0) + 5
         return (w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1],
                 passes * w[0] * w[1] * itemsize)
     if name == "fetched":

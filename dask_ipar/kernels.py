@@ -212,19 +212,22 @@ def _one_hot(xp, labels, start, stop, dtype):
     return xp.astype(rows[:, None] == labels[None, :], dtype)
 
 
-def softmax_xent_grad(logits, labels, row_start, row_stop, batch_total):
+def softmax_xent_grad(labels, row_start, row_stop, batch_total, *logits):
     """Rows ``row_start:row_stop`` of d(mean cross-entropy)/d(logits).
 
-    ``logits`` is the gathered ``classes x b`` column block, ``labels`` its
+    ``logits`` is the ``classes x b`` column block, given as its row pieces in order
+    (the last layer's outputs of the grid column: the gather ends here), ``labels`` its
     ``b`` integer labels, ``batch_total`` the global batch size B.
     """
-    xp, _, e, s = _softmax_parts(logits)
+    xp, _, e, s = _softmax_parts(concat_rows(*logits))
     p = e[row_start:row_stop, :] / s
     return (p - _one_hot(xp, labels, row_start, row_stop, p.dtype)) / batch_total
 
 
-def softmax_xent_stats(logits, labels):
-    """``[sum of cross-entropy, number correct]`` of one column block, as float64 NumPy."""
+def softmax_xent_stats(labels, *logits):
+    """``[sum of cross-entropy, number correct]`` of one column block (``logits``: its row
+    pieces in order), as float64 NumPy."""
+    logits = concat_rows(*logits)
     xp, z, e, s = _softmax_parts(logits)
     onehot = _one_hot(xp, labels, 0, logits.shape[0], z.dtype)
     logp = xp.sum(onehot * z, axis=0) - xp.log(s[0, :])

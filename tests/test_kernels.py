@@ -97,13 +97,17 @@ def test_softmax_cross_entropy():
     for r0, r1 in [(0, 6), (2, 5)]:
         ref = (p - onehot)[r0:r1] / 20
         for lg, lb in ((nl, ny), (sl, sy)):
-            out = K.softmax_xent_grad(lg, lb, r0, r1, 20)
+            out = K.softmax_xent_grad(lb, r0, r1, 20, lg)
+            np.testing.assert_allclose(_host(out), ref, rtol=1e-13)
+            # the logits as row pieces of the grid column (the gather ends in the task)
+            out = K.softmax_xent_grad(lb, r0, r1, 20, lg[:2, :], lg[2:, :])
             np.testing.assert_allclose(_host(out), ref, rtol=1e-13)
     ref_loss = -np.log(p[labels, np.arange(9)]).sum()
     ref_correct = (logits.argmax(0) == labels).sum()
     for lg, lb in ((nl, ny), (sl, sy)):
-        loss, correct = K.softmax_xent_stats(lg, lb)
-        assert loss == pytest.approx(ref_loss, rel=1e-13) and correct == ref_correct
+        for parts in ((lg,), (lg[:4, :], lg[4:, :])):
+            loss, correct = K.softmax_xent_stats(lb, *parts)
+            assert loss == pytest.approx(ref_loss, rel=1e-13) and correct == ref_correct
 
 
 def test_backward_pieces_and_reductions():

@@ -71,12 +71,15 @@ def test_dashboard_spans_per_layer_and_phase(client):
     for layer in ("dense0", "dense1"):
         for phase in ("forward", "dw_reduce", "update"):
             assert ("dask-ipar", layer, phase) in spans, (layer, phase, sorted(spans))
-    # the gathers end inside the forward tasks; the logits gather and the weight prefetch
-    # at the start of a step are tasks of their own
-    assert ("dask-ipar", "dense1", "fwd_gather") in spans
+    # the gathers end inside the forward and loss tasks: a training step has no gather
+    # task of a layer; the weight prefetch at the start of a step is a task of its own
+    assert ("dask-ipar", "dense1", "fwd_gather") not in spans
     assert ("dask-ipar", "weights", "w_gather") in spans
     assert ("dask-ipar", "dense1", "dx_reduce") in spans
     assert ("dask-ipar", "loss", "loss") in spans
+    # predictions gather the logits rows on grid row 0: a task of its own
+    model.predict(rng.standard_normal((8, 6)))
+    assert ("dask-ipar", "dense1", "fwd_gather") in set(client.run_on_scheduler(names))
     model.close()
 
 
