@@ -211,12 +211,16 @@ def blas_env(threads: int) -> dict:
 
 
 def local_cluster(n_workers: int, cores: int):
-    """LocalCluster of worker processes; BLAS threads per worker = max(1, cores // n)."""
+    """LocalCluster of worker processes; BLAS threads per worker = max(1, cores // n);
+    the event-loop settings of dask-ipar's own clusters (``QUIET_LOOP_CONFIG``)."""
     import dask
     from distributed import Client, LocalCluster
 
+    from dask_ipar.clusters import QUIET_LOOP_CONFIG
+
     threads = max(1, cores // n_workers)
-    with dask.config.set({"distributed.nanny.pre-spawn-environ": blas_env(threads),
+    with dask.config.set({**QUIET_LOOP_CONFIG,
+                          "distributed.nanny.pre-spawn-environ": blas_env(threads),
                           "distributed.worker.memory.target": False,
                           "distributed.worker.memory.spill": False,
                           "distributed.worker.memory.pause": False,
@@ -348,10 +352,14 @@ def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int) -> dict:
     from dask_ipar.grid import parse_grid
 
     n = parse_grid(grid).size
+    from dask_ipar.clusters import QUIET_LOOP_CONFIG
+
     # the subprocesses read their dask config from the environment
     env = {"DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING": "False",
            "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
-           "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False"}
+           "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
+           **{"DASK_" + k.upper().replace(".", "__").replace("-", "_"): v
+              for k, v in QUIET_LOOP_CONFIG.items()}}
     with mock.patch.dict(os.environ, env):
         cluster = SubprocessCluster(n_workers=n, threads_per_worker=1, dashboard_address=None,
                                     worker_kwargs={"memory_limit": 0})

@@ -154,9 +154,10 @@ def span(bounds, lo, hi, axis, *parts):
         one = pieces[0]
         # A block that arrived over the network can sit at an odd address in its message
         # buffer; BLAS then runs far below its speed on it (measured: a 4 MiB-per-row
-        # dW update 3x slower). An aligned copy costs one pass.
+        # dW update 3x slower). An aligned copy (in the block's own memory order: a batch
+        # block arrives as a transposed view) costs one pass.
         if isinstance(one, np.ndarray) and not one.flags.aligned:
-            return one.copy()
+            return one.copy(order="K")
         return one
     return xp.concat(pieces, axis=axis)
 

@@ -101,6 +101,17 @@ def test_local_cluster_sized_closed_and_joinable():
         assert all(a.startswith("tcp://127.0.0.1:") for a in workers)
         assert client.run(lambda: __import__("os").environ.get("OMP_NUM_THREADS")) == {
             a: "2" for a in workers}
+        # scheduler and workers run their event-loop housekeeping less often than dask's
+        # defaults (QUIET_LOOP_CONFIG)
+        import dask
+
+        def loop_ms(dask_scheduler=None, dask_worker=None):
+            pcs = (dask_scheduler or dask_worker).periodic_callbacks
+            return pcs["tick"].callback_time, pcs["monitor"].callback_time
+
+        assert client.run_on_scheduler(loop_ms) == (500, 2000)
+        assert set(client.run(loop_ms).values()) == {(500, 2000)}
+        assert dask.config.get("distributed.admin.tick.interval") == "20ms"  # restored here
         # the scheduler's HTTP server (dashboard or health routes) listens on localhost only
         hosts = client.run_on_scheduler(
             lambda dask_scheduler: sorted({s.getsockname()[0] for s in
@@ -128,6 +139,8 @@ def test_job_script_exports_the_malloc_settings():
     pytest.importorskip("dask_jobqueue")
     s = job_script(_cfg(kind="slurm", **HPC), n_workers=2)
     assert "export MALLOC_MMAP_THRESHOLD_=33554432" in s
+    assert "export DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL=500ms" in s
+    assert "export DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL=2s" in s
     assert "MALLOC_MMAP_THRESHOLD_" not in job_script(_cfg(kind="slurm", reuse_memory=False,
                                                            **HPC), n_workers=2)
 
