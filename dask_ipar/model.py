@@ -429,8 +429,12 @@ class Sequential:
             futures = {}
         else:
             futures = {}
+            # labels first: dask reads a message's first array into the buffer of its
+            # header (at any offset) and each later one into an allocation of its own, so
+            # the input block then arrives aligned for BLAS (kernels copy misaligned ones)
+            ordered = sorted(blocks.items(), key=lambda kv: kv[0][0] != yname)
             for i, j in grid.cells():
-                mine = {k: v for k, v in blocks.items() if k[1:] == (i, j)}
+                mine = {k: v for k, v in ordered if k[1:] == (i, j)}
                 futures.update(
                     self.client.scatter(mine, workers=[self.binding.worker(i, j)], hash=False,
                                         direct=True)
