@@ -294,7 +294,10 @@ def render(res) -> str:
       f"Load average at start {h['loadavg_start'][0]:.2f}, at end {h['loadavg_end'][0]:.2f} "
       "(the machine is shared; another process's load inflates every row alike only if it is "
       "steady, so compare rows of one run only).")
-    w(f"- Every step time is the median of {res['steps']} steps after one warm-up step. "
+    new_method = "numpy_after_1x1" in res  # runs since the warm-up is waited for
+    w(f"- Every step time is the median of {res['steps']} steps after one warm-up step"
+      + (" (waited for until its new weights exist) and one untimed step. " if new_method
+         else ". ") +
       "dask-ipar: `model.train_step` (graph build, batch placement, submission) plus "
       "`client.gather` of the loss statistics, so one step is fully finished before the next "
       "starts (no pipelining). The loss statistics depend on the forward pass only, so an "
@@ -320,8 +323,11 @@ def render(res) -> str:
       "`client.run_on_scheduler`; with a LocalCluster that thread also serves the client's "
       "comms). Submit = wall time of `model.train_step` (build + batch placement + send).")
     w("- Peak memory: per-worker peak RSS (`VmHWM`, reset by writing 5 to "
-      "`/proc/PID/clear_refs` after the warm-up step, i.e. with weights and momentum already "
-      "resident) over the timed steps; the largest worker is reported. The 4-worker cluster's "
+      "`/proc/PID/clear_refs` after the warm-up step"
+      + (" has finished" if new_method else "") +
+      ", i.e. with weights and momentum already resident) over the "
+      + ("untimed and timed steps" if new_method else "timed steps") +
+      "; the largest worker is reported. The 4-worker cluster's "
       "workers are restarted (`client.restart()`) before each grid, so a grid's peak is not "
       "memory the allocator kept from the grids before it.\n")
 
