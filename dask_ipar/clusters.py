@@ -25,7 +25,7 @@ import os
 from dask_ipar.errors import IparError
 
 __all__ = ["make_cluster", "job_script", "jobqueue_kwargs", "local_threads", "JOBQUEUE_CLASSES",
-           "QUIET_LOOP_CONFIG"]
+           "QUIET_LOOP_CONFIG", "mute_shutdown_heartbeat_errors"]
 
 #: dask settings of the clusters dask-ipar starts: the event-loop housekeeping of the
 #: scheduler, nannies and workers runs less often than dask's defaults (a tick every 20 ms,
@@ -37,6 +37,30 @@ QUIET_LOOP_CONFIG = {
     "distributed.admin.tick.interval": "500ms",
     "distributed.admin.system-monitor.interval": "2s",
 }
+
+
+def mute_shutdown_heartbeat_errors() -> None:
+    """Drop the "Failed to communicate with scheduler during heartbeat" records of this
+    process's dask worker logger (run on the workers of a cluster dask-ipar started, just
+    before it shuts that cluster down).
+
+    A worker whose heartbeat is in flight when the scheduler closes logs that error with a
+    traceback (a race in dask's shutdown, harmless: the work is done and the cluster is
+    going away); it read like a failure at the end of ``dask-ipar train``.
+    """
+    import logging
+
+    def keep(record) -> bool:
+        return "during heartbeat" not in record.getMessage()
+
+    logging.getLogger("distributed.worker").addFilter(keep)
+
+
+def _quiet_shutdown(client) -> None:
+    try:
+        client.run(mute_shutdown_heartbeat_errors)
+    except Exception:  # workers already gone: nothing to mute
+        pass
 
 
 def _config_env(config: dict) -> list[str]:
@@ -338,6 +362,7 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
             wait_for_workers(client, n_workers, wait_s, log)
             yield client
         finally:
+            _quiet_shutdown(client)
             client.close()
     finally:
         cluster.close()

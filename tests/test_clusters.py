@@ -158,3 +158,30 @@ def test_local_workers_keep_freed_memory(reuse):
         assert got == {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "67108864"}
     else:  # dask's own default
         assert got["MALLOC_MMAP_THRESHOLD_"] is None and got["MALLOC_TRIM_THRESHOLD_"] == "65536"
+
+
+def test_shutdown_heartbeat_errors_muted_and_nothing_else():
+    """The filter dask-ipar installs on its workers before shutting a cluster down drops
+    the heartbeat-race error record only."""
+    import logging
+
+    from dask_ipar.clusters import mute_shutdown_heartbeat_errors
+
+    log = logging.getLogger("distributed.worker")
+    before = list(log.filters)
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    h = Keep()
+    log.addHandler(h)
+    try:
+        mute_shutdown_heartbeat_errors()
+        log.error("Failed to communicate with scheduler during heartbeat.")
+        log.error("Compute Failed")
+    finally:
+        log.removeHandler(h)
+        log.filters[:] = before
+    assert seen == ["Compute Failed"]
