@@ -396,12 +396,15 @@ def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int) -> dict:
 def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> dict:
     """dask's own cost for the engine's step graph: the same graph (tasks, placement,
     dependencies, requested keys) with every kernel replaced by ``kernels.fetched``, which
-    does nothing but receive its dependencies. Its inputs (batch blocks, weight and momentum
-    slices) are one-element placeholder arrays scattered once to their cells, so the
-    scheduler sees the same tasks, restrictions and replica traffic as in a real step and no
-    computation. Returns the scheduler's CPU and the wall time per step.
+    does nothing but receive its dependencies. Its inputs (batch blocks, the first weight
+    and the momentum slices) are one-element placeholder arrays scattered once to their
+    cells; each step reads the weight keys the step before produced, as in training. The
+    scheduler sees the same tasks, restrictions, replica traffic and step-to-step
+    dependencies as in real steps, and no computation. Returns the scheduler's CPU and the
+    wall time per step.
     """
     from dask._task_spec import Task, TaskRef
+    from distributed import wait
 
     from dask_ipar import kernels as K
 
@@ -417,27 +420,33 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
         placeholders.append(client.scatter({key: np.zeros(1, np.float32)}, hash=False,
                                            workers=[model.binding.worker(*key[1:3])]))
 
-    def submit(s):
-        g, new_w, new_v, stats = eng.train_step(xk, yk, cfg.batch, w, v, 2 * 10**9 + s,
+    def submit(s, w_names):
+        g, new_w, new_v, stats = eng.train_step(xk, yk, cfg.batch, w_names, v, 2 * 10**9 + s,
                                                 optimizer.lr, optimizer.momentum,
                                                 optimizer.weight_decay)
         for key, node in list(g.dsk.items()):
             g.dsk[key] = Task(key, K.fetched, *[TaskRef(d) for d in sorted(
                 node.dependencies, key=str)])
-        keys = [(n, i, j) for n in new_w for i, j in grid.cells()] + stats + g.roots
-        return client.get(g.to_hlg(f"floor-{s}"), keys, sync=False)
+        keys = [(n, i, j) for n in new_w for i, j in grid.cells()] + g.roots + stats
+        futs = client.get(g.to_hlg(f"floor-{s}"), keys, sync=False)
+        return futs, futs[len(futs) - len(stats):], new_w
 
-    client.gather(submit(0))  # warm-up
+    # as the real steps run and are timed: each step reads the weights the step before
+    # wrote, the loss statistics are waited for, and a step's futures are held until the
+    # next step is submitted
+    held, stats, w_cur = submit(0, w)  # warm-up
+    client.gather(stats)
     ts = []
     c0 = sum(sched.cpu_times()[:2])
     for s in range(1, steps + 1):
         t0 = time.perf_counter()
-        futs = submit(s)
-        client.gather(futs)
+        futs, stats, w_cur = submit(s, w_cur)
+        held = futs
+        client.gather(stats)
         ts.append(time.perf_counter() - t0)
-        del futs
+    wait(held)
     cpu = sum(sched.cpu_times()[:2]) - c0
-    del placeholders
+    del placeholders, held
     return {"sched_cpu_s": cpu / steps, "step_s": median(ts)}
 
 

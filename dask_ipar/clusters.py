@@ -51,15 +51,15 @@ def mute_shutdown_heartbeat_errors() -> None:
     import logging
 
     def keep(record) -> bool:
-        return "during heartbeat" not in record.getMessage()
+        return "Failed to communicate with scheduler during heartbeat" not in record.getMessage()
 
     logging.getLogger("distributed.worker").addFilter(keep)
 
 
 def _quiet_shutdown(client) -> None:
     try:
-        client.run(mute_shutdown_heartbeat_errors)
-    except Exception:  # workers already gone: nothing to mute
+        client.run(mute_shutdown_heartbeat_errors, on_error="ignore")
+    except Exception:  # scheduler already gone: nothing to mute
         pass
 
 

@@ -253,7 +253,9 @@ class Engine:
         self.front = front
         #: update weight blocks in place; not with in-process workers (``inproc://``), whose
         #: "fetched" replicas can be the owner's very arrays
-        self.weights_in_place = not any(w.startswith("inproc") for w in binding.workers)
+        #: whether the workers are in this process (``inproc://``): they share its memory
+        self.in_process = any(w.startswith("inproc") for w in binding.workers)
+        self.weights_in_place = not self.in_process
 
     @property
     def param_layouts(self) -> list[LayerLayout]:

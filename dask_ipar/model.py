@@ -415,8 +415,12 @@ class Sequential:
         else:
             # features x samples blocks as transposed views of the samples' rows: no copy
             # here (a transposing copy of a 16 MiB batch took the client 30-60 ms while
-            # the workers computed); the kernels take either memory order
-            cols = [np.ascontiguousarray(Xb[b0:b1]).T for b0, b1 in bounds]
+            # the workers computed); the kernels take either memory order. In-process
+            # workers would hold the caller's memory itself: they get copies.
+            if self.engine.in_process:
+                cols = [np.array(Xb[b0:b1].T, order="F") for b0, b1 in bounds]
+            else:
+                cols = [np.ascontiguousarray(Xb[b0:b1]).T for b0, b1 in bounds]
             for i, j in grid.cells():
                 blocks[(xname, i, j)] = cols[j]
             copies = grid.pr

@@ -180,8 +180,9 @@ def test_shutdown_heartbeat_errors_muted_and_nothing_else():
     try:
         mute_shutdown_heartbeat_errors()
         log.error("Failed to communicate with scheduler during heartbeat.")
+        log.error("Unexpected exception during heartbeat. Closing worker.")
         log.error("Compute Failed")
     finally:
         log.removeHandler(h)
         log.filters[:] = before
-    assert seen == ["Compute Failed"]
+    assert seen == ["Unexpected exception during heartbeat. Closing worker.", "Compute Failed"]

@@ -112,3 +112,31 @@ def test_weights_in_place_only_across_processes(client):
         assert not m.engine.weights_in_place
         m.close()
         check_mlp(c, "2x2", steps=4)
+
+
+def test_in_process_workers_get_copies_of_the_batch():
+    """Batch blocks reach worker processes as transposed views of the caller's rows (no copy
+    on the client); in-process workers would share the caller's memory, so they get copies:
+    a buffer the caller reuses right after submitting a step does not change that step."""
+    from distributed import Client, LocalCluster
+
+    from dask_ipar.reference import mlp_loss_and_grads, sgd_step
+
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((8, 4)), rng.integers(0, 3, 8)
+    with LocalCluster(n_workers=4, processes=False, threads_per_worker=1,
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        m = Sequential([Dense(5, "relu"), Dense(3)], input_dim=4,
+                       dtype="float64").distribute(c, "2x2")
+        params0 = m.get_weights()
+        buf = X.copy()
+        stats = m.train_step(buf, y, SGD(lr=0.1))
+        buf[...] = 1e6  # the caller reuses its buffer at once
+        c.gather(stats)
+        got = m.get_weights()
+        m.close()
+    _, _, grads = mlp_loss_and_grads(params0, ["relu", "linear"], X.T, y)
+    want, _ = sgd_step(params0, [None, None], grads, 0.1)
+    for (W, b), (Wr, br) in zip(got, want):
+        np.testing.assert_allclose(W, Wr, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(b, br, rtol=1e-12, atol=1e-14)
