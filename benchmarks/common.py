@@ -349,17 +349,15 @@ def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int) -> dict:
     from distributed.deploy.subprocess import SubprocessCluster
 
     from dask_ipar import SGD, Dense, Sequential
+    from dask_ipar.clusters import QUIET_LOOP_CONFIG, config_environ
     from dask_ipar.grid import parse_grid
 
     n = parse_grid(grid).size
-    from dask_ipar.clusters import QUIET_LOOP_CONFIG
-
     # the subprocesses read their dask config from the environment
-    env = {"DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING": "False",
-           "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
-           "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
-           **{"DASK_" + k.upper().replace(".", "__").replace("-", "_"): v
-              for k, v in QUIET_LOOP_CONFIG.items()}}
+    env = config_environ({"distributed.scheduler.work-stealing": False,
+                          "distributed.worker.profile.enabled": False,
+                          "distributed.scheduler.active-memory-manager.start": False,
+                          **QUIET_LOOP_CONFIG})
     with mock.patch.dict(os.environ, env):
         cluster = SubprocessCluster(n_workers=n, threads_per_worker=1, dashboard_address=None,
                                     worker_kwargs={"memory_limit": 0})

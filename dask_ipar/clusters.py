@@ -25,7 +25,7 @@ import os
 from dask_ipar.errors import IparError
 
 __all__ = ["make_cluster", "job_script", "jobqueue_kwargs", "local_threads", "JOBQUEUE_CLASSES",
-           "QUIET_LOOP_CONFIG", "mute_shutdown_heartbeat_errors"]
+           "QUIET_LOOP_CONFIG", "config_environ", "mute_shutdown_heartbeat_errors"]
 
 #: dask settings of the clusters dask-ipar starts: the event-loop housekeeping of the
 #: scheduler, nannies and workers runs less often than dask's defaults (a tick every 20 ms,
@@ -63,10 +63,16 @@ def _quiet_shutdown(client) -> None:
         pass
 
 
+def config_environ(config: dict) -> dict:
+    """The ``DASK_*`` environment variables that give a process started elsewhere the dask
+    settings ``config`` (dotted keys)."""
+    return {"DASK_" + k.upper().replace(".", "__").replace("-", "_"): str(v)
+            for k, v in config.items()}
+
+
 def _config_env(config: dict) -> list[str]:
-    """``export`` lines that give a process started elsewhere the dask settings ``config``."""
-    return [f"export DASK_{k.upper().replace('.', '__').replace('-', '_')}={v}"
-            for k, v in config.items()]
+    """``export`` lines for a job script: :func:`config_environ` of ``config``."""
+    return [f"export {k}={v}" for k, v in config_environ(config).items()]
 
 #: dask-jobqueue cluster and job class names for each batch system.
 JOBQUEUE_CLASSES = {

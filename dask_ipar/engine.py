@@ -251,10 +251,10 @@ class Engine:
         self.layouts = layouts
         self.uid = uid
         self.front = front
-        #: update weight blocks in place; not with in-process workers (``inproc://``), whose
-        #: "fetched" replicas can be the owner's very arrays
         #: whether the workers are in this process (``inproc://``): they share its memory
         self.in_process = any(w.startswith("inproc") for w in binding.workers)
+        #: update weight blocks in place; not with in-process workers, whose "fetched"
+        #: replicas can be the owner's very arrays
         self.weights_in_place = not self.in_process
 
     @property

@@ -294,8 +294,8 @@ def sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *r
 
     On NumPy and CuPy blocks the new velocity is written into ``v``'s buffer, a slice of
     rows at a time (the local dW piece too, about 16 MiB of it at a time), so no array the
-    size of a large block is allocated: ``v`` is the cell's long-lived momentum block, which only this task reads (see
-    :class:`dask_ipar.engine.Engine`). Other array libraries, and blocks this process may
+    size of a large block is allocated: ``v`` is the cell's long-lived momentum block,
+    which only this task reads (see :class:`dask_ipar.engine.Engine`). Other array libraries, and blocks this process may
     not overwrite, get a new array.
     """
     m = None if v is None else _ufuncs(v)
@@ -328,7 +328,7 @@ def _momentum_rows(m, w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1,
     gemm = _row_chunks(v, 16 * _CHUNK_BYTES)
     tmp = m.empty((gemm[0][1], nw), dtype=v.dtype) if nw else None
     sub = _row_chunks(v, _CHUNK_BYTES // 4)[0][1] if m is np else gemm[0][1]
-    scratch = m.empty((min(sub, rows), cols), dtype=v.dtype) if lr is not None else None
+    scratch = m.empty((sub, cols), dtype=v.dtype) if lr is not None else None
     for r0, r1 in gemm:
         if nw:
             m.matmul(dz[r0:r1, :], xs.T, out=tmp[:r1 - r0])
@@ -360,8 +360,9 @@ def sgd_update(w, v, lr, momentum, weight_decay, n_decay, in_place, n_after, dz,
     ``v`` is a long-lived state block that only this cell's update reads; the engine
     orders successive updates of a cell through their weights. With ``in_place`` the new
     weights are written into ``w`` (NumPy and CuPy blocks, ``w`` and ``v`` both writeable,
-    aligned and C-contiguous; otherwise a new array): the engine passes as the last ``n_after`` arguments the
-    tasks of this cell that read ``w``, so that they run first (their values are unused).
+    aligned and C-contiguous; otherwise a new array): the engine passes as the last
+    ``n_after`` arguments the tasks of this cell that read ``w``, so that they run first
+    (their values are unused).
     ``rest``: the input pieces (``len(xb)``), the remote dW pieces, those tasks.
     """
     if n_after:

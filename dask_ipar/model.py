@@ -384,8 +384,13 @@ class Sequential:
 
         Batches up to ``embed_bytes`` travel inside the step's graph (one message);
         larger ones are scattered straight to their workers. Either way the bytes go
-        from the client to each worker and never between workers.
+        from the client to each worker and never between workers. The blocks are views of
+        ``Xb`` where they can be (serialisation copies them); in-process workers would hold
+        the caller's memory itself, so for them the batch is copied first.
         """
+        if self.engine.in_process:
+            Xb = np.array(Xb, copy=True)
+            yb = None if yb is None else np.array(yb, copy=True)
         grid = self.binding.grid
         xname = f"input.x-{self.uid}-s{step}"
         yname = f"input.y-{self.uid}-s{step}"
@@ -415,12 +420,8 @@ class Sequential:
         else:
             # features x samples blocks as transposed views of the samples' rows: no copy
             # here (a transposing copy of a 16 MiB batch took the client 30-60 ms while
-            # the workers computed); the kernels take either memory order. In-process
-            # workers would hold the caller's memory itself: they get copies.
-            if self.engine.in_process:
-                cols = [np.array(Xb[b0:b1].T, order="F") for b0, b1 in bounds]
-            else:
-                cols = [np.ascontiguousarray(Xb[b0:b1]).T for b0, b1 in bounds]
+            # the workers computed); the kernels take either memory order
+            cols = [np.ascontiguousarray(Xb[b0:b1]).T for b0, b1 in bounds]
             for i, j in grid.cells():
                 blocks[(xname, i, j)] = cols[j]
             copies = grid.pr
