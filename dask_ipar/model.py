@@ -13,6 +13,7 @@ import numpy as np
 from dask._task_spec import TaskRef
 
 from dask_ipar.data import as_features, as_labels
+from dask_ipar.lineage import fold_finished_groups, rekey_blocks
 from dask_ipar import kernels as K
 from dask_ipar.engine import Engine, LayerLayout, StepGraph
 from dask_ipar.errors import IparError
@@ -197,6 +198,14 @@ class Sequential:
         self.embed_bytes = 2**20
         #: Seconds between checks that every grid worker is still alive while waiting.
         self.liveness_check_s = 5.0
+        #: Every this many training steps the weights and momentum get new keys without
+        #: task history (:meth:`_cut_lineage`, one wait for the steps in flight); None
+        #: never does. Each step's weights are computed from the step before, and dask
+        #: keeps the records of finished tasks that lead to data still held: without the
+        #: cut the workers and the scheduler keep every past step's (see
+        #: :mod:`dask_ipar.lineage`).
+        self.lineage_steps: int | None = 100
+        self._since_cut = 0  # training steps since the last cut
         self._meter = None
 
     # ---------------------------------------------------------------- shape
@@ -471,6 +480,52 @@ class Sequential:
         fetched = self._submit(g, f"to-host-{self.uid}-s{step}", out)
         return self.client.gather(fetched)
 
+    def _cut_lineage(self):
+        """Give the weight and momentum blocks new keys that have no task history.
+
+        Waits until the current blocks exist (the steps before have finished), then each
+        worker stores its blocks under new keys as scattered data
+        (:func:`~dask_ipar.lineage.rekey_blocks`: the same arrays, no copy, no transfer,
+        no task), the scheduler learns of them as it does of scattered data, and the old
+        keys are released. With no finished task feeding any data they still hold, the
+        workers and the scheduler forget the records of all past steps; the model's
+        finished task groups are folded (:func:`~dask_ipar.lineage.fold_finished_groups`).
+        """
+        from distributed import Future, wait
+
+        self._since_cut = 0
+        cells = self.binding.grid.cells()
+        old = [n for n in self._w + self._v if n is not None]
+        wait([self._futures[(n, i, j)] for n in old for i, j in cells])
+        step = self._next_step()
+        rename, renames = {}, {}
+        for n in old:
+            owner, task = n.split("-", 1)[0].split(".", 1)
+            rename[n] = new = self.engine.name(owner, task, step)
+            for i, j in cells:
+                renames.setdefault(self.binding.worker(i, j), []).append(((n, i, j), (new, i, j)))
+        # futures first: the scheduler reports the keys to the client as soon as it knows them
+        futures = {new: Future(new, self.client) for pairs in renames.values() for _, new in pairs}
+        nbytes = self.client.run(rekey_blocks, renames, workers=list(renames))
+        self.client.sync(
+            self.client.scheduler.update_data,
+            who_has={k: [w] for w, blocks in nbytes.items() for k in blocks},
+            nbytes={k: b for blocks in nbytes.values() for k, b in blocks.items()},
+            client=self.client.id,
+        )
+        try:
+            wait(list(futures.values()), timeout=120)
+        except TimeoutError:
+            raise IparError(
+                "the scheduler did not confirm the re-keyed weight blocks within 120 s; "
+                "check that every grid worker is alive (the dashboard's Workers page)."
+            ) from None
+        self._keep(list(futures), list(futures.values()))
+        self._release(old)
+        self._w = [rename[n] for n in self._w]
+        self._v = [None if n is None else rename[n] for n in self._v]
+        self.client.run_on_scheduler(fold_finished_groups, self.uid)
+
     def _submit(self, graph, name, keys):
         """Submit ``graph``; futures of ``keys``. The graph's roots (prefetch tasks) are
         computed too, their futures held until the next submission."""
@@ -510,6 +565,9 @@ class Sequential:
 
     def train_step(self, Xb, yb, optimizer: SGD):
         """Submit one SGD step on a prepared batch; returns the loss-statistics futures."""
+        if self.lineage_steps is not None and self._since_cut >= self.lineage_steps:
+            self._cut_lineage()
+        self._since_cut += 1
         step = self._next_step()
         g = StepGraph()
         x_keys, y_keys, data = self._place_batch(Xb, yb, step, g)

@@ -1,0 +1,124 @@
+"""Long training keeps bounded task history: weights re-keyed every ``lineage_steps``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dask_ipar import SGD, Dense, Sequential
+from dask_ipar.lineage import fold_finished_groups
+
+
+def _model(steps_between_cuts):
+    m = Sequential([Dense(11, "relu"), Dense(7, "tanh"), Dense(3)], input_dim=9,
+                   dtype="float64", seed=3)
+    m.lineage_steps = steps_between_cuts
+    return m
+
+
+def _records(client, uid):
+    """Task records mentioning the model on each worker and on the scheduler."""
+    def on_worker(dask_worker=None):
+        return sum(uid in str(k) for k in dask_worker.state.tasks)
+
+    def on_scheduler(dask_scheduler=None):
+        return sum(uid in str(k) for k in dask_scheduler.tasks)
+
+    return max(client.run(on_worker).values()), client.run_on_scheduler(on_scheduler)
+
+
+def _train(client, model, steps):
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((40, 9))
+    y = rng.integers(0, 3, 40)
+    opt = SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)
+    model.distribute(client, "2x2")
+    for s in range(steps):
+        idx = slice(8 * (s % 5), 8 * (s % 5) + 8)
+        client.gather(model.train_step(X[idx], y[idx], opt))
+
+
+def test_rekeyed_training_equals_uncut_training_and_forgets_past_steps(client):
+    steps = 13
+    cut, uncut = _model(3), _model(None)
+    try:
+        _train(client, cut, steps)
+        _train(client, uncut, steps)
+        for (wa, ba), (wb, bb) in zip(cut.get_weights(), uncut.get_weights()):
+            assert np.array_equal(wa, wb) and np.array_equal(ba, bb)  # bit for bit
+        kept_cut, sched_cut = _records(client, cut.uid)
+        kept_uncut, sched_uncut = _records(client, uncut.uid)
+        # without cuts every worker keeps ~8 records per step of the 2x2 graph for every
+        # past step; with a cut every 3 steps at most the last few steps' records remain
+        assert kept_uncut >= 8 * steps
+        assert kept_cut <= kept_uncut / 2
+        assert sched_cut <= sched_uncut + 8  # the scheduler's own count stays as small
+    finally:
+        cut.close()
+        uncut.close()
+
+
+def test_cut_waits_for_steps_in_flight(client):
+    """A cut while steps are still running (fit keeps two in flight) changes nothing."""
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((64, 9))
+    y = rng.integers(0, 3, 64)
+    a, b = _model(2), _model(None)
+    try:
+        for m in (a, b):
+            m.distribute(client, "2x2")
+            m.fit(X, y, epochs=2, batch_size=8, optimizer=SGD(lr=0.05, momentum=0.9),
+                  shuffle=False, max_inflight=2, measure=False)
+        for (wa, ba), (wb, bb) in zip(a.get_weights(), b.get_weights()):
+            assert np.array_equal(wa, wb) and np.array_equal(ba, bb)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_fold_finished_groups_keeps_span_totals():
+    """Folding is exact: a span's duration, bytes and state counts do not change."""
+    from distributed.scheduler import TaskGroup, TaskPrefix
+    from distributed.spans import Span
+
+    prefix = TaskPrefix("dense0.act")
+    span = Span(("dask-ipar", "dense0", "forward"), "id0", None, [(0.0, 1)])
+    groups = []
+    for s in range(5):
+        tg = TaskGroup(f"dense0.act-abc123-s{s}", prefix)
+        tg.states["forgotten"] = 4
+        tg._size = 4
+        tg.nbytes_total = 1000 * (s + 1)
+        tg.add_duration("compute", 10.0 + s, 10.5 + s)
+        tg.add_type("numpy.ndarray")
+        tg.span_id = "id0"
+        span.groups.add(tg)
+        groups.append(tg)
+    live = TaskGroup("dense0.act-abc123-s5", prefix)  # a group with tasks: never folded
+    live.states["memory"] = 4
+    live._size = 4
+    span.groups.add(live)
+    other = TaskGroup("dense0.act-ffffff-s0", prefix)  # another model's: left alone
+    other.states["forgotten"] = 1
+    span.groups.add(other)
+    span.add_metadata({"collections": [{"type": "low-level-graph"}]})
+    for _ in range(4):
+        span.add_metadata({"collections": [{"type": "low-level-graph"}]})
+
+    class Ext:
+        spans = {"id0": span}
+
+    class Sched:
+        task_groups = {live.name: live}
+        extensions = {"spans": Ext()}
+        computations = []
+
+    before = (span.duration, span.nbytes_total, dict(span.states), span.start, span.stop,
+              dict(span.all_durations))
+    assert fold_finished_groups("abc123", dask_scheduler=Sched()) == 4
+    after = (span.duration, span.nbytes_total, dict(span.states), span.start, span.stop,
+             dict(span.all_durations))
+    assert before == after
+    assert len(span.groups) == 3 and live in span.groups and other in span.groups
+    assert span.metadata["collections"] == [{"type": "low-level-graph"}]
+    assert fold_finished_groups("abc123", dask_scheduler=Sched()) == 0  # nothing new
