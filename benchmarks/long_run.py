@@ -1,0 +1,146 @@
+"""Memory of long training: task records and RSS per step, with and without lineage cuts.
+
+    python benchmarks/long_run.py [--steps 600] [--every 150] [--grid 2x2] [--save]
+
+Trains the tiny 64-64-64-64-10 MLP (B = 64, batch embedded in the step graph) for
+``--steps`` steps on a cluster whose scheduler is a process of its own
+(``SubprocessCluster``), twice: ``model.lineage_steps = None`` (no cuts) and the default
+(a cut every 100 steps). Every ``--every`` steps it records the largest worker's RSS,
+the scheduler's RSS, the task records the workers and the scheduler hold, and the task
+groups the scheduler's spans hold. Prints a markdown table and the growth per step
+(least squares over the samples); ``--save`` writes
+``benchmarks/results/long-run-<time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+import time
+import warnings
+from unittest import mock
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import common as C  # noqa: E402
+
+
+def _worker_records(dask_worker=None):
+    return len(dask_worker.state.tasks)
+
+
+def _scheduler_records(dask_scheduler=None):
+    ext = dask_scheduler.extensions.get("spans")
+    groups = sum(len(s.groups) for s in ext.spans.values()) if ext else 0
+    return len(dask_scheduler.tasks), groups
+
+
+def _slope(xs, ys):
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+
+
+def run(lineage_steps, steps: int, every: int, grid: str) -> dict:
+    import psutil
+    from distributed import Client
+    from distributed.deploy.subprocess import SubprocessCluster
+
+    from dask_ipar import SGD, Dense, Sequential
+    from dask_ipar.clusters import QUIET_LOOP_CONFIG, config_environ
+    from dask_ipar.grid import parse_grid
+
+    cfg = C.TINY
+    n = parse_grid(grid).size
+    env = config_environ({"distributed.scheduler.work-stealing": False,
+                          "distributed.worker.profile.enabled": False,
+                          **QUIET_LOOP_CONFIG})
+    with mock.patch.dict(os.environ, env):
+        cluster = SubprocessCluster(n_workers=n, threads_per_worker=1, dashboard_address=None,
+                                    worker_kwargs={"memory_limit": 0})
+    client = Client(cluster)
+    model = Sequential([Dense(w, "relu") for w in cfg.widths[1:-1]] + [Dense(cfg.widths[-1])],
+                       input_dim=cfg.widths[0], dtype="float32", seed=0)
+    try:
+        client.wait_for_workers(n)
+        sched = psutil.Process(client.run_on_scheduler(os.getpid))
+        workers = [psutil.Process(p) for p in client.run(os.getpid).values()]
+        model.lineage_steps = lineage_steps
+        X, y = C.make_data(cfg, 2)
+        batches = [(X[k * cfg.batch:(k + 1) * cfg.batch], y[k * cfg.batch:(k + 1) * cfg.batch])
+                   for k in range(2)]
+        model.distribute(client, grid)
+        opt = SGD(lr=0.01, momentum=0.9)
+        samples = []
+        t0 = time.perf_counter()
+        for s in range(1, steps + 1):
+            client.gather(model.train_step(*batches[s % 2], opt))
+            if s % every == 0:
+                tasks, groups = client.run_on_scheduler(_scheduler_records)
+                samples.append({
+                    "step": s,
+                    "worker_rss_mib": max(w.memory_info().rss for w in workers) / 2**20,
+                    "scheduler_rss_mib": sched.memory_info().rss / 2**20,
+                    "worker_records": max(client.run(_worker_records).values()),
+                    "scheduler_records": tasks,
+                    "span_groups": groups,
+                })
+                print(json.dumps({"lineage_steps": lineage_steps, **samples[-1]}), flush=True)
+        secs = time.perf_counter() - t0
+    finally:
+        model.close()
+        client.close()
+        cluster.close()
+    xs = [p["step"] for p in samples]
+    growth = {k: _slope(xs, [p[k] for p in samples]) for k in samples[0] if k != "step"}
+    return {"lineage_steps": lineage_steps, "samples": samples, "per_step": growth,
+            "seconds": secs}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--every", type=int, default=150)
+    ap.add_argument("--grid", default="2x2")
+    ap.add_argument("--save", action="store_true")
+    a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from dask_ipar import Dense, Sequential
+
+    default = Sequential([Dense(2)], input_dim=2).lineage_steps  # the model's default
+    out = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "grid": a.grid, "steps": a.steps, "runs": [run(ls, a.steps, a.every, a.grid)
+                                                      for ls in (None, default)]}
+    print(f"\n## Long training, tiny MLP, {a.grid}, {a.steps} steps\n")
+    print("| lineage cut every | step | largest worker RSS (MiB) | scheduler RSS (MiB) | "
+          "worker task records | scheduler task records | span task groups |")
+    print("|---|---|---|---|---|---|---|")
+    for r in out["runs"]:
+        for p in r["samples"]:
+            print(f"| {r['lineage_steps'] or 'never'} | {p['step']} | {p['worker_rss_mib']:.0f} "
+                  f"| {p['scheduler_rss_mib']:.0f} | {p['worker_records']} "
+                  f"| {p['scheduler_records']} | {p['span_groups']} |")
+    print("\nGrowth per step (least squares over the samples):\n")
+    print("| lineage cut every | worker RSS (KB) | scheduler RSS (KB) | worker records "
+          "| span task groups |")
+    print("|---|---|---|---|---|")
+    for r in out["runs"]:
+        g = r["per_step"]
+        print(f"| {r['lineage_steps'] or 'never'} | {g['worker_rss_mib'] * 1024:.0f} "
+              f"| {g['scheduler_rss_mib'] * 1024:.0f} | {g['worker_records']:.1f} "
+              f"| {g['span_groups']:.1f} |")
+    if a.save:
+        stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+        path = os.path.join(HERE, "results", f"long-run-{stamp}.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
