@@ -496,7 +496,7 @@ class Sequential:
         self._since_cut = 0
         cells = self.binding.grid.cells()
         old = [n for n in self._w + self._v if n is not None]
-        wait([self._futures[(n, i, j)] for n in old for i, j in cells])
+        self._wait_alive([self._futures[(n, i, j)] for n in old for i, j in cells], self._step)
         step = self._next_step()
         rename, renames = {}, {}
         for n in old:
@@ -686,21 +686,25 @@ class Sequential:
                 "from the last one (`--resume`) on the restarted cluster."
             )
 
+    def _wait_alive(self, futs, step):
+        """Wait for ``futs``, checking every few seconds that the grid is intact."""
+        from distributed import wait
+
+        while True:
+            try:
+                wait(futs, timeout=self.liveness_check_s)
+                return
+            except TimeoutError:
+                self._check_alive(step)
+
     def _gather_step(self, futs, step):
         """Wait for a step's results, checking every few seconds that the grid is intact.
 
         Tasks are pinned to their cells, so a step whose worker died would otherwise wait
         forever; one whose data was lost fails with dask's cancellation error.
         """
-        from distributed import wait
-
         try:
-            while True:
-                try:
-                    wait(futs, timeout=self.liveness_check_s)
-                    break
-                except TimeoutError:
-                    self._check_alive(step)
+            self._wait_alive(futs, step)
             return self.client.gather(futs)
         except IparError:
             raise
