@@ -107,6 +107,34 @@ def test_blocks_live_on_the_gpu(client):
     m.close()
 
 
+@pytest.mark.gpu
+def test_cuda_lineage_cut_keeps_training_identical(client):
+    """Re-keying CuPy weight and momentum blocks (a cut every 2 steps) changes nothing."""
+    _cupy_with_device()
+    import numpy as np
+
+    from dask_ipar import SGD, Dense, Sequential
+    from dask_ipar.testing import awkward_problem
+
+    X, y = awkward_problem()
+    weights = []
+    for every in (2, None):
+        m = Sequential([Dense(29, "relu"), Dense(13, "tanh"), Dense(10)], input_dim=37,
+                       dtype="float64", seed=0, device="cuda").distribute(client, "2x2")
+        m.lineage_steps = every
+        m.fit(X, y, epochs=4, batch_size=23, optimizer=SGD(lr=0.1, momentum=0.9),
+              shuffle=False)
+        names = set(m._w) | {v for v in m._v if v is not None}  # re-keyed at the last cut
+        kinds = client.run(lambda dask_worker=None: sorted(
+            {type(v).__module__.split(".")[0] for k, v in dask_worker.data.items()
+             if isinstance(k, tuple) and k[0] in names}))
+        assert sorted(set(sum(kinds.values(), []))) == ["cupy"]
+        weights.append(m.get_weights())
+        m.close()
+    for (wa, ba), (wb, bb) in zip(*weights):
+        assert np.array_equal(wa, wb) and np.array_equal(ba, bb)
+
+
 def test_cuda_without_cupy_is_a_clear_error(monkeypatch):
     import builtins
 
