@@ -647,7 +647,12 @@ def _faults_as_worker_lost(model, what):
     workers = model.binding.workers
     try:
         yield
-    except (WorkerLost, IparError, KeyboardInterrupt):
+    except (WorkerLost, KeyboardInterrupt):
+        raise
+    except IparError as exc:  # e.g. a lineage cut that found a grid worker gone
+        gone = _gone_soon(model.client, workers)
+        if gone:
+            raise WorkerLost(gone, what) from exc
         raise
     except Exception as exc:
         gone = _gone_soon(model.client, workers)

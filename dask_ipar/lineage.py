@@ -24,7 +24,13 @@ import time
 
 from dask_ipar.errors import IparError
 
-__all__ = ["rekey_blocks", "fold_finished_groups"]
+__all__ = ["missing_blocks", "rekey_blocks", "fold_finished_groups"]
+
+
+def missing_blocks(renames: dict, dask_worker=None) -> list:
+    """On a worker: the old keys of ``renames`` (see :func:`rekey_blocks`) it does not hold."""
+    return [tuple(old) for old, _ in renames.get(dask_worker.address, ())
+            if tuple(old) not in dask_worker.data]
 
 
 def rekey_blocks(renames: dict, dask_worker=None) -> dict:
@@ -101,8 +107,10 @@ def fold_finished_groups(token: str, dask_scheduler=None) -> int:
                 folded_into[id(tg)] = keep
     except AttributeError:  # not the task-group layout this was written for
         return 0
-    for comp in getattr(dask_scheduler, "computations", ()):  # deprecated twin of spans
+    # the deprecated Computation objects (spans' predecessors) drop the folded groups:
+    # their totals then cover the groups left, not the whole history
+    for comp in getattr(dask_scheduler, "computations", ()):
         groups = getattr(comp, "groups", None)
         if groups:
-            comp.groups = {folded_into.get(id(tg), tg) for tg in groups}
+            comp.groups = {tg for tg in groups if id(tg) not in folded_into}
     return len(folded_into)

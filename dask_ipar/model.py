@@ -13,7 +13,7 @@ import numpy as np
 from dask._task_spec import TaskRef
 
 from dask_ipar.data import as_features, as_labels
-from dask_ipar.lineage import fold_finished_groups, rekey_blocks
+from dask_ipar.lineage import fold_finished_groups, missing_blocks, rekey_blocks
 from dask_ipar import kernels as K
 from dask_ipar.engine import Engine, LayerLayout, StepGraph
 from dask_ipar.errors import IparError
@@ -206,6 +206,7 @@ class Sequential:
         #: :mod:`dask_ipar.lineage`).
         self.lineage_steps: int | None = 100
         self._since_cut = 0  # training steps since the last cut
+        self._cuts = 0
         self._meter = None
 
     # ---------------------------------------------------------------- shape
@@ -497,15 +498,23 @@ class Sequential:
         cells = self.binding.grid.cells()
         old = [n for n in self._w + self._v if n is not None]
         self._wait_alive([self._futures[(n, i, j)] for n in old for i, j in cells], self._step)
-        step = self._next_step()
+        self._cuts += 1  # new names end in -c<cut>: step numbers stay those of the steps
         rename, renames = {}, {}
         for n in old:
             owner, task = n.split("-", 1)[0].split(".", 1)
-            rename[n] = new = self.engine.name(owner, task, step)
+            rename[n] = new = f"{owner}.{task}-{self.uid}-c{self._cuts}"
             for i, j in cells:
                 renames.setdefault(self.binding.worker(i, j), []).append(((n, i, j), (new, i, j)))
         # futures first: the scheduler reports the keys to the client as soon as it knows them
         futures = {new: Future(new, self.client) for pairs in renames.values() for _, new in pairs}
+        # every worker must hold its blocks before any stores a new key: a worker that
+        # stored some while another failed would keep keys the scheduler never frees
+        missing = self.client.run(missing_blocks, renames, workers=list(renames))
+        gone = [k for keys in missing.values() for k in keys]
+        if gone:
+            self._check_alive(self._step)
+            raise IparError(f"weight blocks {gone[:3]} are no longer on their workers; "
+                            "the model's state is lost (restore from a checkpoint).")
         nbytes = self.client.run(rekey_blocks, renames, workers=list(renames))
         self.client.sync(
             self.client.scheduler.update_data,

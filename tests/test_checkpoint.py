@@ -315,7 +315,9 @@ def test_process_killed_during_checkpoint_write(client4, tmp_path):
     m.close()
 
 
-def test_worker_killed_at_a_random_step_resumes_exactly(client4, data, tmp_path):
+@pytest.mark.parametrize("lineage", [100, 1], ids=["default", "cut-every-step"])
+def test_worker_killed_at_a_random_step_resumes_exactly(client4, data, tmp_path, lineage):
+    """With a lineage cut before every step the death is found during a cut."""
     X, y = data
     steps, every = 6, 2
     plain = make_model().distribute(client4, "2x2")
@@ -327,6 +329,7 @@ def test_worker_killed_at_a_random_step_resumes_exactly(client4, data, tmp_path)
 
     kill_at = int(np.random.default_rng().integers(1, steps))  # after this step completes
     model = make_model().distribute(client4, "2x2")
+    model.lineage_steps = lineage
     victim = model.binding.worker(1, 1)
     pid = client4.run(os.getpid, workers=[victim])[victim]
     lines, killed = [], []

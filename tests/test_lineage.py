@@ -53,6 +53,14 @@ def test_rekeyed_training_equals_uncut_training_and_forgets_past_steps(client):
         assert kept_uncut >= 8 * steps
         assert kept_cut <= kept_uncut / 2
         assert sched_cut <= sched_uncut + 8  # the scheduler's own count stays as small
+
+        def span_groups(dask_scheduler=None, uid=None):
+            ext = dask_scheduler.extensions["spans"]
+            return sum(uid in tg.name for s in ext.spans.values() for tg in s.groups)
+
+        # the fold keeps the spans' groups of the model bounded too
+        assert client.run_on_scheduler(span_groups, uid=cut.uid) <= \
+            client.run_on_scheduler(span_groups, uid=uncut.uid) / 2
     finally:
         cut.close()
         uncut.close()
@@ -69,6 +77,7 @@ def test_cut_waits_for_steps_in_flight(client):
             m.distribute(client, "2x2")
             m.fit(X, y, epochs=2, batch_size=8, optimizer=SGD(lr=0.05, momentum=0.9),
                   shuffle=False, max_inflight=2, measure=False)
+        assert a._cuts == 7 and b._cuts == 0  # 16 steps: a cut before steps 3, 5, ..., 15
         for (wa, ba), (wb, bb) in zip(a.get_weights(), b.get_weights()):
             assert np.array_equal(wa, wb) and np.array_equal(ba, bb)
     finally:
