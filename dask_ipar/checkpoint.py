@@ -649,12 +649,7 @@ def _faults_as_worker_lost(model, what):
         yield
     except (WorkerLost, KeyboardInterrupt):
         raise
-    except IparError as exc:  # e.g. a lineage cut that found a grid worker gone
-        gone = _gone_soon(model.client, workers)
-        if gone:
-            raise WorkerLost(gone, what) from exc
-        raise
-    except Exception as exc:
+    except Exception as exc:  # IparError too: a lineage cut that found a grid worker gone
         gone = _gone_soon(model.client, workers)
         if gone:
             raise WorkerLost(gone, what) from exc

@@ -6,16 +6,16 @@ of finished tasks that lead to data still held:
 - a worker keeps the record of every finished task whose result feeds a key it still
   holds, so while the current weights exist every past step's records stay (with the
   run spec of each embedded batch block); measured on a 2x2 grid of the tiny MLP:
-  146 KB per step per worker;
+  151 KB per step per worker (``benchmarks/long_run.py``);
 - the scheduler's spans keep every task group they ever held (dask/distributed#7977),
-  and every step makes new groups (key names carry the step): 64 KB per step.
+  and every step makes new groups (key names carry the step): 65 KB per step.
 
 :func:`rekey_blocks` gives blocks new keys without history (the way scattered data has
 none); ``Sequential._cut_lineage`` uses it every ``lineage_steps`` steps, then
 :func:`fold_finished_groups` folds the model's finished task groups into one per span
 (span totals unchanged) and keeps one copy of each span's repeated collection
-description. Both run inside the dask processes
-through ``client.run`` / ``client.run_on_scheduler``.
+description. Both run inside the dask processes through ``client.run`` /
+``client.run_on_scheduler``.
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ def fold_finished_groups(token: str, dask_scheduler=None) -> int:
     ``token`` and whose tasks are all forgotten into one of them, and drop the links
     those groups keep to others. A span's start, stop, duration, bytes and state counts
     are unchanged; its finished groups stop piling up. The span's list of computed
-    collections (one identical entry per submission) keeps one entry of each. Returns how many groups were
-    folded away; 0 where this dask has no spans or a different task-group layout
-    (then nothing is changed)."""
+    collections (one identical entry per submission) keeps one entry of each. Returns
+    how many groups were folded away; 0 where this dask has no spans or a different
+    task-group layout (then nothing is changed)."""
     live = dask_scheduler.task_groups
     ext = dask_scheduler.extensions.get("spans")
     if ext is None:

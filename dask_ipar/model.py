@@ -13,10 +13,10 @@ import numpy as np
 from dask._task_spec import TaskRef
 
 from dask_ipar.data import as_features, as_labels
-from dask_ipar.lineage import fold_finished_groups, missing_blocks, rekey_blocks
 from dask_ipar import kernels as K
 from dask_ipar.engine import Engine, LayerLayout, StepGraph
 from dask_ipar.errors import IparError
+from dask_ipar.lineage import fold_finished_groups, missing_blocks, rekey_blocks
 from dask_ipar.grid import Grid, GridBinding, bind_grid, parse_grid
 from dask_ipar.layers import AvgPool2d, Conv2d, Dense, Flatten, MaxPool2d
 from dask_ipar.optim import SGD
@@ -505,8 +505,6 @@ class Sequential:
             rename[n] = new = f"{owner}.{task}-{self.uid}-c{self._cuts}"
             for i, j in cells:
                 renames.setdefault(self.binding.worker(i, j), []).append(((n, i, j), (new, i, j)))
-        # futures first: the scheduler reports the keys to the client as soon as it knows them
-        futures = {new: Future(new, self.client) for pairs in renames.values() for _, new in pairs}
         # every worker must hold its blocks before any stores a new key: a worker that
         # stored some while another failed would keep keys the scheduler never frees
         missing = self.client.run(missing_blocks, renames, workers=list(renames))
@@ -515,6 +513,8 @@ class Sequential:
             self._check_alive(self._step)
             raise IparError(f"weight blocks {gone[:3]} are no longer on their workers; "
                             "the model's state is lost (restore from a checkpoint).")
+        # futures first: the scheduler reports the keys to the client as soon as it knows them
+        futures = {new: Future(new, self.client) for pairs in renames.values() for _, new in pairs}
         nbytes = self.client.run(rekey_blocks, renames, workers=list(renames))
         self.client.sync(
             self.client.scheduler.update_data,

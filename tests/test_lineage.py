@@ -92,7 +92,6 @@ def test_fold_finished_groups_keeps_span_totals():
 
     prefix = TaskPrefix("dense0.act")
     span = Span(("dask-ipar", "dense0", "forward"), "id0", None, [(0.0, 1)])
-    groups = []
     for s in range(5):
         tg = TaskGroup(f"dense0.act-abc123-s{s}", prefix)
         tg.states["forgotten"] = 4
@@ -102,7 +101,6 @@ def test_fold_finished_groups_keeps_span_totals():
         tg.add_type("numpy.ndarray")
         tg.span_id = "id0"
         span.groups.add(tg)
-        groups.append(tg)
     live = TaskGroup("dense0.act-abc123-s5", prefix)  # a group with tasks: never folded
     live.states["memory"] = 4
     live._size = 4
