@@ -6,10 +6,12 @@ Trains the tiny 64-64-64-64-10 MLP (B = 64, batch embedded in the step graph) fo
 ``--steps`` steps on a cluster whose scheduler is a process of its own
 (``SubprocessCluster``), twice: ``model.lineage_steps = None`` (no cuts) and the default
 (a cut every 100 steps). Every ``--every`` steps it records the largest worker's RSS,
-the scheduler's RSS, the task records the workers and the scheduler hold, and the task
-groups the scheduler's spans hold. Prints a markdown table and the growth per step
-(least squares over the samples); ``--save`` writes
-``benchmarks/results/long-run-<time>.json``.
+the scheduler's RSS, the task records the workers and the scheduler hold, the task
+groups the scheduler's spans hold, and the entries of dask's ``key_split`` cache (an LRU
+of 100,000 keys in every process, filled by each new key name). Prints a markdown table
+and the growth per step (least squares over all samples, and over the samples taken once
+every process's key cache is full); ``--save`` writes
+``benchmarks/results/long-run-<time>.json``, ``--from-json`` prints a saved run again.
 """
 
 from __future__ import annotations
@@ -31,6 +33,19 @@ import common as C  # noqa: E402
 
 def _worker_records(dask_worker=None):
     return len(dask_worker.state.tasks)
+
+
+def _key_cache():
+    """Entries in dask's ``key_split`` cache of this process (an LRU of 100,000 keys)."""
+    from dask.utils import key_split
+
+    return key_split.cache_info().currsize
+
+
+def _key_cache_size() -> int:
+    from dask.utils import key_split
+
+    return key_split.cache_info().maxsize
 
 
 def _scheduler_records(dask_scheduler=None):
@@ -89,6 +104,8 @@ def run(lineage_steps, steps: int, every: int, grid: str) -> dict:
                     "worker_records": max(client.run(_worker_records).values()),
                     "scheduler_records": tasks,
                     "span_groups": groups,
+                    "scheduler_key_cache": client.run_on_scheduler(_key_cache),
+                    "worker_key_cache": max(client.run(_key_cache).values()),
                 })
                 print(json.dumps({"lineage_steps": lineage_steps, **samples[-1]}), flush=True)
         secs = time.perf_counter() - t0
@@ -96,10 +113,50 @@ def run(lineage_steps, steps: int, every: int, grid: str) -> dict:
         model.close()
         client.close()
         cluster.close()
+    return {"lineage_steps": lineage_steps, "samples": samples, "seconds": secs}
+
+
+def growth(samples) -> dict:
+    """Least-squares growth per step of every sampled quantity (empty with < 2 samples)."""
+    if len(samples) < 2:
+        return {}
     xs = [p["step"] for p in samples]
-    growth = {k: _slope(xs, [p[k] for p in samples]) for k in samples[0] if k != "step"}
-    return {"lineage_steps": lineage_steps, "samples": samples, "per_step": growth,
-            "seconds": secs}
+    return {k: _slope(xs, [p[k] for p in samples]) for k in samples[0] if k != "step"}
+
+
+def caches_full(samples, size: int) -> list:
+    """The samples taken once the scheduler's and every worker's key cache were full."""
+    return [p for p in samples
+            if p.get("scheduler_key_cache") == size and p.get("worker_key_cache") == size]
+
+
+def render(out: dict) -> None:
+    size = out.get("key_cache_size", 100000)
+    print(f"\n## Long training, tiny MLP, {out['grid']}, {out['steps']} steps\n")
+    print("| lineage cut every | step | largest worker RSS (MiB) | scheduler RSS (MiB) | "
+          "worker task records | scheduler task records | span task groups | "
+          "key cache entries, scheduler / largest worker |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in out["runs"]:
+        for p in r["samples"]:
+            print(f"| {r['lineage_steps'] or 'never'} | {p['step']} | {p['worker_rss_mib']:.0f} "
+                  f"| {p['scheduler_rss_mib']:.0f} | {p['worker_records']} "
+                  f"| {p['scheduler_records']} | {p['span_groups']} "
+                  f"| {p.get('scheduler_key_cache', '-')} / {p.get('worker_key_cache', '-')} |")
+    print(f"\nGrowth per step (least squares over all samples; then over the samples taken "
+          f"once every key cache held its {size:,} keys):\n")
+    print("| lineage cut every | samples | worker RSS (KB) | scheduler RSS (KB) | "
+          "worker records | span task groups |")
+    print("|---|---|---|---|---|---|")
+    for r in out["runs"]:
+        for label, sel in (("all", r["samples"]), ("caches full", caches_full(r["samples"], size))):
+            g = growth(sel)
+            if not g:
+                continue
+            print(f"| {r['lineage_steps'] or 'never'} | {label} (steps {sel[0]['step']}-"
+                  f"{sel[-1]['step']}) | {g['worker_rss_mib'] * 1024:.1f} "
+                  f"| {g['scheduler_rss_mib'] * 1024:.1f} | {g['worker_records']:.1f} "
+                  f"| {g['span_groups']:.1f} |")
 
 
 def main(argv=None):
@@ -108,32 +165,20 @@ def main(argv=None):
     ap.add_argument("--every", type=int, default=150)
     ap.add_argument("--grid", default="2x2")
     ap.add_argument("--save", action="store_true")
+    ap.add_argument("--from-json", help="print a saved run (benchmarks/results/long-run-*.json)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            render(json.load(f))
+        return
     warnings.filterwarnings("ignore")
     from dask_ipar import Dense, Sequential
 
     default = Sequential([Dense(2)], input_dim=2).lineage_steps  # the model's default
     out = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "grid": a.grid, "steps": a.steps, "runs": [run(ls, a.steps, a.every, a.grid)
-                                                      for ls in (None, default)]}
-    print(f"\n## Long training, tiny MLP, {a.grid}, {a.steps} steps\n")
-    print("| lineage cut every | step | largest worker RSS (MiB) | scheduler RSS (MiB) | "
-          "worker task records | scheduler task records | span task groups |")
-    print("|---|---|---|---|---|---|---|")
-    for r in out["runs"]:
-        for p in r["samples"]:
-            print(f"| {r['lineage_steps'] or 'never'} | {p['step']} | {p['worker_rss_mib']:.0f} "
-                  f"| {p['scheduler_rss_mib']:.0f} | {p['worker_records']} "
-                  f"| {p['scheduler_records']} | {p['span_groups']} |")
-    print("\nGrowth per step (least squares over the samples):\n")
-    print("| lineage cut every | worker RSS (KB) | scheduler RSS (KB) | worker records "
-          "| span task groups |")
-    print("|---|---|---|---|---|")
-    for r in out["runs"]:
-        g = r["per_step"]
-        print(f"| {r['lineage_steps'] or 'never'} | {g['worker_rss_mib'] * 1024:.0f} "
-              f"| {g['scheduler_rss_mib'] * 1024:.0f} | {g['worker_records']:.1f} "
-              f"| {g['span_groups']:.1f} |")
+           "grid": a.grid, "steps": a.steps, "key_cache_size": _key_cache_size(),
+           "runs": [run(ls, a.steps, a.every, a.grid) for ls in (None, default)]}
+    render(out)
     if a.save:
         stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
         path = os.path.join(HERE, "results", f"long-run-{stamp}.json")
