@@ -392,8 +392,9 @@ class Sequential:
     def _place_batch(self, Xb: np.ndarray, yb: np.ndarray | None, step: int, g: StepGraph):
         """Put sample block j of a batch on every cell of grid column j (client to workers).
 
-        Batches up to ``embed_bytes`` travel inside the step's graph (one message);
-        larger ones are scattered straight to their workers. Either way the bytes go
+        Batches up to ``embed_bytes`` travel inside the step's graph (one message; the
+        labels as arguments of the tasks that read them); larger ones are scattered
+        straight to their workers. Either way the bytes go
         from the client to each worker and never between workers. The blocks are views of
         ``Xb`` where they can be (serialisation copies them); in-process workers would hold
         the caller's memory itself, so for them the batch is copied first.
@@ -435,10 +436,15 @@ class Sequential:
             for i, j in grid.cells():
                 blocks[(xname, i, j)] = cols[j]
             copies = grid.pr
-        if labs is not None:
+        embed = Xb.nbytes * copies <= self.embed_bytes
+        # labels of an embedded batch are arguments of the loss tasks themselves: no key of
+        # their own, one scheduler task fewer per cell and step (their readers, the loss
+        # gradient and statistics tasks, are on their cell; the bytes go the same way)
+        inline_labels = labs is not None and embed and not self.block_module
+        if labs is not None and not inline_labels:
             for i, j in grid.cells():
                 blocks[(yname, i, j)] = labs[j]
-        if Xb.nbytes * copies <= self.embed_bytes:
+        if embed:
             for key, value in blocks.items():
                 g.add_data(key, self.binding.worker(*key[1:]), value)
             futures = {}
@@ -460,7 +466,12 @@ class Sequential:
                       TaskRef(key), self.block_module)
             xname, yname = xname + "-dev", yname + "-dev"
         x_keys = {(i, j): TaskRef((xname, i, j)) for i, j in grid.cells()}
-        y_keys = None if yb is None else {(i, j): TaskRef((yname, i, j)) for i, j in grid.cells()}
+        if yb is None:
+            y_keys = None
+        elif inline_labels:
+            y_keys = {(i, j): labs[j] for i, j in grid.cells()}
+        else:
+            y_keys = {(i, j): TaskRef((yname, i, j)) for i, j in grid.cells()}
         return x_keys, y_keys, futures
 
     def _fetch(self, keys, futures) -> list:
