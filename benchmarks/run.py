@@ -460,7 +460,7 @@ def render(res) -> str:
         per_layer, fixed = depth_fit(depth)
         tasks_per_layer, _ = depth_fit(depth, "tasks")
         w(f"\nPer added layer: **{per_layer * 1e3:.1f} ms** ({tasks_per_layer:.0f} tasks); "
-          f"fixed per step: {fixed * 1e3:.1f} ms.\n")
+          f"fixed per step (the fit's intercept): {fixed * 1e3:.1f} ms.\n")
 
     wd = res["dask"].get("weight", {})
     mem = [(g, r) for g, r in wd.items() if "peak_rss_max" in r]
