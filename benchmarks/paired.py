@@ -62,6 +62,7 @@ def main(argv=None):
         name = f"paired-{cfg.key}-P{a.procs}-{time.strftime('%Y%m%dT%H%M')}.json"
         with open(os.path.join(HERE, "results", name), "w") as fh:
             json.dump(out, fh, indent=1)
+        out["file"] = name
     return out
 
 

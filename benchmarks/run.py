@@ -135,12 +135,15 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
     if C.torch_available() and not quick:
         import paired
 
+        res["paired_files"] = []
         for p in (2, 4):  # A-B-A re-check of target 3 with the best grid of this run
             meas = {g: v["step_s"] for g, v in res["dask"]["weight"].items() if _procs(g) == p}
             best = min(meas, key=meas.get)
             log(f"paired re-check, weight-dominated, P={p}, {best}")
-            paired.main(["--procs", str(p), "--mlp", "weight", "--grid", best, "--save",
-                         "--steps", str(steps)])
+            pr = paired.main(["--procs", str(p), "--mlp", "weight", "--grid", best, "--save",
+                              "--steps", str(steps)])
+            if pr.get("file"):
+                res["paired_files"].append(pr["file"])
 
     if netcluster:
         out = os.path.join(HERE, "results", "netcluster.json")
@@ -216,6 +219,29 @@ def depth_fit(depth: list, what: str | None = None) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
+def paired_files(res) -> list[str]:
+    """The A-B-A re-check files made by this run: as recorded, or (runs saved before they
+    were recorded) those made between the run's start and the time in its JSON's name."""
+    import glob
+
+    folder = os.path.join(HERE, "results")
+    if "paired_files" in res:
+        return [os.path.join(folder, f) for f in res["paired_files"]]
+    name = res.get("json_name", "")
+    stamp = name[len("run-"):-len(".json")].removeprefix("quick-")
+    try:  # the runner names its JSON in UTC on these machines, as `when` is
+        end = _dt.datetime.strptime(stamp, "%Y%m%dT%H%M%S").isoformat()
+    except ValueError:
+        end = "9999"
+    out = []
+    for f in sorted(glob.glob(os.path.join(folder, "paired-*.json"))):
+        with open(f) as fh:
+            when = json.load(fh).get("when", "")[:19]
+        if res["when"][:19] <= when <= end:
+            out.append(f)
+    return out
+
+
 def targets(res) -> list[dict]:
     out = []
     d = res["dask"]
@@ -266,13 +292,10 @@ def targets(res) -> list[dict]:
             out.append({"id": 3, "target": f"best dask-ipar grid ({best}) / PyTorch DDP, "
                         f"weight-dominated, P={p}", "limit": "<= 1.00", "value": r,
                         "ok": r <= LIMITS["t3"]})
-    import glob
-    for f in sorted(glob.glob(os.path.join(HERE, "results", "paired-*.json"))):
+    for f in paired_files(res):
         with open(f) as fh:
             pr = json.load(fh)
         if "ratio_vs_mean_ddp" not in pr or bool(pr.get("quick", False)) != bool(res["quick"]):
-            continue
-        if pr.get("when", "") < res["when"]:  # only re-checks made with this run's code
             continue
         runs = ", ".join(f"{r['what']} {r['step_s']:.2f} s (load {r['load1']:.1f})" for r in pr["runs"])
         out.append({"id": "3 (paired)", "target": f"re-check, dask-ipar {pr['grid']} / mean PyTorch DDP, "

@@ -6,9 +6,9 @@ of finished tasks that lead to data still held:
 - a worker keeps the record of every finished task whose result feeds a key it still
   holds, so while the current weights exist every past step's records stay (with the
   run spec of each embedded batch block); measured on a 2x2 grid of the tiny MLP:
-  151 KB per step per worker (``benchmarks/long_run.py``);
+  about 140 KB per step per worker (``benchmarks/long_run.py``, docs/concepts.md);
 - the scheduler's spans keep every task group they ever held (dask/distributed#7977),
-  and every step makes new groups (key names carry the step): 65 KB per step.
+  and every step makes new groups (key names carry the step): 40-65 KB per step.
 
 :func:`rekey_blocks` gives blocks new keys without history (the way scattered data has
 none); ``Sequential._cut_lineage`` uses it every ``lineage_steps`` steps, then

@@ -439,7 +439,8 @@ class Sequential:
         embed = Xb.nbytes * copies <= self.embed_bytes
         # labels of an embedded batch are arguments of the loss tasks themselves: no key of
         # their own, one scheduler task fewer per cell and step (their readers, the loss
-        # gradient and statistics tasks, are on their cell; the bytes go the same way)
+        # gradient and statistics tasks, are on their cell; on row 0 both carry a copy,
+        # a few bytes per sample, still from the client through the scheduler)
         inline_labels = labs is not None and embed and not self.block_module
         if labs is not None and not inline_labels:
             for i, j in grid.cells():
