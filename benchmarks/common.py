@@ -406,7 +406,7 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
     does nothing but receive its dependencies. Its inputs (batch blocks, the first weight
     and the momentum slices) are one-element placeholder arrays scattered once to their
     cells; each step reads the weight keys the step before produced, as in training. The
-    scheduler sees the same tasks, restrictions, replica traffic and step-to-step
+    scheduler sees the same computed tasks, restrictions, replica traffic and step-to-step
     dependencies as in real steps, and no computation. Returns the scheduler's CPU and the
     wall time per step.
     """
