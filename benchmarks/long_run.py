@@ -20,6 +20,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -42,23 +43,10 @@ def _key_cache():
     return key_split.cache_info().currsize
 
 
-def _key_cache_size() -> int:
-    from dask.utils import key_split
-
-    return key_split.cache_info().maxsize
-
-
 def _scheduler_records(dask_scheduler=None):
     ext = dask_scheduler.extensions.get("spans")
     groups = sum(len(s.groups) for s in ext.spans.values()) if ext else 0
     return len(dask_scheduler.tasks), groups
-
-
-def _slope(xs, ys):
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    den = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
 
 
 def run(lineage_steps, steps: int, every: int, grid: str) -> dict:
@@ -121,7 +109,8 @@ def growth(samples) -> dict:
     if len(samples) < 2:
         return {}
     xs = [p["step"] for p in samples]
-    return {k: _slope(xs, [p[k] for p in samples]) for k in samples[0] if k != "step"}
+    return {k: statistics.linear_regression(xs, [p[k] for p in samples]).slope
+            for k in samples[0] if k != "step"}
 
 
 def caches_full(samples, size: int) -> list:
@@ -172,11 +161,13 @@ def main(argv=None):
             render(json.load(f))
         return
     warnings.filterwarnings("ignore")
+    from dask.utils import key_split
+
     from dask_ipar import Dense, Sequential
 
     default = Sequential([Dense(2)], input_dim=2).lineage_steps  # the model's default
     out = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "grid": a.grid, "steps": a.steps, "key_cache_size": _key_cache_size(),
+           "grid": a.grid, "steps": a.steps, "key_cache_size": key_split.cache_info().maxsize,
            "runs": [run(ls, a.steps, a.every, a.grid) for ls in (None, default)]}
     render(out)
     if a.save:

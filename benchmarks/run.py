@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -210,13 +211,10 @@ def numpy_reference_s(res) -> float:
 def depth_fit(depth: list, what: str | None = None) -> tuple[float, float]:
     """Least-squares ``(per layer, fixed)`` of scheduler CPU + build per step (or of
     ``what``) against the number of layers."""
-    xs = [r["layers"] for r in depth]
-    ys = [r[what] if what else r["sched_cpu_s"] + r["build_s"] for r in depth]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-             / sum((x - mx) ** 2 for x in xs))
-    return slope, my - slope * mx
+    fit = statistics.linear_regression(
+        [r["layers"] for r in depth],
+        [r[what] if what else r["sched_cpu_s"] + r["build_s"] for r in depth])
+    return fit.slope, fit.intercept
 
 
 def paired_files(res) -> list[str]:

