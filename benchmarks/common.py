@@ -341,7 +341,8 @@ def graph_profile(model, cfg: MLPConfig, optimizer) -> dict:
 
 
 # ------------------------------------------------------ scheduler in its own process
-def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int, floor: bool = True) -> dict:
+def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int, floor: bool = True,
+                       executor: str = "graph") -> dict:
     """Per-step scheduler CPU with the scheduler in a process of its own.
 
     In a LocalCluster the scheduler's event loop is also the client's: its CPU time then
@@ -349,7 +350,8 @@ def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int, floor: bool = True
     subprocess (``SubprocessCluster``), as on a real cluster, and its whole-process CPU
     time (all threads) per step is measured with psutil; the client's graph build is
     measured separately (:func:`graph_profile`). ``floor``: also measure dask's own cost for
-    the same graph (:func:`noop_floor`).
+    the same graph (:func:`noop_floor`). ``executor``: ``Sequential.executor`` of the
+    timed steps.
     """
     import psutil
     from distributed import Client
@@ -379,6 +381,7 @@ def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int, floor: bool = True
         batches = [(X[k * cfg.batch:(k + 1) * cfg.batch], y[k * cfg.batch:(k + 1) * cfg.batch])
                    for k in range(2)]
         model.distribute(client, grid)
+        model.executor = executor
         for k in range(2):
             client.gather(model.train_step(*batches[k % 2], opt))
         ts = []
@@ -389,7 +392,8 @@ def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int, floor: bool = True
             ts.append(time.perf_counter() - t0)
         cpu = sum(sched.cpu_times()[:2]) - c0
         prof = graph_profile(model, cfg, opt)
-        out = {"grid": grid, "step_s": median(ts), "sched_cpu_s": cpu / steps,
+        out = {"grid": grid, "executor": executor, "step_s": median(ts),
+               "sched_cpu_s": cpu / steps,
                "build_s": prof["build_s"], "tasks": prof["tasks"]}
         if floor:
             out["noop"] = noop_floor(client, model, cfg, opt, sched, steps)

@@ -1,7 +1,8 @@
 """Measuring what the engine really moves, beside what the cost model predicts.
 
 Every worker logs each dependency it fetched (``transfer_incoming_log``:
-sender, keys and their ``sizeof`` bytes, duration). :class:`CommMeter`
+sender, keys and their ``sizeof`` bytes, duration), and each block its worker programs
+pushed to another worker (:mod:`dask_ipar.programs`, the same fields). :class:`CommMeter`
 drains those logs on every step (after widening them so that nothing is
 dropped by the ``distributed.admin.low-level-log-length`` cap), attributes
 each key to its layer and phase by its name (:func:`dask_ipar.engine.phase_of_key`),
@@ -42,14 +43,18 @@ def _widen_logs(maxlen, dask_worker=None):
 
 
 def _drain_logs(dask_worker=None):
-    """Pop every incoming-transfer entry as ``(sender, duration_s, [(key, nbytes), ...])``."""
+    """Pop every transfer entry as ``(sender, receiver, duration_s, [(key, nbytes), ...])``:
+    what dask fetched to this worker, and what this worker's programs pushed to others
+    (:mod:`dask_ipar.programs`, logged by the sender)."""
+    from dask_ipar.programs import drain_exchange_log
+
     out = []
     log = dask_worker.transfer_incoming_log
     while log:
         e = log.popleft()
-        out.append((e["who"], e["duration"], list(e["keys"].items())))
+        out.append((e["who"], dask_worker.address, e["duration"], list(e["keys"].items())))
     dask_worker.transfer_outgoing_log.clear()
-    return out
+    return out + drain_exchange_log(dask_worker=dask_worker)
 
 
 @dataclass(frozen=True)
@@ -229,8 +234,8 @@ class CommMeter:
         logs = self.client.run(_drain_logs, workers=self.workers)
         if not record:
             return
-        for receiver, entries in logs.items():
-            for sender, duration, keys in entries:
+        for entries in logs.values():
+            for sender, receiver, duration, keys in entries:
                 total = sum(n for _, n in keys) or 1
                 for key, nbytes in keys:
                     self._recv[receiver] += nbytes

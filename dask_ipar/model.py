@@ -205,6 +205,15 @@ class Sequential:
         #: cut the workers and the scheduler keep every past step's (see
         #: :mod:`dask_ipar.lineage`).
         self.lineage_steps: int | None = 100
+        #: How a training step runs: ``"graph"``, every kernel a dask task of its own
+        #: (the dashboard shows each layer and phase, dask moves the blocks), or
+        #: ``"programs"``, the same kernels run as one dask task per worker that pushes
+        #: the blocks to the other workers itself (:mod:`dask_ipar.programs`): a tenth of
+        #: the scheduler's work per step, the same results and the same bytes moved.
+        self.executor: str = "graph"
+        #: Seconds a worker program waits without receiving a block before it fails.
+        self.program_timeout_s: float = 300.0
+        self._exchange = None  # the client whose workers have the programs' plugin
         self._since_cut = 0  # training steps since the last cut
         self._cuts = 0
         self._meter = None
@@ -547,13 +556,44 @@ class Sequential:
         self._v = [None if n is None else rename[n] for n in self._v]
         self.client.run_on_scheduler(fold_finished_groups, self.uid)
 
-    def _submit(self, graph, name, keys):
+    def _submit(self, graph, name, keys, step=None):
         """Submit ``graph``; futures of ``keys``. The graph's roots (prefetch tasks) are
-        computed too, their futures held until the next submission."""
+        computed too, their futures held until the next submission.
+
+        With ``step`` and ``executor == "programs"`` the graph runs as worker programs
+        (:func:`dask_ipar.programs.compile_programs`; the prefetches happen inside them).
+        """
+        if step is not None and self._use_programs():
+            from dask_ipar.programs import compile_programs
+
+            hlg, _ = compile_programs(graph, list(keys), self._locate, name,
+                                      f"{self.uid}-s{step}", self.program_timeout_s)
+            return self.client.get(hlg, list(keys), sync=False)
         futs = self.client.get(graph.to_hlg(name), list(keys) + graph.roots, sync=False)
         if graph.roots:  # released four submissions later: by then they have run
             self._roots.append(futs[len(keys):])
         return futs[:len(keys)]
+
+    def _use_programs(self) -> bool:
+        """Whether steps run as worker programs (checks the setting; installs the plugin)."""
+        if self.executor not in ("graph", "programs"):
+            raise IparError(f"executor is {self.executor!r}, expected 'graph' or 'programs'.")
+        if self.executor == "graph":
+            return False
+        if self._exchange is not self.client:
+            from dask_ipar.programs import install_exchange
+
+            install_exchange(self.client)
+            self._exchange = self.client
+        return True
+
+    def _locate(self, key):
+        """The worker of an existing block ``(name, i, j, ...)``: that of cell (i, j)."""
+        try:
+            return self.binding.worker(key[1], key[2])
+        except (TypeError, IndexError, KeyError) as exc:
+            raise IparError(f"no grid cell for key {key!r}; keys of existing blocks are "
+                            "(name, i, j, ...).") from exc
 
     # ------------------------------------------------------------ training
     def _min_samples(self) -> int:
@@ -599,7 +639,7 @@ class Sequential:
         # momentum blocks updated in place keep their names (and futures)
         fresh = [n for n in new_w + new_v if n not in self._v]
         keys = [(n, i, j) for n in fresh for i, j in self.binding.grid.cells()]
-        futs = self._submit(g, f"step-{self.uid}-s{step}", keys + stats)
+        futs = self._submit(g, f"step-{self.uid}-s{step}", keys + stats, step=step)
         self._keep(keys, futs[: len(keys)])
         self._release([n for n in self._w + self._v if n not in new_v])
         self._w, self._v = new_w, new_v
@@ -700,6 +740,11 @@ class Sequential:
                 if (w := self.binding.worker(*cell)) not in alive]
         if gone:
             cell, w = gone[0]
+            if self._exchange is not None:  # waiting programs on the other workers fail now
+                from dask_ipar.programs import abort_programs
+
+                abort_programs(self.client, self.uid, f"worker {w} of grid cell {cell} left",
+                               workers=[x for x in self.binding.workers if x in alive])
             raise IparError(
                 f"worker {w} of grid cell {cell} left the cluster during step {step}; the blocks "
                 "it held are lost, so training stops here. Save checkpoints "

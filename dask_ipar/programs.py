@@ -1,0 +1,401 @@
+"""Worker programs: a step's task graph run as one dask task per worker.
+
+With ``Model.executor = "programs"`` the engine builds the same step graph as always
+(:class:`~dask_ipar.engine.StepGraph`: the same kernels, arguments and placement), and
+:func:`compile_programs` turns it into one dask task per worker, a *program*, that runs
+the tasks placed on that worker itself. A block that a task on another worker reads is
+pushed to that worker as soon as it exists, once per worker, over a handler that
+:class:`ExchangePlugin` adds to every worker (the mechanism of dask's P2P shuffle):
+the blocks that move and their senders are the ones dask moves in the task-graph
+executor, so the cost model's prediction holds unchanged, and each transfer is logged on
+its sender and read by :class:`dask_ipar.comm.CommMeter` like dask's own transfer logs.
+
+Why: dask's scheduler spends about half a millisecond of CPU per task on a small machine
+(``docs/benchmarks.md``, target 2); a 2x2 step has 20 tasks per layer as a task graph
+and one task per worker as programs (plus one small task per output block).
+
+What the scheduler sees: per worker and step one task ``step.run-<uid>-s<step>`` that
+depends on the blocks the worker already holds (weights, momentum, a scattered batch),
+and one task per output block (new weights, loss statistics) that picks it out of the
+program's result, under the key the task graph would give it. Everything else (the
+per-layer tasks, the worker-to-worker blocks) happens inside the programs: the dashboard
+shows one bar per worker and step, and the transfers in the worker's own log, not in
+dask's.
+
+Order and progress: every worker runs its tasks in one global order of the step's graph
+(the order the engine built them in, dependencies first), picking at each point the
+first task whose blocks have all arrived. Sends never wait for the receiver, so the
+first unfinished task of that global order can always run once its blocks arrive: the
+programs cannot deadlock. A program that fails tells the other workers, whose waiting
+programs then fail with its message instead of waiting; a waiting program also gives up
+after ``timeout_s`` without any new block, and :func:`abort_programs` stops the programs
+of a model (the model calls it when a grid worker has left).
+
+In-place updates: a task that rewrites one of its inputs (:data:`MUTATES`: the fused SGD
+update, halo and gradient sums) first waits until every send of that input has been
+written to the network, so no peer can receive a half-updated block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from dask._task_spec import Task, TaskRef
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from dask_ipar.errors import IparError
+
+__all__ = ["Program", "compile_programs", "run_program", "pick", "ExchangePlugin",
+           "PLUGIN_NAME", "install_exchange", "abort_programs", "drain_exchange_log",
+           "MUTATES", "DEFAULT_TIMEOUT_S"]
+
+#: Name of the worker plugin (one per worker, shared by every model).
+PLUGIN_NAME = "dask-ipar-exchange"
+#: Seconds a program waits without receiving any block before it gives up.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _mutating_kernels() -> frozenset:
+    from dask_ipar import kernels as K
+    from dask_ipar.domain import add_rows
+
+    return frozenset({K.sgd_update, K.sgd_velocity, K.sum_pieces, add_rows})
+
+
+#: Kernels that may write into one of their input blocks.
+MUTATES: frozenset = _mutating_kernels()
+
+
+@dataclass
+class Program:
+    """The tasks of one worker in one step graph, with what it sends and receives."""
+
+    tag: str  # "<uid>-s<step>": names the step for aborts and error messages
+    worker: str
+    peers: tuple  # every worker with a program in this step
+    nodes: list  # [(key, Task | DataNode)] in the global order
+    inputs: list  # keys this worker already holds (values given as the task's arguments)
+    sends: dict  # key -> [worker, ...] to push it to as soon as it exists
+    remote: dict  # key -> worker it comes from
+    outputs: list  # keys the program returns
+    uses: dict = field(default_factory=dict)  # key -> local readers (to drop values early)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+def _order(dsk: dict) -> list:
+    """Keys of ``dsk`` with dependencies first, otherwise in insertion order."""
+    index = {k: n for n, k in enumerate(dsk)}
+    deps = {k: [d for d in node.dependencies if d in dsk] for k, node in dsk.items()}
+    done, out = set(), []
+    for root in dsk:
+        if root in done:
+            continue
+        stack = [(root, iter(sorted(deps[root], key=index.get)))]
+        while stack:
+            key, it = stack[-1]
+            nxt = next((d for d in it if d not in done), None)
+            if nxt is None:
+                stack.pop()
+                if key not in done:
+                    done.add(key)
+                    out.append(key)
+            else:
+                stack.append((nxt, iter(sorted(deps[nxt], key=index.get))))
+    return out
+
+
+def compile_programs(g, outputs, locate, name: str, tag: str,
+                     timeout_s: float = DEFAULT_TIMEOUT_S):
+    """The step graph ``g`` as one program task per worker plus one task per output key.
+
+    ``outputs``: keys the caller wants futures of (returned under the same keys);
+    ``locate(key)``: the worker holding an existing key that ``g`` reads but does not
+    compute. Returns ``(HighLevelGraph, program_keys)``.
+    """
+    order = _order(g.dsk)
+    where = dict(g.place)
+    external: dict = {}
+    sends: dict = {}
+    remote: dict = {}
+    uses: dict = {}
+    for key in order:
+        w = where[key]
+        for d in g.dsk[key].dependencies:
+            if d not in g.dsk and d not in external:
+                external[d] = locate(d)
+            src = where.get(d, external.get(d))
+            uses.setdefault(w, {}).setdefault(d, 0)
+            uses[w][d] += 1
+            if src != w:
+                sends.setdefault(src, {}).setdefault(d, [])
+                if w not in sends[src][d]:
+                    sends[src][d].append(w)
+                remote.setdefault(w, {})[d] = src
+    missing = [k for k in outputs if k not in g.dsk and k not in external]
+    if missing:
+        raise IparError(f"output keys {missing[:3]} are not computed by the step graph.")
+    workers = sorted(set(where.values()) | set(sends))
+    dsk, place = {}, {}
+    prog_keys = {}
+    for n, w in enumerate(workers):
+        pkey = (f"step.run-{tag}", n)
+        inputs = sorted({d for d, src in external.items() if src == w}, key=str)
+        prog = Program(
+            tag=tag, worker=w, peers=tuple(workers),
+            nodes=[(k, g.dsk[k]) for k in order if where[k] == w],
+            inputs=inputs,
+            sends=sends.get(w, {}),
+            remote=remote.get(w, {}),
+            outputs=[k for k in outputs if where.get(k) == w],
+            uses=uses.get(w, {}),
+            timeout_s=timeout_s,
+        )
+        dsk[pkey] = Task(pkey, run_program, prog, *[TaskRef(k) for k in inputs])
+        place[pkey] = w
+        prog_keys[w] = pkey
+    for k in outputs:
+        if k in g.dsk:
+            w = where[k]
+            dsk[k] = Task(k, pick, TaskRef(prog_keys[w]), k)
+            place[k] = w
+    from dask_ipar.engine import span_of_name
+
+    layer = MaterializedLayer(
+        dsk, annotations={"workers": place.get, "allow_other_workers": False,
+                          "span": {k: span_of_name(k[0]) for k in dsk}.get},
+    )
+    return HighLevelGraph({name: layer}, {name: set()}), list(prog_keys.values())
+
+
+def pick(result: dict, key):
+    """Output ``key`` of a program's result."""
+    return result[key]
+
+
+# ------------------------------------------------------------------ worker side
+def _key(k):
+    """A key as msgpack delivers it (lists) back to a tuple."""
+    return tuple(_key(x) for x in k) if isinstance(k, list) else k
+
+
+class ExchangePlugin(WorkerPlugin):
+    """Worker plugin: the mailbox, the push handler and the transfer log of programs."""
+
+    name = PLUGIN_NAME
+
+    def setup(self, worker):
+        self.worker = worker
+        self.cond = threading.Condition()
+        self.box: dict = {}  # key -> value received and not yet taken
+        self.aborted: dict = {}  # tag -> reason (one step), uid -> (reason, when) (a model)
+        self.dropped: set = set()  # keys of failed programs: dropped on arrival
+        self.log: deque = deque()  # (sender, receiver, seconds, [(key, nbytes)])
+        worker.handlers["ipar_put"] = self.put
+        worker.handlers["ipar_abort"] = self.abort
+
+    def teardown(self, worker):
+        worker.handlers.pop("ipar_put", None)
+        worker.handlers.pop("ipar_abort", None)
+
+    # event-loop side
+    def put(self, key=None, data=None, sender=None):
+        key = _key(key)
+        with self.cond:
+            if key in self.dropped:
+                self.dropped.discard(key)
+            else:
+                self.box[key] = data
+            self.cond.notify_all()
+        return "OK"
+
+    def abort(self, tag=None, reason=None, model=False):
+        """Stop the programs of step ``tag`` (or, with ``model``, every program of model
+        ``tag`` running now)."""
+        with self.cond:
+            self.aborted[tag] = (reason or "aborted", time.monotonic()) if model \
+                else reason or "aborted"
+            for k in [k for k in self.box if tag in str(k[0] if isinstance(k, tuple) else k)]:
+                del self.box[k]
+            self.cond.notify_all()
+        return "OK"
+
+    # program side (a worker thread)
+    def _stopped(self, tag, started):
+        if tag in self.aborted:
+            return self.aborted[tag]
+        reason, when = self.aborted.get(tag.rsplit("-s", 1)[0], (None, 0.0))
+        return reason if when >= started else None
+
+    def take_ready(self, keys):
+        """Values of those of ``keys`` that have arrived (removed from the mailbox)."""
+        with self.cond:
+            return {k: self.box.pop(k) for k in keys if k in self.box}
+
+    def wait(self, prog, due, started, last_progress):
+        """Wait until one of the keys ``due`` arrives; raise if the step was aborted or
+        nothing came for ``prog.timeout_s``."""
+        with self.cond:
+            while True:
+                reason = self._stopped(prog.tag, started)
+                if reason:
+                    raise IparError(f"step {prog.tag} stopped on worker {prog.worker}: {reason}")
+                if any(k in self.box for k in due):
+                    return
+                left = prog.timeout_s - (time.monotonic() - last_progress)
+                if left <= 0:
+                    raise IparError(
+                        f"step {prog.tag}: worker {prog.worker} received no block for "
+                        f"{prog.timeout_s:.0f} s (still due: {len(due)}, e.g. "
+                        f"{min(map(str, due))} from {prog.remote[min(due, key=str)]}); a peer "
+                        "program is stuck or its worker is gone."
+                    )
+                self.cond.wait(min(left, 1.0))
+
+    def drop(self, keys):
+        """Forget ``keys``: those here now and those arriving later (a failed program)."""
+        with self.cond:
+            for k in keys:
+                if self.box.pop(k, None) is None:
+                    self.dropped.add(k)
+
+    def drain(self) -> list:
+        out = []
+        while self.log:
+            out.append(self.log.popleft())
+        return out
+
+
+class _Sender:
+    """Pushes blocks to other workers from a program's thread, without waiting."""
+
+    def __init__(self, plugin, worker):
+        from distributed.protocol import to_serialize
+        from distributed.sizeof import sizeof
+
+        self.plugin, self.worker = plugin, worker
+        self.loop = worker.loop.asyncio_loop
+        self._ser, self._sizeof = to_serialize, sizeof
+        self.pending: dict = {}  # key -> [concurrent futures]
+
+    async def _send(self, dest, key, value, nbytes):
+        t0 = time.perf_counter()
+        await self.worker.rpc(dest).ipar_put(key=key, data=self._ser(value),
+                                             sender=self.worker.address)
+        self.plugin.log.append((self.worker.address, dest, time.perf_counter() - t0,
+                                [(key, nbytes)]))
+
+    def push(self, key, value, dests):
+        nbytes = self._sizeof(value)
+        futs = self.pending.setdefault(key, [])
+        for d in dests:
+            futs.append(asyncio.run_coroutine_threadsafe(self._send(d, key, value, nbytes),
+                                                         self.loop))
+
+    def flush(self, keys=None):
+        """Wait until the sends of ``keys`` (all when None) are written; raise their errors."""
+        for k in list(self.pending) if keys is None else [k for k in keys if k in self.pending]:
+            for f in self.pending.pop(k):
+                f.result()
+
+    def abort_peers(self, prog, reason):
+        for p in prog.peers:
+            if p != self.worker.address:
+                asyncio.run_coroutine_threadsafe(self._abort(p, prog.tag, reason), self.loop)
+
+    async def _abort(self, dest, tag, reason):
+        try:
+            await self.worker.rpc(dest).ipar_abort(tag=tag, reason=reason)
+        except Exception:  # noqa: BLE001 - best effort: the peer may be gone
+            pass
+
+
+def _plugin(worker):
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        raise IparError(
+            f"worker {worker.address} has no {PLUGIN_NAME} plugin; programs need it on every "
+            "worker (Model.distribute installs it; a worker that joined later gets it too)."
+        )
+    return plugin
+
+
+def run_program(prog: Program, *values):
+    """Run ``prog`` on this worker: its tasks in order, blocks pushed and received.
+
+    ``values`` are those of ``prog.inputs``. Returns ``{key: value}`` of ``prog.outputs``.
+    """
+    from distributed import get_worker
+
+    worker = get_worker()
+    plugin = _plugin(worker)
+    sender = _Sender(plugin, worker)
+    env = dict(zip(prog.inputs, values))
+    uses = dict(prog.uses)
+    keep = set(prog.outputs)
+    try:
+        for k in prog.inputs:
+            if k in prog.sends:
+                sender.push(k, env[k], prog.sends[k])
+        todo = list(prog.nodes)
+        waiting = set(prog.remote)
+        started = last = time.monotonic()
+        while todo:
+            got = plugin.take_ready(waiting)
+            if got:
+                env.update(got)
+                waiting.difference_update(got)
+                last = time.monotonic()
+            n = next((n for n, (_, node) in enumerate(todo)
+                      if all(d in env for d in node.dependencies)), None)
+            if n is None:
+                plugin.wait(prog, waiting, started, last)
+                continue
+            key, node = todo.pop(n)
+            deps = node.dependencies
+            if isinstance(node, Task) and node.func in MUTATES:
+                sender.flush(deps)
+            env[key] = value = node({d: env[d] for d in deps})
+            if key in prog.sends:
+                sender.push(key, value, prog.sends[key])
+            for d in deps:
+                uses[d] -= 1
+                if uses[d] == 0 and d not in keep:
+                    env.pop(d, None)
+        sender.flush()
+        return {k: env[k] for k in prog.outputs}
+    except BaseException as exc:
+        reason = f"{type(exc).__name__} on {worker.address}: {exc}"
+        sender.abort_peers(prog, reason)
+        plugin.drop([k for k in prog.remote if k not in env])
+        raise
+
+
+# ------------------------------------------------------------------ client side
+def install_exchange(client) -> None:
+    """Add :class:`ExchangePlugin` to every worker of ``client`` (and to later ones)."""
+    client.register_plugin(ExchangePlugin(), name=PLUGIN_NAME)
+
+
+def _abort_here(uid, reason, dask_worker=None):
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if plugin is not None:
+        plugin.abort(tag=uid, reason=reason, model=True)
+
+
+def abort_programs(client, uid: str, reason: str, workers=None) -> None:
+    """Make the waiting programs of model ``uid`` fail with ``reason`` (best effort)."""
+    try:
+        client.run(_abort_here, uid, reason, workers=workers, on_error="ignore")
+    except Exception:  # noqa: BLE001 - the cluster may be going away
+        pass
+
+
+def drain_exchange_log(dask_worker=None) -> list:
+    """Pop this worker's program transfer log: ``(sender, receiver, seconds, [(key, n)])``."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return [] if plugin is None else plugin.drain()

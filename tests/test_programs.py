@@ -1,0 +1,186 @@
+"""Worker programs (``Sequential.executor = "programs"``): the step graph run as one dask
+task per worker equals the task-graph executor to the bit, moves the bytes the cost model
+predicts, and fails fast and cleanly."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from dask_ipar import SGD, Dense, Sequential
+from dask_ipar.errors import IparError
+from dask_ipar.programs import PLUGIN_NAME, compile_programs
+from dask_ipar.testing import awkward_problem, check_cnn, check_mlp
+
+
+@pytest.mark.parametrize("grid", ["1x1", "1x3", "2x1", "2x2", "3x2"])
+def test_programs_match_reference_and_cost_model(client, grid):
+    errors = check_mlp(client, grid, steps=4, executor="programs")
+    rows = errors["comm"].rows
+    assert len(rows) == 3 * 4 - 1
+    assert all(abs(r.ratio - 1) <= 1e-9 for r in rows)  # the sender logs exact sizes
+    assert (sum(r.measured_bytes for r in rows) > 0) == (grid != "1x1")
+
+
+def test_programs_cnn_matches_reference(client):
+    errors = check_cnn(client, "2x2", executor="programs")
+    assert all(abs(r.ratio - 1) <= 1e-9 for r in errors["comm"].rows)
+
+
+def _train(client, grid, executor, steps=3, hidden=(29, 13)):
+    X, y = awkward_problem((37, *hidden, 10), batch=23)
+    model = Sequential([Dense(h, "relu") for h in hidden] + [Dense(10)], input_dim=37,
+                       dtype="float64", seed=3)
+    model.distribute(client, grid)
+    model.executor = executor
+    try:
+        h = model.fit(X, y, epochs=steps, batch_size=23, shuffle=False,
+                      optimizer=SGD(lr=0.1, momentum=0.9, weight_decay=0.01))
+        return model.get_weights(), [s.loss for s in h.steps]
+    finally:
+        model.close()
+
+
+def test_programs_equal_graph_executor_bit_for_bit(client):
+    """Same kernels, same arguments, same order of every sum: identical floats."""
+    w_graph, loss_graph = _train(client, "2x2", "graph")
+    w_prog, loss_prog = _train(client, "2x2", "programs")
+    assert loss_graph == loss_prog
+    for (a, b), (c, d) in zip(w_graph, w_prog):
+        assert np.array_equal(a, c) and np.array_equal(b, d)
+
+
+def test_compiled_graph_has_one_task_per_worker_and_output(client):
+    model = Sequential([Dense(16, "relu"), Dense(16, "relu"), Dense(10)], input_dim=12,
+                       seed=0).distribute(client, "2x2")
+    try:
+        model.executor = "programs"
+        rng = np.random.default_rng(0)
+        model.train_step(rng.standard_normal((8, 12)).astype("float32"),
+                         rng.integers(0, 10, 8), SGD())
+        from dask_ipar.model import StepGraph
+
+        g = StepGraph()
+        x, y, _ = model._place_batch(rng.standard_normal((8, 12)).astype("float32"),
+                                     rng.integers(0, 10, 8), 99, g)
+        g, new_w, _, stats = model.engine.train_step(x, y, 8, model._w, model._v, 99, 0.1,
+                                                     0.9, 0.0, g=g)
+        outputs = [(n, i, j) for n in new_w for i, j in model.grid.cells()] + stats
+        hlg, progs = compile_programs(g, outputs, model._locate, "t", "x-s99")
+        dsk = dict(hlg)
+        assert len(progs) == 4
+        assert len(dsk) == 4 + len(outputs) < len(g.dsk)
+        # a program depends only on blocks its own worker holds: nothing moves through dask
+        place = {k: v for k, v in zip(progs, sorted(model.binding.workers))}
+        for p in progs:
+            for d in dsk[p].dependencies:
+                assert model._locate(d) == place[p]
+    finally:
+        model.close()
+
+
+def _boom(*args, **kwargs):
+    raise ValueError("kernel failed on purpose")
+
+
+def _patch_kernel(name, fn, dask_worker=None):
+    import dask_ipar.kernels as K
+
+    setattr(K, "_saved_" + name, getattr(K, name))
+    setattr(K, name, fn)
+
+
+def _unpatch_kernel(name, dask_worker=None):
+    import dask_ipar.kernels as K
+
+    setattr(K, name, getattr(K, "_saved_" + name))
+
+
+def _mailbox(dask_worker=None):
+    p = dask_worker.plugins[PLUGIN_NAME]
+    return len(p.box)
+
+
+def test_failing_program_stops_its_peers_at_once(client):
+    """A kernel that raises on one worker fails the step on every worker within seconds
+    (not after the timeout), with the error named, and leaves the workers usable."""
+    model = Sequential([Dense(16, "relu"), Dense(10)], input_dim=12, seed=0)
+    model.distribute(client, "2x2")
+    model.executor = "programs"
+    model.program_timeout_s = 120.0
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((8, 12)).astype("float32"), rng.integers(0, 10, 8)
+    victim = model.binding.worker(1, 1)
+    try:
+        client.gather(model.train_step(X, y, SGD()))  # the first step creates the momentum
+        # the kernels run on the workers by reference to their module: patch one worker's
+        client.run(_patch_kernel, "dense_forward", _boom, workers=[victim])
+        t0 = time.perf_counter()
+        stats = model.train_step(X, y, SGD())
+        with pytest.raises(Exception, match="kernel failed on purpose|stopped"):
+            model._gather_step(stats, model._step)
+        from distributed import wait
+
+        futs = [model._futures[(n, *c)] for n in model._w for c in model.grid.cells()]
+        wait(futs, timeout=60)
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 30, elapsed  # not the 120 s timeout: the victim told its peers
+        # every cell needs the victim's activations or blocks computed from them
+        assert all(f.status == "error" for f in futs)
+        errors = [str(f.exception()) for f in futs]
+        assert any("kernel failed on purpose" in e for e in errors)
+        assert any("stopped on worker" in e and "kernel failed on purpose" in e
+                   for e in errors)
+    finally:
+        client.run(_unpatch_kernel, "dense_forward", workers=[victim])
+        model.close()
+    # every worker's thread is free again and no block is left in a mailbox
+    assert client.submit(sum, [1, 2], workers=[victim], pure=False).result(timeout=30) == 3
+    time.sleep(0.5)
+    assert set(client.run(_mailbox, workers=list(model.binding.workers)).values()) == {0}
+
+
+def _slow(*args, **kwargs):
+    time.sleep(4)
+    import dask_ipar.kernels as K
+
+    return K._saved_dw_piece(*args, **kwargs)
+
+
+def test_waiting_program_times_out_with_a_clear_error(client):
+    model = Sequential([Dense(16, "relu"), Dense(10)], input_dim=12, seed=0)
+    model.distribute(client, "1x2")
+    model.executor = "programs"
+    model.program_timeout_s = 1.0
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((8, 12)).astype("float32"), rng.integers(0, 10, 8)
+    slow = model.binding.worker(0, 0)
+    client.run(_patch_kernel, "dw_piece", _slow, workers=[slow])
+    try:
+        stats = model.train_step(X, y, SGD())
+        with pytest.raises(Exception):
+            model._gather_step(stats, model._step)
+        from distributed import wait
+
+        futs = [model._futures[(n, *c)] for n in model._w for c in model.grid.cells()]
+        wait(futs, timeout=60)
+        errors = " ".join(str(f.exception()) for f in futs if f.status == "error")
+        assert "received no block for 1 s" in errors
+    finally:
+        client.run(_unpatch_kernel, "dw_piece", workers=[slow])
+        model.close()
+    time.sleep(4)  # the slow worker's late pieces arrive and are dropped
+    assert set(client.run(_mailbox, workers=list(model.binding.workers)).values()) == {0}
+
+
+def test_unknown_executor_is_a_clear_error(client):
+    model = Sequential([Dense(10)], input_dim=4).distribute(client, "1x1")
+    model.executor = "fused"
+    try:
+        with pytest.raises(IparError, match="executor is 'fused', expected 'graph' or "
+                                            "'programs'"):
+            model.train_step(np.zeros((2, 4), "float32"), np.zeros(2, int), SGD())
+    finally:
+        model.close()
