@@ -282,12 +282,17 @@ def _sched_cpu():
 
 
 # ---------------------------------------------------------------- graph profile
-def graph_profile(model, cfg: MLPConfig, optimizer) -> dict:
+def graph_profile(model, cfg: MLPConfig, optimizer, executor: str = "graph") -> dict:
     """Tasks per step, dependent hops and graph-build time, from ``model.engine.train_step``.
 
     The graph is built with placeholder input/weight names (it is never submitted),
-    exactly as ``model.train_step`` builds it.
+    exactly as ``model.train_step`` builds it. With ``executor="programs"`` the build
+    includes compiling it into worker programs, and ``tasks`` counts the scheduler's tasks
+    (one program per worker plus one per output block; ``graph_tasks`` the kernels they
+    run); the chains and hops are those of the kernels' data flow either way.
     """
+    from dask_ipar.programs import compile_programs
+
     from dask._task_spec import TaskRef
 
     eng = model.engine
@@ -300,9 +305,15 @@ def graph_profile(model, cfg: MLPConfig, optimizer) -> dict:
     times = []
     for s in range(15):  # ~1 ms each: the median of many, as the client's loop may interfere
         t0 = time.perf_counter()
-        g, *_ = eng.train_step(xk, yk, cfg.batch, w, v, 10**9 + s, optimizer.lr,
-                               optimizer.momentum, optimizer.weight_decay)
-        g.to_hlg(f"prof-{s}")
+        g, new_w, _, stats = eng.train_step(xk, yk, cfg.batch, w, v, 10**9 + s, optimizer.lr,
+                                            optimizer.momentum, optimizer.weight_decay)
+        if executor == "programs":
+            outputs = [(n, i, j) for n in new_w for i, j in grid.cells()] + stats
+            hlg, _ = compile_programs(g, outputs, model._locate, f"prof-{s}", f"p-s{s}")
+            n_tasks = len(hlg.layers[f"prof-{s}"])
+        else:
+            g.to_hlg(f"prof-{s}")
+            n_tasks = len(g.dsk)
         times.append(time.perf_counter() - t0)
     dsk, place = g.dsk, g.place
     # longest chains: in tasks, and in worker-to-worker hops (edges between different workers)
@@ -330,8 +341,10 @@ def graph_profile(model, cfg: MLPConfig, optimizer) -> dict:
     for k, wk in place.items():
         per_worker[wk] = per_worker.get(wk, 0) + 1
     return {
-        "tasks": len(dsk),
-        "tasks_per_layer": len(dsk) / L,
+        "executor": executor,
+        "tasks": n_tasks,
+        "graph_tasks": len(dsk),
+        "tasks_per_layer": n_tasks / L,
         "tasks_per_worker_max": max(per_worker.values()),
         "depth": max(depth.values()),
         "hops": max(hops.values()),
@@ -391,7 +404,7 @@ def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int, floor: bool = True
             client.gather(model.train_step(*batches[k % 2], opt))
             ts.append(time.perf_counter() - t0)
         cpu = sum(sched.cpu_times()[:2]) - c0
-        prof = graph_profile(model, cfg, opt)
+        prof = graph_profile(model, cfg, opt, executor)
         out = {"grid": grid, "executor": executor, "step_s": median(ts),
                "sched_cpu_s": cpu / steps,
                "build_s": prof["build_s"], "tasks": prof["tasks"]}
@@ -463,9 +476,11 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
 
 # -------------------------------------------------------------- timed dask steps
 def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 1,
-                   memory: bool = False, pids=None, profile: bool = True) -> dict:
+                   memory: bool = False, pids=None, profile: bool = True,
+                   executor: str = "graph") -> dict:
     """Median step time of dask-ipar on ``grid`` (train_step + gather), with the
-    per-step overhead profile and (optionally) peak RSS per worker."""
+    per-step overhead profile and (optionally) peak RSS per worker. ``executor``:
+    ``Sequential.executor`` of the steps."""
     from distributed import wait
 
     from dask_ipar import SGD, Dense, Sequential
@@ -477,9 +492,10 @@ def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 
     X, y = make_data(cfg, 2)
     batches = [(X[k * cfg.batch:(k + 1) * cfg.batch], y[k * cfg.batch:(k + 1) * cfg.batch])
                for k in range(2)]
-    out = {"grid": grid, "load1": os.getloadavg()[0]}
+    out = {"grid": grid, "executor": executor, "load1": os.getloadavg()[0]}
     try:
         model.distribute(client, grid)
+        model.executor = executor
         for k in range(warmup):
             Xb, yb = batches[k % 2]
             r0 = client.gather(model.train_step(Xb, yb, opt))
@@ -515,7 +531,9 @@ def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 
             out["peak_rss"] = peaks
             out["peak_rss_max"] = max(peaks.values())
         if profile:
-            out["profile"] = graph_profile(model, cfg, opt)
+            out["profile"] = graph_profile(model, cfg, opt, executor)
+        # the last step's backward and update run on after its loss statistics came back
+        wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
     finally:
         model.close()
     return out

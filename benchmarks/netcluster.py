@@ -246,7 +246,8 @@ def parse_rate_Bps(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: use e.g. 1gbit or 500mbit")
 
 
-def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, only=None):
+def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, only=None,
+                  executor="graph"):
     import numpy as np  # noqa: F401
     import warnings
     from distributed import Client
@@ -256,7 +257,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
 
     warnings.filterwarnings("ignore")
     out = {"workers": n_workers, "rate": rate, "client_rate": client_rate, "threads": threads,
-           "steps": steps, "quick": quick, "grids": {}, "targets": [],
+           "steps": steps, "quick": quick, "grids": {}, "targets": [], "executor": executor,
            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with emulated_cluster(n_workers, rate, client_rate=client_rate, threads=threads) as addr:
         with Client(addr) as client:
@@ -277,7 +278,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                 for pr, pc in C.grids_of(n_workers):
                     g = f"{pr}x{pc}"
                     print(f"{cfg.label} {g} ...", flush=True)
-                    r = C.time_dask_grid(client, cfg, g, steps, warmup=1, profile=False)
+                    r = C.time_dask_grid(client, cfg, g, steps, warmup=1, profile=False,
+                                         executor=executor)
                     by[g] = {"step_s": r["step_s"], "steps_s": r["steps_s"],
                              "pred_comm_s": pred[g].comm_s if g in pred else None,
                              "pred_total_s": pred[g].total_s if g in pred else None}
@@ -315,6 +317,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=None, help="comma list of MLPs: compute,weight")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--executor", choices=["graph", "programs"], default="graph",
+                    help="Sequential.executor of the timed steps")
     ap.add_argument("--check-only", action="store_true", help="only build the cluster and test the link")
     ap.add_argument("--cleanup", action="store_true", help="delete leftover namespaces and exit")
     a = ap.parse_args(argv)
@@ -336,7 +340,7 @@ def main(argv=None):
         print("namespaces left:", list_namespaces())
         return 0
     out = run_benchmark(a.workers, a.rate, a.quick, steps, a.client_rate, threads,
-                        a.only.split(",") if a.only else None)
+                        a.only.split(",") if a.only else None, a.executor)
     print("namespaces left:", list_namespaces())
     if a.json:
         with open(a.json, "w") as f:

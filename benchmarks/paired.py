@@ -29,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--mlp", default="weight", choices=["compute", "weight"])
     ap.add_argument("--grid", default=None, help="default: Px1")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--executor", default="graph", choices=["graph", "programs"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--save", action="store_true",
                     help="write benchmarks/results/paired-<mlp>-P<procs>-<time>.json")
@@ -38,6 +39,7 @@ def main(argv=None):
     grid = a.grid or f"{a.procs}x1"
     cores = os.cpu_count()
     out = {"mlp": cfg.key, "procs": a.procs, "grid": grid, "quick": a.quick, "runs": [],
+           "executor": a.executor,
            "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     for what in ("ddp", "dask", "ddp"):
         load = os.getloadavg()[0]
@@ -46,7 +48,8 @@ def main(argv=None):
         else:
             cluster, client, _ = C.local_cluster(a.procs, cores)
             try:
-                r = C.time_dask_grid(client, cfg, grid, a.steps, profile=False)
+                r = C.time_dask_grid(client, cfg, grid, a.steps, profile=False,
+                                     executor=a.executor)
             finally:
                 client.close()
                 cluster.close()

@@ -44,6 +44,13 @@ def verdict(ok):
 
 
 # ------------------------------------------------------------------ measuring
+#: The executors every dask-ipar row is measured with, where their results go in the JSON
+#: (runs before the programs executor have the graph executor's only).
+EXECUTORS = ("graph", "programs")
+SLOT = {"graph": "dask", "programs": "programs"}
+SUFFIX = {"graph": "", "programs": "_programs"}
+
+
 def measure(quick: bool, cores: int, netcluster: bool) -> dict:
     cfgs = C.configs(quick)
     steps = 2 if quick else 5
@@ -56,6 +63,7 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
         "configs": {c.key: {"widths": c.widths, "batch": c.batch, "flops": c.flops,
                             "params": c.params, "label": c.label} for c in cfgs},
         "numpy": {}, "dask": {c.key: {} for c in cfgs}, "torch": {c.key: {} for c in cfgs},
+        "programs": {c.key: {} for c in cfgs}, "executors": list(EXECUTORS),
     }
     import dask
     import distributed
@@ -82,19 +90,26 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
             for c in cfgs:
                 for pr, pc in C.grids_of(p):
                     g = f"{pr}x{pc}"
-                    log(f"dask {c.label} {g}")
-                    if p == 4:
-                        # fresh worker processes: peak memory is this grid's, not what the
-                        # allocator kept from the grids before it
-                        client.restart()
-                    r = C.time_dask_grid(client, c, g, steps, warmup=1,
-                                         memory=(p == 4))
-                    res["dask"][c.key][g] = r
-                    log(f"   step {r['step_s']:.3f} s")
+                    for ex in EXECUTORS:  # side by side: both executors of each grid
+                        log(f"dask {c.label} {g} ({ex})")
+                        if p == 4:
+                            # fresh worker processes: peak memory is this grid's, not what
+                            # the allocator kept from the grids before it (a new cluster:
+                            # back-to-back `client.restart()` calls sometimes lose all the
+                            # workers, with or without dask-ipar's code in them)
+                            client.close()
+                            cluster.close()
+                            cluster, client, _ = C.local_cluster(p, cores)
+                        r = C.time_dask_grid(client, c, g, steps, warmup=1,
+                                             memory=(p == 4), executor=ex)
+                        res[SLOT[ex]][c.key][g] = r
+                        log(f"   step {r['step_s']:.3f} s")
             if p == 4:
-                log("tiny MLP on 2x2 (overhead only)")
-                res["tiny_2x2"] = C.time_dask_grid(client, C.TINY, "2x2", 5, warmup=2)
-                res["tiny_2x2"]["widths"] = C.TINY.widths
+                for ex in EXECUTORS:
+                    log(f"tiny MLP on 2x2 (overhead only, {ex})")
+                    key = "tiny_2x2" + SUFFIX[ex]
+                    res[key] = C.time_dask_grid(client, C.TINY, "2x2", 5, warmup=2, executor=ex)
+                    res[key]["widths"] = C.TINY.widths
         finally:
             client.close()
             cluster.close()
@@ -108,18 +123,21 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
                     res["numpy_after_1x1"] = C.time_numpy(c, steps)
 
     log("scheduler in its own process: overhead on 2x2")
-    res["own_scheduler"] = {}
-    for c in [cf for cf in cfgs if cf.key == "compute"] + [C.TINY]:
-        log(f"   {c.label}")
-        res["own_scheduler"][c.key] = C.time_own_scheduler(c, "2x2", 10 if c is C.TINY else steps)
-        res["own_scheduler"][c.key]["widths"] = c.widths
-    # per added layer vs per step: the tiny MLP at three depths (same grid and batch)
-    res["depth"] = []
-    for layers in ((2, 4) if quick else (2, 4, 8)):
-        c = C.tiny_of_depth(layers)
-        log(f"   {c.label}")
-        r = C.time_own_scheduler(c, "2x2", 30, floor=False)
-        res["depth"].append({"layers": layers, "widths": c.widths, **r})
+    for ex in EXECUTORS:
+        own = res["own_scheduler" + SUFFIX[ex]] = {}
+        for c in [cf for cf in cfgs if cf.key == "compute"] + [C.TINY]:
+            log(f"   {c.label} ({ex})")
+            # dask's own floor (no-op kernels) is a property of the task graph: graph only
+            own[c.key] = C.time_own_scheduler(c, "2x2", 10 if c is C.TINY else steps,
+                                              floor=ex == "graph", executor=ex)
+            own[c.key]["widths"] = c.widths
+        # per added layer vs per step: the tiny MLP at three depths (same grid and batch)
+        depth = res["depth" + SUFFIX[ex]] = []
+        for layers in ((2, 4) if quick else (2, 4, 8)):
+            c = C.tiny_of_depth(layers)
+            log(f"   {c.label} ({ex})")
+            r = C.time_own_scheduler(c, "2x2", 30, floor=False, executor=ex)
+            depth.append({"layers": layers, "widths": c.widths, **r})
 
     if C.torch_available():
         import torch
@@ -131,33 +149,36 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
     else:
         res["torch"] = None
 
-    res["planner"] = planner_section(res, cfgs)
+    for ex in EXECUTORS:
+        res["planner" + SUFFIX[ex]] = planner_section(res, cfgs, SLOT[ex])
 
     if C.torch_available() and not quick:
         import paired
 
         res["paired_files"] = []
         for p in (2, 4):  # A-B-A re-check of target 3 with the best grid of this run
-            meas = {g: v["step_s"] for g, v in res["dask"]["weight"].items() if _procs(g) == p}
-            best = min(meas, key=meas.get)
-            log(f"paired re-check, weight-dominated, P={p}, {best}")
+            meas = {(g, ex): v["step_s"] for ex in EXECUTORS
+                    for g, v in res[SLOT[ex]]["weight"].items() if _procs(g) == p}
+            best, ex = min(meas, key=meas.get)
+            log(f"paired re-check, weight-dominated, P={p}, {best} ({ex})")
             pr = paired.main(["--procs", str(p), "--mlp", "weight", "--grid", best, "--save",
-                              "--steps", str(steps)])
+                              "--steps", str(steps), "--executor", ex])
             if pr.get("file"):
                 res["paired_files"].append(pr["file"])
 
-    if netcluster:
-        out = os.path.join(HERE, "results", "netcluster.json")
-        log("emulated cluster (benchmarks/netcluster.py)")
+    for ex in (EXECUTORS if netcluster else ()):
+        out = os.path.join(HERE, "results", f"netcluster{SUFFIX[ex]}.json")
+        log(f"emulated cluster (benchmarks/netcluster.py, {ex})")
         cmd = [sys.executable, os.path.join(HERE, "netcluster.py"), "--workers", "4",
-               "--rate", "1gbit", "--json", out] + (["--quick"] if quick else [])
+               "--rate", "1gbit", "--json", out, "--executor", ex] + (["--quick"] if quick else [])
         r = subprocess.run(cmd, text=True)
+        key = "netcluster" + SUFFIX[ex]
         if r.returncode == 0 and os.path.exists(out):
             with open(out) as f:
-                res["netcluster"] = json.load(f)
-            res["netcluster"]["same_run"] = True
+                res[key] = json.load(f)
+            res[key]["same_run"] = True
         else:
-            res["netcluster"] = {"error": f"netcluster.py exited with {r.returncode}"}
+            res[key] = {"error": f"netcluster.py exited with {r.returncode}"}
     res["host"]["loadavg_end"] = os.getloadavg()
     return res
 
@@ -167,8 +188,9 @@ def _numpy_first_loss(c):
     return C.NumpyMLP(c.widths, c.batch).step(X, y)
 
 
-def planner_section(res, cfgs):
-    """The planner's grid (alpha, bandwidth measured on loopback) vs pure batch, measured."""
+def planner_section(res, cfgs, slot="dask"):
+    """The planner's grid (alpha, bandwidth measured on loopback) vs pure batch, measured
+    (with the executor whose results are in ``res[slot]``)."""
     from dask_ipar.cost import Machine, mlp, plan
 
     lb = res.get("loopback", {})
@@ -179,7 +201,7 @@ def planner_section(res, cfgs):
         for p in (2, 4):
             pl = plan(mlp(list(c.widths)), p, c.batch, machine)
             best = f"{pl.best.pr}x{pl.best.pc}"
-            meas = res["dask"][c.key]
+            meas = res[slot][c.key]
             pred = {f"{g.pr}x{g.pc}": g.total_s for g in pl.grids if g.feasible}
             batch_g = f"1x{p}"
             out[f"{c.key}/{p}"] = {
@@ -192,6 +214,16 @@ def planner_section(res, cfgs):
                                      key=lambda g: meas[g]["step_s"]),
             }
     return out
+
+
+def executors(res) -> list[str]:
+    """The executors a run measured (runs before the programs executor: graph only)."""
+    return [ex for ex in EXECUTORS if res.get(SLOT[ex])]
+
+
+def _exl(res, ex) -> str:
+    """`` (executor)`` after a label, when the run measured more than one executor."""
+    return f" ({ex})" if len(executors(res)) > 1 else ""
 
 
 def _procs(g):
@@ -242,53 +274,26 @@ def paired_files(res) -> list[str]:
 
 def targets(res) -> list[dict]:
     out = []
+    for ex in executors(res):
+        _targets_1_2(res, ex, out)
     d = res["dask"]
-    if "compute" in d and "1x1" in d["compute"]:
-        r = d["compute"]["1x1"]["step_s"] / numpy_reference_s(res)
-        out.append({"id": 1, "target": "dask-ipar 1x1 step / NumPy step (compute-bound MLP; NumPy: mean "
-                    "of the runs before and right after the 1x1 runs)",
-                    "limit": f"<= {LIMITS['t1']:.2f}", "value": r, "ok": r <= LIMITS["t1"]})
-    for key, label in (("compute", "compute-bound MLP"), ("tiny", "tiny MLP")):
-        r = (res.get("own_scheduler") or {}).get(key)
-        if not r:
-            continue
-        L = len(r["widths"]) - 1
-        ms = (r["build_s"] + r["sched_cpu_s"]) / L * 1e3
-        out.append({"id": 2, "target": "scheduler CPU (its own process) + graph-build time per "
-                    f"layer per step, 2x2 ({label})", "limit": f"<= {LIMITS['t2_ms']:.0f} ms",
-                    "value": ms, "unit": "ms", "ok": ms <= LIMITS["t2_ms"]})
-    if len(res.get("depth") or []) >= 2:
-        per_layer, _ = depth_fit(res["depth"])
-        ms = per_layer * 1e3
-        depths = ", ".join(str(r["layers"]) for r in res["depth"])
-        out.append({"id": 2, "target": "scheduler CPU (its own process) + graph-build time per "
-                    f"added layer per step, 2x2 (tiny MLP at {depths} layers: least-squares "
-                    "slope)", "limit": f"<= {LIMITS['t2_ms']:.0f} ms", "value": ms,
-                    "unit": "ms", "ok": ms <= LIMITS["t2_ms"]})
-    if res.get("tiny_2x2"):
-        t = res["tiny_2x2"]
-        L = len(t["widths"]) - 1
-        ms = t["step_s"] / L * 1e3
-        out.append({"id": "2b", "target": "whole step time per layer of a tiny MLP on 2x2 "
-                    "(compute ~0: all of it is overhead and hop latency)",
-                    "limit": f"<= {LIMITS['t2_ms']:.0f} ms", "value": ms, "unit": "ms",
-                    "ok": ms <= LIMITS["t2_ms"]})
     tr = res.get("torch") or {}
     if "weight" in d:
         for p in (2, 4):
-            meas = {g: v["step_s"] for g, v in d["weight"].items() if _procs(g) == p}
+            meas = {(g, ex): v["step_s"] for ex in executors(res)
+                    for g, v in res[SLOT[ex]]["weight"].items() if _procs(g) == p}
             ddp = (tr.get("weight") or {}).get(str(p), {})
             if not meas:
                 continue
-            best = min(meas, key=meas.get)
+            best, bex = min(meas, key=meas.get)
             if "step_s" not in ddp:
                 out.append({"id": 3, "target": f"best dask-ipar grid / PyTorch DDP, weight-dominated, "
                             f"P={p}", "limit": "<= 1.00", "value": None, "ok": None,
                             "note": "torch not installed or DDP failed: " + str(ddp.get("error", ""))[:200]})
                 continue
-            r = meas[best] / ddp["step_s"]
-            out.append({"id": 3, "target": f"best dask-ipar grid ({best}) / PyTorch DDP, "
-                        f"weight-dominated, P={p}", "limit": "<= 1.00", "value": r,
+            r = meas[(best, bex)] / ddp["step_s"]
+            out.append({"id": 3, "target": f"best dask-ipar grid ({best}{_exl(res, bex)}) / "
+                        f"PyTorch DDP, weight-dominated, P={p}", "limit": "<= 1.00", "value": r,
                         "ok": r <= LIMITS["t3"]})
     for f in paired_files(res):
         with open(f) as fh:
@@ -296,32 +301,74 @@ def targets(res) -> list[dict]:
         if "ratio_vs_mean_ddp" not in pr or bool(pr.get("quick", False)) != bool(res["quick"]):
             continue
         runs = ", ".join(f"{r['what']} {r['step_s']:.2f} s (load {r['load1']:.1f})" for r in pr["runs"])
-        out.append({"id": "3 (paired)", "target": f"re-check, dask-ipar {pr['grid']} / mean PyTorch DDP, "
+        out.append({"id": "3 (paired)", "target": f"re-check, dask-ipar {pr['grid']}"
+                    f"{_exl(res, pr.get('executor', 'graph'))} / mean PyTorch DDP, "
                     f"{pr['mlp']} MLP, P={pr['procs']}, A-B-A back to back: {runs}",
                     "limit": "<= 1.00", "value": pr["ratio_vs_mean_ddp"],
                     "ok": pr["ratio_vs_mean_ddp"] <= LIMITS["t3"],
                     "note": f"benchmarks/results/{os.path.basename(f)}"})
     nc = res.get("netcluster")
-    if nc and "targets" in nc:
-        for t in nc["targets"]:
-            t = dict(t, id=4)
-            for v in nc.get("grids", {}).values():
+    for ex in executors(res):
+        ncx = res.get("netcluster" + SUFFIX[ex])
+        if not ncx or "targets" not in ncx:
+            continue
+        for t in ncx["targets"]:
+            t = dict(t, id=4, target=t["target"] + _exl(res, ex))
+            for v in ncx.get("grids", {}).values():
                 ties = overlapping_grids(v)
                 if "ranking" in t["target"] and f"({v['label']}:" in t["target"] and ties:
                     t["note"] = "timed steps overlap, not distinguishable in this run: " + \
                         ", ".join(f"{a} and {b}" for a, b in ties)
             out.append(t)
-    elif nc is None or "error" in (nc or {}):
+    if nc is None or "error" in (nc or {}):
         out.append({"id": 4, "target": "emulated 1 Gbit/s cluster (planner >= 1.5x pure batch; "
                     "ranking matches)", "limit": "see netcluster", "value": None, "ok": None,
                     "note": "not run in this run (needs root: --netcluster)"})
-    if "weight" in d and "4x1" in d["weight"] and "peak_rss_max" in d["weight"]["4x1"]:
-        a = d["weight"]["4x1"]["peak_rss_max"]
-        b = d["weight"]["1x4"]["peak_rss_max"]
-        out.append({"id": 5, "target": "peak RSS per worker, Pr=4 (4x1) / pure batch (1x4), "
-                    "weight-dominated", "limit": f"<= {LIMITS['t5']:.2f}", "value": a / b,
-                    "ok": a / b <= LIMITS["t5"]})
+    for ex in executors(res):
+        dx = res[SLOT[ex]]
+        if "weight" in dx and "4x1" in dx["weight"] and "peak_rss_max" in dx["weight"]["4x1"]:
+            a = dx["weight"]["4x1"]["peak_rss_max"]
+            b = dx["weight"]["1x4"]["peak_rss_max"]
+            out.append({"id": 5, "target": "peak RSS per worker, Pr=4 (4x1) / pure batch (1x4), "
+                        f"weight-dominated{_exl(res, ex)}", "limit": f"<= {LIMITS['t5']:.2f}",
+                        "value": a / b, "ok": a / b <= LIMITS["t5"]})
     return out
+
+
+def _targets_1_2(res, ex, out):
+    """Targets 1, 2 and 2b of executor ``ex``."""
+    d, sfx, exl = res[SLOT[ex]], SUFFIX[ex], _exl(res, ex)
+    if "compute" in d and "1x1" in d["compute"]:
+        r = d["compute"]["1x1"]["step_s"] / numpy_reference_s(res)
+        out.append({"id": 1, "target": f"dask-ipar 1x1{exl} step / NumPy step (compute-bound "
+                    "MLP; NumPy: mean of the runs before and right after the 1x1 runs)",
+                    "limit": f"<= {LIMITS['t1']:.2f}", "value": r, "ok": r <= LIMITS["t1"]})
+    for key, label in (("compute", "compute-bound MLP"), ("tiny", "tiny MLP")):
+        r = (res.get("own_scheduler" + sfx) or {}).get(key)
+        if not r:
+            continue
+        L = len(r["widths"]) - 1
+        ms = (r["build_s"] + r["sched_cpu_s"]) / L * 1e3
+        out.append({"id": 2, "target": "scheduler CPU (its own process) + graph-build time per "
+                    f"layer per step, 2x2 ({label}){exl}", "limit": f"<= {LIMITS['t2_ms']:.0f} ms",
+                    "value": ms, "unit": "ms", "ok": ms <= LIMITS["t2_ms"]})
+    depth = res.get("depth" + sfx) or []
+    if len(depth) >= 2:
+        per_layer, _ = depth_fit(depth)
+        ms = per_layer * 1e3
+        depths = ", ".join(str(r["layers"]) for r in depth)
+        out.append({"id": 2, "target": "scheduler CPU (its own process) + graph-build time per "
+                    f"added layer per step, 2x2 (tiny MLP at {depths} layers: least-squares "
+                    f"slope){exl}", "limit": f"<= {LIMITS['t2_ms']:.0f} ms", "value": ms,
+                    "unit": "ms", "ok": ms <= LIMITS["t2_ms"]})
+    if res.get("tiny_2x2" + sfx):
+        t = res["tiny_2x2" + sfx]
+        L = len(t["widths"]) - 1
+        ms = t["step_s"] / L * 1e3
+        out.append({"id": "2b", "target": "whole step time per layer of a tiny MLP on 2x2 "
+                    f"(compute ~0: all of it is overhead and hop latency){exl}",
+                    "limit": f"<= {LIMITS['t2_ms']:.0f} ms", "value": ms, "unit": "ms",
+                    "ok": ms <= LIMITS["t2_ms"]})
 
 
 # ------------------------------------------------------------------ markdown
@@ -408,35 +455,51 @@ def render(res) -> str:
               f"{flops / t / 1e9:.1f} | {t / npt:.2f} | {fmt(again.get('load1'), 1)} |")
         tr = (res.get("torch") or {}).get(key, {})
         rows = []
-        for g, r in res["dask"][key].items():
-            rows.append((_procs(g), 0, f"dask-ipar | {_procs(g)} | {g}", r["step_s"], r.get("load1")))
+        for n, ex in enumerate(executors(res)):
+            for g, r in res[SLOT[ex]][key].items():
+                rows.append((_procs(g), 0, g, n, f"dask-ipar{_exl(res, ex)} | {_procs(g)} | {g}",
+                             r["step_s"], r.get("load1")))
         for p, r in tr.items():
             name = "PyTorch, one process" if p == "1" else "PyTorch DDP (gloo)"
             if "step_s" in r:
-                rows.append((int(p), 1, f"{name} | {p} | -", r["step_s"], r.get("load1")))
+                rows.append((int(p), 1, "-", 0, f"{name} | {p} | -", r["step_s"], r.get("load1")))
             else:
                 w(f"| {name} | {p} | - | failed: {r.get('error', '')[:80]} | | | |")
-        for _, _, name, t, ld in sorted(rows):
+        for *_, name, t, ld in sorted(rows):
             w(f"| {name} | {fmt(t)} | {flops / t / 1e9:.1f} | {t / npt:.2f} | {fmt(ld, 1)} |")
         if not tr:
             w("\nPyTorch rows skipped: torch is not installed.")
         w("")
 
     w("## Per-step overhead profile (dask-ipar)\n")
-    w("| MLP | grid | tasks/step | tasks/layer | max tasks on a worker | longest chain (tasks) "
-      "| hops in sequence / layer | graph build (ms) | submit (ms) | scheduler CPU (ms) | step (s) |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|")
-    items = [(res["configs"][k]["label"], g, r) for k in res["dask"] for g, r in res["dask"][k].items()]
-    if res.get("tiny_2x2"):
-        items.append(("tiny " + "-".join(map(str, res["tiny_2x2"]["widths"])), "2x2", res["tiny_2x2"]))
-    for lab, g, r in items:
+    if len(executors(res)) > 1:
+        w("Executors (`Sequential.executor`, docs/concepts.md): *graph* submits every kernel as a "
+          "dask task; *programs* submits one task per worker and step that runs the same "
+          "kernels and pushes blocks to the other workers itself, plus one task per new weight "
+          "block and loss statistic. For programs, tasks/step counts the scheduler's tasks and "
+          "the graph build includes compiling the programs; the longest chain and the hops are "
+          "those of the kernels' data flow, the same for both.\n")
+    w("| MLP | executor | grid | tasks/step | tasks/layer | max tasks on a worker "
+      "| longest chain (tasks) | hops in sequence / layer | graph build (ms) | submit (ms) "
+      "| scheduler CPU (ms) | step (s) |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    items = []
+    for ex in executors(res):
+        items += [(res["configs"][k]["label"], ex, g, r)
+                  for k in res[SLOT[ex]] for g, r in res[SLOT[ex]][k].items()]
+        t = res.get("tiny_2x2" + SUFFIX[ex])
+        if t:
+            items.append(("tiny " + "-".join(map(str, t["widths"])), ex, "2x2", t))
+    for lab, ex, g, r in items:
         p = r["profile"]
-        w(f"| {lab} | {g} | {p['tasks']} | {p['tasks_per_layer']:.1f} | {p['tasks_per_worker_max']} "
-          f"| {p['depth']} | {p['hops_per_layer']:.2f} | {p['build_s'] * 1e3:.2f} | "
-          f"{r['submit_s'] * 1e3:.1f} | {r['sched_cpu_s'] * 1e3:.1f} | {fmt(r['step_s'])} |")
+        w(f"| {lab} | {ex} | {g} | {p['tasks']} | {p['tasks_per_layer']:.1f} | "
+          f"{p['tasks_per_worker_max']} | {p['depth']} | {p['hops_per_layer']:.2f} | "
+          f"{p['build_s'] * 1e3:.2f} | {r['submit_s'] * 1e3:.1f} | "
+          f"{r['sched_cpu_s'] * 1e3:.1f} | {fmt(r['step_s'])} |")
     w("")
 
-    own = res.get("own_scheduler") or {}
+    own = {(k, ex): r for ex in executors(res)
+           for k, r in (res.get("own_scheduler" + SUFFIX[ex]) or {}).items()}
     if own:
         w("### Scheduler in its own process (2x2)\n")
         w("In the LocalCluster rows above the scheduler's event loop also runs the client's "
@@ -452,9 +515,9 @@ def render(res) -> str:
           "| graph build (ms) | per layer: scheduler + build (ms) "
           "| no-op kernels: scheduler CPU per step (ms) | no-op kernels: step (s) |")
         w("|---|---|---|---|---|---|---|---|---|")
-        for k, r in own.items():
-            lab = res["configs"][k]["label"] if k in res["configs"] else \
-                "tiny " + "-".join(map(str, r["widths"]))
+        for (k, ex), r in own.items():
+            lab = (res["configs"][k]["label"] if k in res["configs"] else
+                   "tiny " + "-".join(map(str, r["widths"]))) + _exl(res, ex)
             nl = len(r["widths"]) - 1
             noop = r.get("noop") or {}
             w(f"| {lab} | {r['tasks']} | {fmt(r['step_s'])} | {r['sched_cpu_s'] * 1e3:.1f} | "
@@ -464,59 +527,19 @@ def render(res) -> str:
                  else "- | - |"))
         w("")
 
-    depth = res.get("depth") or []
-    if len(depth) >= 2:
-        w("### Per added layer and per step (tiny MLP, 2x2, scheduler in its own process)\n")
-        w("The tiny MLP (hidden widths 64, B=64) at several depths, 30 steps each: the "
-          "least-squares slope over the depths splits the scheduler's CPU and the graph build "
-          "into a cost per added layer and a fixed cost per step (loss, its statistics, "
-          "inputs, the weight prefetch, the graph submission and the client's requests).\n")
-        w("| layers | tasks/step | step (s) | scheduler CPU per step (ms) "
-          "| graph build (ms) | scheduler + build per step (ms) |")
-        w("|---|---|---|---|---|---|")
-        for r in depth:
-            w(f"| {r['layers']} | {r['tasks']} | {fmt(r['step_s'])} | "
-              f"{r['sched_cpu_s'] * 1e3:.1f} | {r['build_s'] * 1e3:.2f} | "
-              f"{(r['sched_cpu_s'] + r['build_s']) * 1e3:.1f} |")
-        per_layer, fixed = depth_fit(depth)
-        tasks_per_layer, _ = depth_fit(depth, "tasks")
-        w(f"\nPer added layer: **{per_layer * 1e3:.1f} ms** ({tasks_per_layer:.0f} tasks); "
-          f"fixed per step (the fit's intercept): {fixed * 1e3:.1f} ms.\n")
+    for ex in executors(res):
+        _render_depth(w, res.get("depth" + SUFFIX[ex]) or [], _exl(res, ex))
 
-    wd = res["dask"].get("weight", {})
-    mem = [(g, r) for g, r in wd.items() if "peak_rss_max" in r]
-    if mem:
-        w("## Peak memory per worker, weight-dominated MLP, 4 workers\n")
-        w("| grid | peak RSS of the largest worker (MiB) | per worker (MiB) | vs pure batch |")
-        w("|---|---|---|---|")
-        base = wd["1x4"]["peak_rss_max"]
-        for g, r in mem:
-            per = ", ".join(f"{v / 2**20:.0f}" for _, v in sorted(r["peak_rss"].items()))
-            w(f"| {g} | {r['peak_rss_max'] / 2**20:.0f} | {per} | {r['peak_rss_max'] / base:.2f} |")
-        w("")
+    for ex in executors(res):
+        _render_memory(w, res[SLOT[ex]].get("weight", {}), _exl(res, ex))
 
-    pl = res.get("planner", {})
-    if pl:
-        m = pl["machine"]
-        w("## Planner's grid vs pure batch (this machine, loopback)\n")
-        w(f"Planner machine: alpha = {m['alpha_s'] * 1e3:.1f} ms (a 4-byte worker-to-worker "
-          f"transfer), bandwidth = {m['bandwidth_Bps'] / 1e6:.0f} MB/s (a 64 MiB transfer), "
-          "both measured in this run between two workers.\n")
-        w("| MLP | P | planner's grid | predicted speedup vs 1xP | measured pure batch (s) "
-          "| measured planner's grid (s) | measured speedup | measured best grid |")
-        w("|---|---|---|---|---|---|---|---|")
-        for k, v in pl.items():
-            if k == "machine":
-                continue
-            key, p = k.split("/")
-            w(f"| {res['configs'][key]['label']} | {p} | {v['planner_grid']} | "
-              f"{v['predicted_speedup']:.2f} | {fmt(v['measured_batch_s'])} | "
-              f"{fmt(v['measured_planner_s'])} | {v['measured_speedup']:.2f} | {v['measured_best']} |")
-        w("")
+    for ex in executors(res):
+        _render_planner(w, res, res.get("planner" + SUFFIX[ex], {}), _exl(res, ex))
 
-    nc = res.get("netcluster")
-    if nc and "grids" in nc:
-        w(render_netcluster(nc))
+    for ex in executors(res):
+        nc = res.get("netcluster" + SUFFIX[ex])
+        if nc and "grids" in nc:
+            w(render_netcluster(nc, _exl(res, ex)))
 
     w("## Targets (issue 6)\n")
     w("| # | target | limit | measured | result |")
@@ -535,6 +558,60 @@ def render(res) -> str:
     return "\n".join(L) + "\n"
 
 
+def _render_depth(w, depth, exl):
+    if len(depth) < 2:
+        return
+    w(f"### Per added layer and per step (tiny MLP, 2x2, scheduler in its own process){exl}\n")
+    w("The tiny MLP (hidden widths 64, B=64) at several depths, 30 steps each: the "
+      "least-squares slope over the depths splits the scheduler's CPU and the graph build "
+      "into a cost per added layer and a fixed cost per step (loss, its statistics, "
+      "inputs, the weight prefetch, the graph submission and the client's requests).\n")
+    w("| layers | tasks/step | step (s) | scheduler CPU per step (ms) "
+      "| graph build (ms) | scheduler + build per step (ms) |")
+    w("|---|---|---|---|---|---|")
+    for r in depth:
+        w(f"| {r['layers']} | {r['tasks']} | {fmt(r['step_s'])} | "
+          f"{r['sched_cpu_s'] * 1e3:.1f} | {r['build_s'] * 1e3:.2f} | "
+          f"{(r['sched_cpu_s'] + r['build_s']) * 1e3:.1f} |")
+    per_layer, fixed = depth_fit(depth)
+    tasks_per_layer, _ = depth_fit(depth, "tasks")
+    w(f"\nPer added layer: **{per_layer * 1e3:.1f} ms** ({tasks_per_layer:.0f} tasks); "
+      f"fixed per step (the fit's intercept): {fixed * 1e3:.1f} ms.\n")
+
+
+def _render_memory(w, wd, exl):
+    mem = [(g, r) for g, r in wd.items() if "peak_rss_max" in r]
+    if mem:
+        w(f"## Peak memory per worker, weight-dominated MLP, 4 workers{exl}\n")
+        w("| grid | peak RSS of the largest worker (MiB) | per worker (MiB) | vs pure batch |")
+        w("|---|---|---|---|")
+        base = wd["1x4"]["peak_rss_max"]
+        for g, r in mem:
+            per = ", ".join(f"{v / 2**20:.0f}" for _, v in sorted(r["peak_rss"].items()))
+            w(f"| {g} | {r['peak_rss_max'] / 2**20:.0f} | {per} | {r['peak_rss_max'] / base:.2f} |")
+        w("")
+
+
+def _render_planner(w, res, pl, exl):
+    if pl:
+        m = pl["machine"]
+        w(f"## Planner's grid vs pure batch (this machine, loopback){exl}\n")
+        w(f"Planner machine: alpha = {m['alpha_s'] * 1e3:.1f} ms (a 4-byte worker-to-worker "
+          f"transfer), bandwidth = {m['bandwidth_Bps'] / 1e6:.0f} MB/s (a 64 MiB transfer), "
+          "both measured in this run between two workers.\n")
+        w("| MLP | P | planner's grid | predicted speedup vs 1xP | measured pure batch (s) "
+          "| measured planner's grid (s) | measured speedup | measured best grid |")
+        w("|---|---|---|---|---|---|---|---|")
+        for k, v in pl.items():
+            if k == "machine":
+                continue
+            key, p = k.split("/")
+            w(f"| {res['configs'][key]['label']} | {p} | {v['planner_grid']} | "
+              f"{v['predicted_speedup']:.2f} | {fmt(v['measured_batch_s'])} | "
+              f"{fmt(v['measured_planner_s'])} | {v['measured_speedup']:.2f} | {v['measured_best']} |")
+        w("")
+
+
 def overlapping_grids(v) -> list[tuple[str, str]]:
     """Neighbours in the measured order of an emulated-cluster MLP whose timed steps overlap
     (the slower grid's fastest step is faster than the faster grid's slowest one)."""
@@ -543,10 +620,10 @@ def overlapping_grids(v) -> list[tuple[str, str]]:
             if min(by[b]["steps_s"]) <= max(by[a]["steps_s"])]
 
 
-def render_netcluster(nc) -> str:
+def render_netcluster(nc, exl="") -> str:
     L = []
     w = L.append
-    w(f"## Emulated multi-host cluster ({nc['workers']} workers, {nc['rate']} per link)\n")
+    w(f"## Emulated multi-host cluster ({nc['workers']} workers, {nc['rate']} per link){exl}\n")
     w(f"Each worker and the scheduler in its own network namespace, one bridge, `tc tbf` "
       f"{nc['rate']} on both directions of every worker and scheduler link (the client's "
       f"link: {nc.get('client_rate') or 'not limited; it only sends batches'}). "

@@ -782,6 +782,8 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
             break
         except WorkerLost as exc:
             fault = exc
+            # worker programs still waiting for the lost worker's blocks hold their threads
+            model.abort_programs(str(fault))
             while True:  # a replacement worker may die too: recover again
                 restarts += 1
                 say(f"step {step + 1}: {fault}")

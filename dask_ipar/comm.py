@@ -230,8 +230,14 @@ class CommMeter:
             acc[1] += p.seconds
 
     def drain(self, record: bool = True):
-        """Empty the workers' transfer logs, attributing every key to its layer and phase."""
-        logs = self.client.run(_drain_logs, workers=self.workers)
+        """Empty the workers' transfer logs, attributing every key to its layer and phase.
+
+        Only workers the scheduler still lists are asked (a worker that died would make
+        the call wait for a connection timeout; its log is lost with it)."""
+        from dask_ipar.cluster import scheduler_workers
+
+        alive = scheduler_workers(self.client)
+        logs = self.client.run(_drain_logs, workers=[w for w in self.workers if w in alive])
         if not record:
             return
         for entries in logs.values():

@@ -81,7 +81,8 @@ DEFAULTS: dict = {
         "test_fraction": 0.2,  # held-out share when the file has no test split
     },
     "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1.0e-4},
-    "train": {"epochs": 10, "batch": 64, "seed": 0},
+    # executor: graph (a dask task per kernel) | programs (one dask task per worker and step)
+    "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "graph"},
     "cluster": {
         "kind": "local",  # local | slurm | pbs | lsf | sge
         "scheduler_address": None,  # join this running cluster instead
@@ -373,6 +374,8 @@ def validate(cfg: dict) -> dict:
         _need(_is_int(t.get(k)) and t.get(k) >= 1, f"train.{k}", t.get(k),
               "a positive integer")
     _need(_is_int(t.get("seed")), "train.seed", t.get("seed"), "an integer")
+    _need(t.get("executor") in ("graph", "programs"), "train.executor", t.get("executor"),
+          "'graph' or 'programs'")
 
     c = cfg.get("cluster", {})
     _need(c.get("kind") in CLUSTER_KINDS, "cluster.kind", c.get("kind"),
@@ -438,6 +441,7 @@ TRAIN_FLAGS = {
     "epochs": "train.epochs",
     "batch": "train.batch",
     "seed": "train.seed",
+    "executor": "train.executor",
     "data": "data.path",
     "machine": "machine",
     "cluster": "cluster.kind",

@@ -587,6 +587,14 @@ class Sequential:
             self._exchange = self.client
         return True
 
+    def abort_programs(self, reason: str) -> None:
+        """Make this model's worker programs that are waiting for blocks fail now with
+        ``reason`` (called when a grid worker has left; nothing when none ever ran)."""
+        if self._exchange is not None:
+            from dask_ipar.programs import abort_programs
+
+            abort_programs(self.client, self.uid, reason)
+
     def _locate(self, key):
         """The worker of an existing block ``(name, i, j, ...)``: that of cell (i, j)."""
         try:
@@ -740,11 +748,7 @@ class Sequential:
                 if (w := self.binding.worker(*cell)) not in alive]
         if gone:
             cell, w = gone[0]
-            if self._exchange is not None:  # waiting programs on the other workers fail now
-                from dask_ipar.programs import abort_programs
-
-                abort_programs(self.client, self.uid, f"worker {w} of grid cell {cell} left",
-                               workers=[x for x in self.binding.workers if x in alive])
+            self.abort_programs(f"worker {w} of grid cell {cell} left the cluster")
             raise IparError(
                 f"worker {w} of grid cell {cell} left the cluster during step {step}; the blocks "
                 "it held are lost, so training stops here. Save checkpoints "
@@ -789,7 +793,8 @@ class Sequential:
         totals += (loss_sum, correct, nb)
         if self._meter is not None:
             self._meter.add_step(nb)
-            self._meter.drain()
+            if step % 32 == 0:  # the logs hold far more; fit drains them at each epoch end
+                self._meter.drain()
         st = StepStats(step, nb, loss_sum / nb, correct / nb, time.perf_counter())
         history.steps.append(st)
         if bar is not None:
@@ -1057,7 +1062,11 @@ class Sequential:
         self._w, self._v = list(w_names), list(v_names)
 
     def close(self):
-        """Release every block this model holds on the cluster."""
+        """Release every block this model holds on the cluster (steps still running as
+        worker programs stop)."""
+        if self._futures and self._exchange is not None:
+            self.abort_programs("the model was closed")
+        self._exchange = None
         self._futures.clear()
         self._roots.clear()
         self._w = self._v = None

@@ -19,8 +19,9 @@ depends on the blocks the worker already holds (weights, momentum, a scattered b
 and one task per output block (new weights, loss statistics) that picks it out of the
 program's result, under the key the task graph would give it. Everything else (the
 per-layer tasks, the worker-to-worker blocks) happens inside the programs: the dashboard
-shows one bar per worker and step, and the transfers in the worker's own log, not in
-dask's.
+shows one bar per worker and step (its "Fine Performance Metrics" page splits the
+programs' time by layer and phase, and the time spent waiting for blocks), and the
+transfers are in the worker's own log, not in dask's.
 
 Order and progress: every worker runs its tasks in one global order of the step's graph
 (the order the engine built them in, dependencies first), picking at each point the
@@ -58,6 +59,11 @@ __all__ = ["Program", "compile_programs", "run_program", "pick", "ExchangePlugin
 PLUGIN_NAME = "dask-ipar-exchange"
 #: Seconds a program waits without receiving any block before it gives up.
 DEFAULT_TIMEOUT_S = 300.0
+#: Entries a worker's transfer log of programs keeps (the oldest go first).
+LOG_LENGTH = 20_000
+#: Seconds of waiting after which a program leaves its worker's thread pool (``secede``),
+#: so that other tasks (a recovery's, another model's) can run meanwhile.
+SECEDE_AFTER_S = 2.0
 
 
 def _mutating_kernels() -> frozenset:
@@ -194,11 +200,19 @@ class ExchangePlugin(WorkerPlugin):
         self.box: dict = {}  # key -> value received and not yet taken
         self.aborted: dict = {}  # tag -> reason (one step), uid -> (reason, when) (a model)
         self.dropped: set = set()  # keys of failed programs: dropped on arrival
-        self.log: deque = deque()  # (sender, receiver, seconds, [(key, nbytes)])
+        self.closing = False  # the worker is shutting down: waiting programs fail
+        # (sender, receiver, seconds, [(key, nbytes)]) of every block sent: bounded, as
+        # nothing drains it when no CommMeter runs (one drains every 32 steps)
+        self.log: deque = deque(maxlen=LOG_LENGTH)
         worker.handlers["ipar_put"] = self.put
         worker.handlers["ipar_abort"] = self.abort
 
     def teardown(self, worker):
+        # a program waiting for blocks would otherwise hold the closing worker's process
+        # until its timeout (its thread must end before the process can)
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
         worker.handlers.pop("ipar_put", None)
         worker.handlers.pop("ipar_abort", None)
 
@@ -236,16 +250,20 @@ class ExchangePlugin(WorkerPlugin):
         with self.cond:
             return {k: self.box.pop(k) for k in keys if k in self.box}
 
-    def wait(self, prog, due, started, last_progress):
-        """Wait until one of the keys ``due`` arrives; raise if the step was aborted or
-        nothing came for ``prog.timeout_s``."""
+    def wait(self, prog, due, started, last_progress, patience=None):
+        """Wait until one of the keys ``due`` arrives (True), or ``patience`` seconds have
+        passed (False); raise if the step was aborted or nothing came for ``prog.timeout_s``."""
+        give_up = None if patience is None else time.monotonic() + patience
         with self.cond:
             while True:
-                reason = self._stopped(prog.tag, started)
+                reason = self._stopped(prog.tag, started) or (
+                    "the worker is shutting down" if self.closing else None)
                 if reason:
                     raise IparError(f"step {prog.tag} stopped on worker {prog.worker}: {reason}")
                 if any(k in self.box for k in due):
-                    return
+                    return True
+                if give_up is not None and time.monotonic() >= give_up:
+                    return False
                 left = prog.timeout_s - (time.monotonic() - last_progress)
                 if left <= 0:
                     raise IparError(
@@ -329,7 +347,10 @@ def run_program(prog: Program, *values):
 
     ``values`` are those of ``prog.inputs``. Returns ``{key: value}`` of ``prog.outputs``.
     """
-    from distributed import get_worker
+    from distributed import get_worker, rejoin, secede
+    from distributed.metrics import context_meter
+
+    from dask_ipar.engine import span_of_name
 
     worker = get_worker()
     plugin = _plugin(worker)
@@ -337,6 +358,7 @@ def run_program(prog: Program, *values):
     env = dict(zip(prog.inputs, values))
     uses = dict(prog.uses)
     keep = set(prog.outputs)
+    seceded = False
     try:
         for k in prog.inputs:
             if k in prog.sends:
@@ -353,13 +375,20 @@ def run_program(prog: Program, *values):
             n = next((n for n, (_, node) in enumerate(todo)
                       if all(d in env for d in node.dependencies)), None)
             if n is None:
-                plugin.wait(prog, waiting, started, last)
+                with context_meter.meter("wait for blocks"):
+                    arrived = plugin.wait(prog, waiting, started, last,
+                                          None if seceded else SECEDE_AFTER_S)
+                if not arrived and not seceded:
+                    secede()  # a long wait: free the thread for other tasks
+                    seceded = True
                 continue
             key, node = todo.pop(n)
             deps = node.dependencies
             if isinstance(node, Task) and node.func in MUTATES:
                 sender.flush(deps)
-            env[key] = value = node({d: env[d] for d in deps})
+            # the dashboard's fine performance metrics show each layer and phase's share
+            with context_meter.meter(" ".join(span_of_name(key[0])["name"][1:])):
+                env[key] = value = node({d: env[d] for d in deps})
             if key in prog.sends:
                 sender.push(key, value, prog.sends[key])
             for d in deps:
@@ -373,6 +402,9 @@ def run_program(prog: Program, *values):
         sender.abort_peers(prog, reason)
         plugin.drop([k for k in prog.remote if k not in env])
         raise
+    finally:
+        if seceded:
+            rejoin()
 
 
 # ------------------------------------------------------------------ client side

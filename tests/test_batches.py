@@ -32,8 +32,8 @@ def test_batch_paths_match_reference(client, embed, monkeypatch):
     model.distribute(client, "2x2")
     submitted = []  # the key names of every submitted step graph
     submit = model._submit
-    monkeypatch.setattr(model, "_submit", lambda g, *a: (
-        submitted.append({k[0].split("-")[0] for k in g.dsk}), submit(g, *a))[1])
+    monkeypatch.setattr(model, "_submit", lambda g, *a, **kw: (
+        submitted.append({k[0].split("-")[0] for k in g.dsk}), submit(g, *a, **kw))[1])
     try:
         start = model.get_weights()
         losses = []
