@@ -79,10 +79,10 @@ def _add_train(sub):
                    "cluster then uses dask-cuda's LocalCUDACluster when there is a GPU per "
                    "worker, else workers that share the GPUs")
     p.add_argument("--seed", type=int, help="data split, initialization, shuffling (default 0)")
-    p.add_argument("--executor", choices=["graph", "programs"],
-                   help="graph: a dask task per kernel (every layer and phase on the dashboard); "
-                        "programs: one dask task per worker and step, same results, far less "
-                        "scheduler work (default graph)")
+    p.add_argument("--executor", choices=["programs", "graph"],
+                   help="programs: one dask task per worker and step (default); graph: a dask "
+                        "task per kernel, every layer and phase in the dashboard's task stream, "
+                        "same results, far more scheduler work")
     p.add_argument("--data", metavar="PATH",
                    help=".npz, .npy, Zarr or HDF5 with X and y (default: the bundled digits)")
     p.add_argument("--cluster", choices=["local", "slurm", "pbs", "lsf", "sge"],

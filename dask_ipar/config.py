@@ -81,8 +81,8 @@ DEFAULTS: dict = {
         "test_fraction": 0.2,  # held-out share when the file has no test split
     },
     "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1.0e-4},
-    # executor: graph (a dask task per kernel) | programs (one dask task per worker and step)
-    "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "graph"},
+    # executor: programs (one dask task per worker and step) | graph (a dask task per kernel)
+    "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "programs"},
     "cluster": {
         "kind": "local",  # local | slurm | pbs | lsf | sge
         "scheduler_address": None,  # join this running cluster instead

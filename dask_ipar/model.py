@@ -205,12 +205,13 @@ class Sequential:
         #: cut the workers and the scheduler keep every past step's (see
         #: :mod:`dask_ipar.lineage`).
         self.lineage_steps: int | None = 100
-        #: How a training step runs: ``"graph"``, every kernel a dask task of its own
-        #: (the dashboard shows each layer and phase, dask moves the blocks), or
-        #: ``"programs"``, the same kernels run as one dask task per worker that pushes
-        #: the blocks to the other workers itself (:mod:`dask_ipar.programs`): a tenth of
-        #: the scheduler's work per step, the same results and the same bytes moved.
-        self.executor: str = "graph"
+        #: How a training step runs: ``"programs"``, the step's kernels run as one dask
+        #: task per worker that pushes the blocks to the other workers itself
+        #: (:mod:`dask_ipar.programs`), or ``"graph"``, every kernel a dask task of its own
+        #: (the dashboard's task stream shows each layer and phase, dask moves the
+        #: blocks). The same results bit for bit and the same bytes moved; programs cost
+        #: the scheduler a fraction of the work per step.
+        self.executor: str = "programs"
         #: Seconds a worker program waits without receiving a block before it fails.
         self.program_timeout_s: float = 300.0
         self._exchange = None  # the client whose workers have the programs' plugin

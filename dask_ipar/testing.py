@@ -43,10 +43,10 @@ def _layers(sizes, activations):
 
 def compare_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh", "linear"),
                 batch=23, steps=20, optimizer=SGD(lr=0.1, momentum=0.9, weight_decay=0.01),
-                fd_eps=1e-6, seed=0, device="cpu", executor="graph") -> dict:
+                fd_eps=1e-6, seed=0, device="cpu", executor=None) -> dict:
     """Run a float64 MLP on ``grid`` beside the NumPy reference; return every error.
 
-    ``executor``: how the SGD steps run (:attr:`Sequential.executor`).
+    ``executor``: how the SGD steps run (:attr:`Sequential.executor`; None: the default).
 
     Keys: ``logits``, ``loss``, ``accuracy``, ``dW<k>``/``db<k>`` (relative errors),
     ``finite_difference`` (directional derivative vs gradient), ``sgd<k>`` (relative
@@ -57,7 +57,7 @@ def compare_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh
     model = Sequential(_layers(sizes, activations), input_dim=sizes[0], dtype="float64",
                        seed=seed, device=device)
     model.distribute(client, grid)
-    model.executor = executor
+    model.executor = executor or model.executor
     try:
         params = model.get_weights()
         acts = [lay.activation for lay in model.layers]
@@ -151,7 +151,7 @@ def awkward_cnn():
 
 def compare_cnn(client, grid, layers=None, input_shape=None, batch=9, steps=2,
                 optimizer=SGD(lr=0.05, momentum=0.9, weight_decay=0.01), fd_eps=None,
-                seed=0, device="cpu", executor="graph") -> dict:
+                seed=0, device="cpu", executor=None) -> dict:
     """Run a float64 CNN on ``grid`` beside the NumPy reference; return every error.
 
     Keys: ``logits``, ``loss``, ``accuracy``, ``dW<k>``/``db<k>`` (every layer with
@@ -167,7 +167,7 @@ def compare_cnn(client, grid, layers=None, input_shape=None, batch=9, steps=2,
     model = Sequential(layers, input_shape=input_shape, dtype="float64", seed=seed,
                        device=device)
     model.distribute(client, grid)
-    model.executor = executor
+    model.executor = executor or model.executor
     try:
         params = model.get_weights()
         errors = {}

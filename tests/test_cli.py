@@ -21,7 +21,7 @@ def test_train_defaults_reach_95_percent_on_digits():
     for key in ("grid", "test_accuracy", "epochs", "seconds", "samples_per_s"):
         assert key in out
     assert out["test_accuracy"] >= 0.95, out
-    assert out["epochs"] == 10
+    assert out["epochs"] == 10 and out["executor"] == "programs"
     # predicted beside measured communication, per layer and phase
     comm = out["comm"]
     assert {c["phase"] for c in comm} >= {"fwd_gather", "dw_reduce", "w_gather"}
@@ -37,10 +37,11 @@ def test_train_on_existing_scheduler(client, tmp_path):
     address = client.scheduler.address
     card = tmp_path / "run.html"
     proc, out = _train("--scheduler-address", address, "--grid", "2x1", "--epochs", "1",
-                       "--batch", "128", "--no-progress", "--json", "--report", str(card))
+                       "--batch", "128", "--no-progress", "--json", "--report", str(card),
+                       "--executor", "graph")
     html = card.read_text()
     assert "comm-table" in html and "dense0" in html
-    assert out["grid"] == "2x1"
+    assert out["grid"] == "2x1" and out["executor"] == "graph"
     assert out["test_accuracy"] > 0.5, out
     # the shared cluster keeps running: our own client still works
     assert client.submit(sum, [1, 2]).result() == 3

@@ -92,6 +92,7 @@ def test_overrides_skip_none():
     ({"model": {"hidden": [64, 0]}}, ["model.hidden", "positive"]),
     ({"model": {"dtype": "float16"}}, ["model.dtype", "float64"]),
     ({"train": {"batch": 0}}, ["train.batch", "positive"]),
+    ({"train": {"executor": "fused"}}, ["train.executor", "'fused'", "'programs'"]),
     ({"checkpoint": {"every": -2}}, ["checkpoint.every"]),
     ({"checkpoint": {"evry": 2}}, ["checkpoint.evry", "every"]),
 ])

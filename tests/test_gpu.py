@@ -48,15 +48,17 @@ def test_cuda_matches_cpu(client, grid):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("executor", ["programs", "graph"])
 @pytest.mark.parametrize("grid", ["1x1", "2x2"])
-def test_cuda_exact_against_the_reference(client, grid):
+def test_cuda_exact_against_the_reference(client, grid, executor):
     """float64 CuPy blocks: MLP and CNN (domain strips, halos, pooling, flatten, dense)
-    outputs, gradients, SGD steps and bytes moved as on the CPU (the NumPy reference)."""
+    outputs, gradients, SGD steps and bytes moved as on the CPU (the NumPy reference), with
+    either executor (programs push CuPy blocks between workers themselves)."""
     _cupy_with_device()
     from dask_ipar.testing import check_cnn, check_mlp
 
-    check_mlp(client, grid, steps=4, device="cuda")
-    check_cnn(client, grid, fd_eps=None, device="cuda")
+    check_mlp(client, grid, steps=4, device="cuda", executor=executor)
+    check_cnn(client, grid, fd_eps=None, device="cuda", executor=executor)
 
 
 @pytest.mark.gpu

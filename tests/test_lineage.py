@@ -38,9 +38,12 @@ def _train(client, model, steps):
         client.gather(model.train_step(X[idx], y[idx], opt))
 
 
-def test_rekeyed_training_equals_uncut_training_and_forgets_past_steps(client):
+@pytest.mark.parametrize("executor, per_step", [("graph", 8), ("programs", 4)])
+def test_rekeyed_training_equals_uncut_training_and_forgets_past_steps(client, executor,
+                                                                     per_step):
     steps = 13
     cut, uncut = _model(3), _model(None)
+    cut.executor = uncut.executor = executor
     try:
         _train(client, cut, steps)
         _train(client, uncut, steps)
@@ -48,9 +51,10 @@ def test_rekeyed_training_equals_uncut_training_and_forgets_past_steps(client):
             assert np.array_equal(wa, wb) and np.array_equal(ba, bb)  # bit for bit
         kept_cut, sched_cut = _records(client, cut.uid)
         kept_uncut, sched_uncut = _records(client, uncut.uid)
-        # without cuts every worker keeps ~8 records per step of the 2x2 graph for every
-        # past step; with a cut every 3 steps at most the last few steps' records remain
-        assert kept_uncut >= 8 * steps
+        # without cuts every worker keeps records of every past step (~8 per step of the
+        # 2x2 graph, ~4 as programs: the program and its outputs); with a cut every 3 steps
+        # at most the last few steps' records remain
+        assert kept_uncut >= per_step * steps
         assert kept_cut <= kept_uncut / 2
         assert sched_cut <= sched_uncut + 8  # the scheduler's own count stays as small
 

@@ -24,8 +24,9 @@ def test_programs_match_reference_and_cost_model(client, grid):
     assert (sum(r.measured_bytes for r in rows) > 0) == (grid != "1x1")
 
 
-def test_programs_cnn_matches_reference(client):
-    errors = check_cnn(client, "2x2", executor="programs")
+@pytest.mark.parametrize("executor", ["programs", "graph"])
+def test_cnn_matches_reference_with_either_executor(client, executor):
+    errors = check_cnn(client, "2x2", executor=executor)
     assert all(abs(r.ratio - 1) <= 1e-9 for r in errors["comm"].rows)
 
 
@@ -103,15 +104,28 @@ def _mailbox(dask_worker=None):
     return len(p.box)
 
 
+def _small_model(client, grid, timeout_s):
+    """A float32 16-10 MLP run as programs on ``grid``, and a batch of 8."""
+    model = Sequential([Dense(16, "relu"), Dense(10)], input_dim=12, seed=0)
+    model.distribute(client, grid)
+    model.executor = "programs"
+    model.program_timeout_s = timeout_s
+    rng = np.random.default_rng(0)
+    return model, rng.standard_normal((8, 12)).astype("float32"), rng.integers(0, 10, 8)
+
+
+def _weight_futures(model):
+    from distributed import wait
+
+    futs = [model._futures[(n, *c)] for n in model._w for c in model.grid.cells()]
+    wait(futs, timeout=60)
+    return futs
+
+
 def test_failing_program_stops_its_peers_at_once(client):
     """A kernel that raises on one worker fails the step on every worker within seconds
     (not after the timeout), with the error named, and leaves the workers usable."""
-    model = Sequential([Dense(16, "relu"), Dense(10)], input_dim=12, seed=0)
-    model.distribute(client, "2x2")
-    model.executor = "programs"
-    model.program_timeout_s = 120.0
-    rng = np.random.default_rng(0)
-    X, y = rng.standard_normal((8, 12)).astype("float32"), rng.integers(0, 10, 8)
+    model, X, y = _small_model(client, "2x2", 120.0)
     victim = model.binding.worker(1, 1)
     try:
         client.gather(model.train_step(X, y, SGD()))  # the first step creates the momentum
@@ -121,10 +135,7 @@ def test_failing_program_stops_its_peers_at_once(client):
         stats = model.train_step(X, y, SGD())
         with pytest.raises(Exception, match="kernel failed on purpose|stopped"):
             model._gather_step(stats, model._step)
-        from distributed import wait
-
-        futs = [model._futures[(n, *c)] for n in model._w for c in model.grid.cells()]
-        wait(futs, timeout=60)
+        futs = _weight_futures(model)
         elapsed = time.perf_counter() - t0
         assert elapsed < 30, elapsed  # not the 120 s timeout: the victim told its peers
         # every cell needs the victim's activations or blocks computed from them
@@ -150,22 +161,14 @@ def _slow(*args, **kwargs):
 
 
 def test_waiting_program_times_out_with_a_clear_error(client):
-    model = Sequential([Dense(16, "relu"), Dense(10)], input_dim=12, seed=0)
-    model.distribute(client, "1x2")
-    model.executor = "programs"
-    model.program_timeout_s = 1.0
-    rng = np.random.default_rng(0)
-    X, y = rng.standard_normal((8, 12)).astype("float32"), rng.integers(0, 10, 8)
+    model, X, y = _small_model(client, "1x2", 1.0)
     slow = model.binding.worker(0, 0)
     client.run(_patch_kernel, "dw_piece", _slow, workers=[slow])
     try:
         stats = model.train_step(X, y, SGD())
         with pytest.raises(Exception):
             model._gather_step(stats, model._step)
-        from distributed import wait
-
-        futs = [model._futures[(n, *c)] for n in model._w for c in model.grid.cells()]
-        wait(futs, timeout=60)
+        futs = _weight_futures(model)
         errors = " ".join(str(f.exception()) for f in futs if f.status == "error")
         assert "received no block for 1 s" in errors
     finally:
