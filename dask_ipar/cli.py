@@ -80,7 +80,7 @@ def _add_train(sub):
                    "worker, else workers that share the GPUs")
     p.add_argument("--seed", type=int, help="data split, initialization, shuffling (default 0)")
     p.add_argument("--executor", choices=["programs", "graph"],
-                   help="programs: one dask task per worker and step (default); graph: a dask "
+                   help="programs: two dask tasks per worker and step (default); graph: a dask "
                         "task per kernel, every layer and phase in the dashboard's task stream, "
                         "same results, far more scheduler work")
     p.add_argument("--data", metavar="PATH",

@@ -81,7 +81,7 @@ DEFAULTS: dict = {
         "test_fraction": 0.2,  # held-out share when the file has no test split
     },
     "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1.0e-4},
-    # executor: programs (one dask task per worker and step) | graph (a dask task per kernel)
+    # executor: programs (two dask tasks per worker and step) | graph (a dask task per kernel)
     "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "programs"},
     "cluster": {
         "kind": "local",  # local | slurm | pbs | lsf | sge

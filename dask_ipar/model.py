@@ -557,18 +557,20 @@ class Sequential:
         self._v = [None if n is None else rename[n] for n in self._v]
         self.client.run_on_scheduler(fold_finished_groups, self.uid)
 
-    def _submit(self, graph, name, keys, step=None):
+    def _submit(self, graph, name, keys, step=None, first=()):
         """Submit ``graph``; futures of ``keys``. The graph's roots (prefetch tasks) are
         computed too, their futures held until the next submission.
 
         With ``step`` and ``executor == "programs"`` the graph runs as worker programs
-        (:func:`dask_ipar.programs.compile_programs`; the prefetches happen inside them).
+        (:func:`dask_ipar.programs.compile_programs`; the prefetches happen inside them):
+        per worker one program for what ``first`` needs (the forward pass and the loss
+        statistics), one for the rest of the step.
         """
         if step is not None and self._use_programs():
             from dask_ipar.programs import compile_programs
 
             hlg, _ = compile_programs(graph, list(keys), self._locate, name,
-                                      f"{self.uid}-s{step}", self.program_timeout_s)
+                                      f"{self.uid}-s{step}", self.program_timeout_s, first)
             return self.client.get(hlg, list(keys), sync=False)
         futs = self.client.get(graph.to_hlg(name), list(keys) + graph.roots, sync=False)
         if graph.roots:  # released four submissions later: by then they have run
@@ -648,7 +650,8 @@ class Sequential:
         # momentum blocks updated in place keep their names (and futures)
         fresh = [n for n in new_w + new_v if n not in self._v]
         keys = [(n, i, j) for n in fresh for i, j in self.binding.grid.cells()]
-        futs = self._submit(g, f"step-{self.uid}-s{step}", keys + stats, step=step)
+        futs = self._submit(g, f"step-{self.uid}-s{step}", keys + stats, step=step,
+                            first=stats)
         self._keep(keys, futs[: len(keys)])
         self._release([n for n in self._w + self._v if n not in new_v])
         self._w, self._v = new_w, new_v

@@ -1,9 +1,11 @@
-"""Worker programs: a step's task graph run as one dask task per worker.
+"""Worker programs: a step's task graph run as one dask task per worker and phase.
 
 With ``Model.executor = "programs"`` the engine builds the same step graph as always
 (:class:`~dask_ipar.engine.StepGraph`: the same kernels, arguments and placement), and
-:func:`compile_programs` turns it into one dask task per worker, a *program*, that runs
-the tasks placed on that worker itself. A block that a task on another worker reads is
+:func:`compile_programs` turns it into *programs*, dask tasks that run the tasks placed on
+their worker themselves: per worker one for the forward pass up to the loss statistics,
+and one for the rest of the step (backward and update), so that the loss arrives, and the
+client sends the next batch, while the backward runs. A block that a task on another worker reads is
 pushed to that worker as soon as it exists, once per worker, over a handler that
 :class:`ExchangePlugin` adds to every worker (the mechanism of dask's P2P shuffle):
 the blocks that move and their senders are the ones dask moves in the task-graph
@@ -12,20 +14,23 @@ its sender and read by :class:`dask_ipar.comm.CommMeter` like dask's own transfe
 
 Why: dask's scheduler spends about half a millisecond of CPU per task on a small machine
 (``docs/benchmarks.md``, target 2); a 2x2 step has 20 tasks per layer as a task graph
-and one task per worker as programs (plus one small task per output block).
+and two tasks per worker as programs (plus one small task per output block).
 
-What the scheduler sees: per worker and step one task ``step.run-<uid>-s<step>`` that
+What the scheduler sees: per worker and step a task ``step.run0-<uid>-s<step>`` that
 depends on the blocks the worker already holds (weights, momentum, a scattered batch),
-and one task per output block (new weights, loss statistics) that picks it out of the
-program's result, under the key the task graph would give it. Everything else (the
+a task ``step.run1-<uid>-s<step>`` that depends on it alone (it takes over the blocks the
+first leaves for it, on the same worker), and one task per output block (new weights,
+loss statistics) that picks it out of a program's result, under the key the task graph
+would give it. Everything else (the
 per-layer tasks, the worker-to-worker blocks) happens inside the programs: the dashboard
 shows one bar per worker and step (its "Fine Performance Metrics" page splits the
 programs' time by layer and phase, and the time spent waiting for blocks), and the
 transfers are in the worker's own log, not in dask's.
 
 Order and progress: every worker runs its tasks in one global order of the step's graph
-(the order the engine built them in, dependencies first), picking at each point the
-first task whose blocks have all arrived. Sends never wait for the receiver, so the
+(the order the engine built them in, dependencies first; the first phase's tasks depend
+on first-phase tasks only), picking at each point the first task whose blocks have all
+arrived. Sends never wait for the receiver, so the
 first unfinished task of that global order can always run once its blocks arrive: the
 programs cannot deadlock. A program that fails tells the other workers, whose waiting
 programs then fail with its message instead of waiting; a waiting program also gives up
@@ -91,6 +96,8 @@ class Program:
     outputs: list  # keys the program returns
     uses: dict = field(default_factory=dict)  # key -> local readers (to drop values early)
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: keys taken from the result of this worker's first program (its only argument)
+    carried: list = field(default_factory=list)
 
 
 def _order(dsk: dict) -> list:
@@ -115,67 +122,106 @@ def _order(dsk: dict) -> list:
     return out
 
 
+def _ancestors(dsk: dict, keys) -> set:
+    """``keys`` and every key of ``dsk`` they depend on."""
+    out, stack = set(), [k for k in keys if k in dsk]
+    while stack:
+        k = stack.pop()
+        if k not in out:
+            out.add(k)
+            stack.extend(d for d in dsk[k].dependencies if d in dsk)
+    return out
+
+
 def compile_programs(g, outputs, locate, name: str, tag: str,
-                     timeout_s: float = DEFAULT_TIMEOUT_S):
-    """The step graph ``g`` as one program task per worker plus one task per output key.
+                     timeout_s: float = DEFAULT_TIMEOUT_S, first=()):
+    """The step graph ``g`` as program tasks per worker plus one task per output key.
 
     ``outputs``: keys the caller wants futures of (returned under the same keys);
     ``locate(key)``: the worker holding an existing key that ``g`` reads but does not
-    compute. Returns ``(HighLevelGraph, program_keys)``.
+    compute. With ``first`` (keys of ``g``, e.g. the loss statistics) each worker runs two
+    programs, one task per phase: the tasks that ``first`` depends on, then the others
+    (whose dask task reads what the first left for it on the same worker), so that
+    ``first`` is ready while the rest of the step runs. Returns
+    ``(HighLevelGraph, program_keys)``.
     """
-    order = _order(g.dsk)
-    where = dict(g.place)
-    external: dict = {}
-    sends: dict = {}
-    remote: dict = {}
-    uses: dict = {}
-    for key in order:
-        w = where[key]
-        for d in g.dsk[key].dependencies:
-            if d not in g.dsk and d not in external:
-                external[d] = locate(d)
-            src = where.get(d, external.get(d))
-            uses.setdefault(w, {}).setdefault(d, 0)
-            uses[w][d] += 1
-            if src != w:
-                sends.setdefault(src, {}).setdefault(d, [])
-                if w not in sends[src][d]:
-                    sends[src][d].append(w)
-                remote.setdefault(w, {})[d] = src
-    missing = [k for k in outputs if k not in g.dsk and k not in external]
+    missing = [k for k in outputs if k not in g.dsk]
     if missing:
         raise IparError(f"output keys {missing[:3]} are not computed by the step graph.")
-    workers = sorted(set(where.values()) | set(sends))
-    dsk, place = {}, {}
-    prog_keys = {}
+    order = _order(g.dsk)
+    where = dict(g.place)
+    early = _ancestors(g.dsk, first)
+    phase = {k: 0 if (k in early or not early) else 1 for k in g.dsk}
+    external: dict = {}
+    sends: dict = {}  # (worker, phase) -> {key: [workers]}
+    needs: dict = {}  # (worker, key) -> phases of that worker reading key
+    uses: dict = {}  # (worker, phase) -> {key: readers}
+    for key in order:
+        w, p = where[key], phase[key]
+        for d in g.dsk[key].dependencies:
+            if d in g.dsk:
+                src, sp = where[d], phase[d]
+            else:
+                if d not in external:
+                    external[d] = locate(d)
+                src, sp = external[d], 0  # an existing block: the first program holds it
+            needs.setdefault((w, d), set()).add(p)
+            if src != w:
+                dests = sends.setdefault((src, sp), {}).setdefault(d, [])
+                if w not in dests:
+                    dests.append(w)
+            # the reader's program has the block: made there, received there, or left
+            # by the first program (a block the first made, received or held)
+            uses.setdefault((w, p), {}).setdefault(d, 0)
+            uses[(w, p)][d] += 1
+    remote: dict = {}  # (worker, phase) -> {key: sender}
+    carry: dict = {}  # worker -> keys the first program leaves for the second
+    for (w, d), phases in needs.items():
+        src = where.get(d, external.get(d))
+        origin = phase.get(d, 0) if src == w else min(phases)
+        if src != w:
+            remote.setdefault((w, origin), {})[d] = src
+        if 1 in phases and origin == 0:
+            carry.setdefault(w, set()).add(d)
+    workers = sorted(set(where.values()) | {w for w, _ in sends})
+    dsk, place, prog_keys = {}, {}, []
+    owner = {}  # output key -> program key
     for n, w in enumerate(workers):
-        pkey = (f"step.run-{tag}", n)
         inputs = sorted({d for d, src in external.items() if src == w}, key=str)
-        prog = Program(
-            tag=tag, worker=w, peers=tuple(workers),
-            nodes=[(k, g.dsk[k]) for k in order if where[k] == w],
-            inputs=inputs,
-            sends=sends.get(w, {}),
-            remote=remote.get(w, {}),
-            outputs=[k for k in outputs if where.get(k) == w],
-            uses=uses.get(w, {}),
-            timeout_s=timeout_s,
-        )
-        dsk[pkey] = Task(pkey, run_program, prog, *[TaskRef(k) for k in inputs])
-        place[pkey] = w
-        prog_keys[w] = pkey
+        prev = None
+        for p in (0, 1):
+            nodes = [(k, g.dsk[k]) for k in order if where[k] == w and phase[k] == p]
+            if p == 1 and not nodes:
+                continue
+            kept = sorted(carry.get(w, ()), key=str) if p == 0 else []
+            prog = Program(
+                tag=tag, worker=w, peers=tuple(workers), nodes=nodes,
+                inputs=inputs if p == 0 else [],
+                sends=sends.get((w, p), {}),
+                remote=remote.get((w, p), {}),
+                outputs=[k for k in outputs if where[k] == w and phase[k] == p] + kept,
+                uses=uses.get((w, p), {}),
+                timeout_s=timeout_s,
+                carried=sorted(carry.get(w, ()), key=str) if p == 1 else [],
+            )
+            pkey = (f"step.run{p if early else ''}-{tag}", n)
+            args = [TaskRef(prev)] if p == 1 else [TaskRef(k) for k in inputs]
+            dsk[pkey] = Task(pkey, run_program, prog, *args)
+            place[pkey] = w
+            prog_keys.append(pkey)
+            for k in prog.outputs:
+                owner[k] = pkey
+            prev = pkey
     for k in outputs:
-        if k in g.dsk:
-            w = where[k]
-            dsk[k] = Task(k, pick, TaskRef(prog_keys[w]), k)
-            place[k] = w
+        dsk[k] = Task(k, pick, TaskRef(owner[k]), k)
+        place[k] = where[k]
     from dask_ipar.engine import span_of_name
 
     layer = MaterializedLayer(
         dsk, annotations={"workers": place.get, "allow_other_workers": False,
                           "span": {k: span_of_name(k[0]) for k in dsk}.get},
     )
-    return HighLevelGraph({name: layer}, {name: set()}), list(prog_keys.values())
+    return HighLevelGraph({name: layer}, {name: set()}), prog_keys
 
 
 def pick(result: dict, key):
@@ -345,7 +391,8 @@ def _plugin(worker):
 def run_program(prog: Program, *values):
     """Run ``prog`` on this worker: its tasks in order, blocks pushed and received.
 
-    ``values`` are those of ``prog.inputs``. Returns ``{key: value}`` of ``prog.outputs``.
+    ``values`` are those of ``prog.inputs``, or (a second program) the result of the
+    worker's first. Returns ``{key: value}`` of ``prog.outputs``.
     """
     from distributed import get_worker, rejoin, secede
     from distributed.metrics import context_meter
@@ -355,14 +402,24 @@ def run_program(prog: Program, *values):
     worker = get_worker()
     plugin = _plugin(worker)
     sender = _Sender(plugin, worker)
-    env = dict(zip(prog.inputs, values))
+    if prog.carried:
+        env = {k: values[0][k] for k in prog.carried}
+    else:
+        env = dict(zip(prog.inputs, values))
     uses = dict(prog.uses)
     keep = set(prog.outputs)
     seceded = False
+
+    def sent(key):
+        """Drop a block that only other workers read once it is sent (the send holds it)."""
+        if not uses.get(key) and key not in keep:
+            env.pop(key, None)
+
     try:
         for k in prog.inputs:
             if k in prog.sends:
                 sender.push(k, env[k], prog.sends[k])
+                sent(k)
         todo = list(prog.nodes)
         waiting = set(prog.remote)
         started = last = time.monotonic()
@@ -391,6 +448,7 @@ def run_program(prog: Program, *values):
                 env[key] = value = node({d: env[d] for d in deps})
             if key in prog.sends:
                 sender.push(key, value, prog.sends[key])
+                sent(key)
             for d in deps:
                 uses[d] -= 1
                 if uses[d] == 0 and d not in keep:
