@@ -365,8 +365,9 @@ def _targets_1_2(res, ex, out):
         t = res["tiny_2x2" + sfx]
         L = len(t["widths"]) - 1
         ms = t["step_s"] / L * 1e3
-        out.append({"id": "2b", "target": "whole step time per layer of a tiny MLP on 2x2 "
-                    f"(compute ~0: all of it is overhead and hop latency){exl}",
+        out.append({"id": "2b", "target": "extra, not one of the issue's targets: whole step "
+                    "time per layer of a tiny MLP on 2x2 (compute ~0: all of it is overhead "
+                    f"and hop latency){exl}",
                     "limit": f"<= {LIMITS['t2_ms']:.0f} ms", "value": ms, "unit": "ms",
                     "ok": ms <= LIMITS["t2_ms"]})
 
