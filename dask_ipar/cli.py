@@ -234,7 +234,7 @@ def run_train(args) -> int:
         rows = "domain/model-parallel" if kind == "cnn" else "model-parallel"
         _eprint(f"dask-ipar: {kind.upper()} {widths} on {data_name}, grid {grid} ({grid.pr} "
                 f"{rows} rows x {grid.pc} batch-parallel columns), batch {t['batch']}, "
-                f"{cfg['model']['dtype']}")
+                f"{cfg['model']['dtype']}, executor {t['executor']}")
         if link:
             _eprint(f"dask-ipar: dashboard at {link}")
         model.distribute(client, grid)
