@@ -12,24 +12,26 @@ from dask_ipar.grid import parse_grid
 BALANCE_GRIDS = [parse_grid(g) for g in ("1x2", "2x2", "3x2", "2x4", "1x8")]
 
 
-def _fit(client, grid, sizes=(71, 48, 36, 12), batch=48, steps=2):
+def _fit(client, grid, sizes=(71, 48, 36, 12), batch=48, steps=2, executor=None):
     rng = np.random.default_rng(0)
     X = rng.standard_normal((batch * steps, sizes[0]))
     y = rng.integers(0, sizes[-1], batch * steps)
     layers = [Dense(w, "relu") for w in sizes[1:-1]] + [Dense(sizes[-1])]
     model = Sequential(layers, input_dim=sizes[0], dtype="float32").distribute(client, grid)
+    model.executor = executor or model.executor
     hist = model.fit(X, y, epochs=1, batch_size=batch)
     return model, hist.comm
 
 
+@pytest.mark.parametrize("executor", ["programs", "graph"])
 @pytest.mark.parametrize("grid", BALANCE_GRIDS, ids=str)
-def test_dw_traffic_is_balanced_like_a_ring_allreduce(client, grid):
+def test_dw_traffic_is_balanced_like_a_ring_allreduce(client, grid, executor):
     """No home worker: the busiest sender of a layer's dW all-reduce (reduce-scatter +
     weight all-gather) sends within 10% of 2 (Pc-1)/Pc |W|/Pr words per step.
 
     Widths divide every Pr used here; the (n + 1) weight columns split unevenly over
     Pc, which the 10% absorbs."""
-    model, comm = _fit(client, grid)
+    model, comm = _fit(client, grid, executor=executor)
     for lay in model.engine.layouts:
         words = lay.n_out * lay.n_cols
         ideal = 2 * (grid.pc - 1) / grid.pc * words / grid.pr * 4
@@ -44,7 +46,8 @@ def test_dw_traffic_is_balanced_like_a_ring_allreduce(client, grid):
 
 
 def test_nothing_lost_when_a_step_overflows_the_log_cap():
-    """Workers whose transfer logs keep only 5 entries still report every byte."""
+    """Workers whose transfer logs keep only 5 entries still report every byte (dask's
+    logs: the task-by-task executor)."""
     import dask
     from distributed import Client, LocalCluster
 
@@ -53,7 +56,7 @@ def test_nothing_lost_when_a_step_overflows_the_log_cap():
                           dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as c:
             caps = c.run(lambda dask_worker: dask_worker.transfer_incoming_log.maxlen)
             assert set(caps.values()) == {5}
-            model, comm = _fit(c, "2x2")
+            model, comm = _fit(c, "2x2", executor="graph")
             for r in comm.rows:
                 assert abs(r.ratio - 1) <= 0.02, r
             # a 2x2 step makes each worker receive far more than 5 transfers
