@@ -309,7 +309,7 @@ def graph_profile(model, cfg: MLPConfig, optimizer, executor: str = "graph") -> 
                                             optimizer.momentum, optimizer.weight_decay)
         if executor == "programs":
             outputs = [(n, i, j) for n in new_w for i, j in grid.cells()] + stats
-            hlg, _ = compile_programs(g, outputs, model._locate, f"prof-{s}", f"p-s{s}",
+            hlg, *_ = compile_programs(g, outputs, model._locate, f"prof-{s}", f"p-s{s}",
                                       first=stats)
             n_tasks = len(hlg.layers[f"prof-{s}"])
         else:

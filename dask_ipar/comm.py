@@ -28,7 +28,7 @@ __all__ = ["CommMeter", "CommRow", "CommReport", "predict_step", "LOOPBACK_MACHI
 #: ``dask-ipar calibrate`` measures the real ones.
 LOOPBACK_MACHINE = Machine(alpha_s=1e-3, bandwidth_Bps=1e9, word_bytes=4)
 
-#: Log length set on the workers: far more than one step moves; drained each step.
+#: Log length set on the workers: far more than a step moves; drained every 32 steps.
 WIDE_LOG = 1_000_000
 
 

@@ -569,9 +569,13 @@ class Sequential:
         if step is not None and self._use_programs():
             from dask_ipar.programs import compile_programs
 
-            hlg, _ = compile_programs(graph, list(keys), self._locate, name,
-                                      f"{self.uid}-s{step}", self.program_timeout_s, first)
-            return self.client.get(hlg, list(keys), sync=False)
+            hlg, _, orphans = compile_programs(graph, list(keys), self._locate, name,
+                                               f"{self.uid}-s{step}", self.program_timeout_s,
+                                               first)
+            futs = self.client.get(hlg, list(keys) + orphans, sync=False)
+            if orphans:  # programs that only send: held like the prefetches
+                self._roots.append(futs[len(keys):])
+            return futs[:len(keys)]
         futs = self.client.get(graph.to_hlg(name), list(keys) + graph.roots, sync=False)
         if graph.roots:  # released four submissions later: by then they have run
             self._roots.append(futs[len(keys):])
@@ -677,8 +681,8 @@ class Sequential:
             Steps submitted ahead of the one being waited for (hides graph build and
             data transfer behind compute).
         measure : bool
-            Drain the workers' transfer logs every step and put the per-layer, per-phase
-            predicted-vs-measured table in ``history.comm``.
+            Drain the workers' transfer logs (every 32 steps and at each epoch end) and
+            put the per-layer, per-phase predicted-vs-measured table in ``history.comm``.
         machine : dask_ipar.cost.Machine, optional
             Alpha-beta figures for the predicted seconds (default: rough loopback values).
         """

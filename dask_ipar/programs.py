@@ -143,7 +143,8 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
     programs, one task per phase: the tasks that ``first`` depends on, then the others
     (whose dask task reads what the first left for it on the same worker), so that
     ``first`` is ready while the rest of the step runs. Returns
-    ``(HighLevelGraph, program_keys)``.
+    ``(HighLevelGraph, program_keys, orphans)``: ``orphans`` are programs that no output
+    depends on (they only send); request them too, or dask never runs them.
     """
     missing = [k for k in outputs if k not in g.dsk]
     if missing:
@@ -215,13 +216,18 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
     for k in outputs:
         dsk[k] = Task(k, pick, TaskRef(owner[k]), k)
         place[k] = where[k]
+    # a program no output depends on (it only sends) would be culled by dask: the caller
+    # must request it too (``orphans``)
+    needed = {owner[k] for k in outputs}
+    needed |= {d for k in list(needed) for d in dsk[k].dependencies}
     from dask_ipar.engine import span_of_name
 
     layer = MaterializedLayer(
         dsk, annotations={"workers": place.get, "allow_other_workers": False,
                           "span": {k: span_of_name(k[0]) for k in dsk}.get},
     )
-    return HighLevelGraph({name: layer}, {name: set()}), prog_keys
+    orphans = [k for k in prog_keys if k not in needed]
+    return HighLevelGraph({name: layer}, {name: set()}), prog_keys, orphans
 
 
 def pick(result: dict, key):
@@ -230,6 +236,14 @@ def pick(result: dict, key):
 
 
 # ------------------------------------------------------------------ worker side
+def _tag_of(key):
+    """``"<uid>-s<step>"`` of a key ``("<layer>.<task>-<uid>-s<step>", ...)``, else None."""
+    name = key[0] if isinstance(key, tuple) else key
+    if not isinstance(name, str) or "-" not in name:
+        return None
+    return name.split("-", 1)[1]
+
+
 def _key(k):
     """A key as msgpack delivers it (lists) back to a tuple."""
     return tuple(_key(x) for x in k) if isinstance(k, list) else k
@@ -239,6 +253,9 @@ class ExchangePlugin(WorkerPlugin):
     """Worker plugin: the mailbox, the push handler and the transfer log of programs."""
 
     name = PLUGIN_NAME
+    #: registered once per cluster: another model's registration must not replace (tear
+    #: down) the plugin while programs use its mailbox
+    idempotent = True
 
     def setup(self, worker):
         self.worker = worker
@@ -268,6 +285,8 @@ class ExchangePlugin(WorkerPlugin):
         with self.cond:
             if key in self.dropped:
                 self.dropped.discard(key)
+            elif _tag_of(key) in self.aborted:  # a late block of a stopped step
+                pass
             else:
                 self.box[key] = data
             self.cond.notify_all()
@@ -279,7 +298,11 @@ class ExchangePlugin(WorkerPlugin):
         with self.cond:
             self.aborted[tag] = (reason or "aborted", time.monotonic()) if model \
                 else reason or "aborted"
-            for k in [k for k in self.box if tag in str(k[0] if isinstance(k, tuple) else k)]:
+            if model:
+                gone = [k for k in self.box if (_tag_of(k) or "").rsplit("-s", 1)[0] == tag]
+            else:
+                gone = [k for k in self.box if _tag_of(k) == tag]
+            for k in gone:
                 del self.box[k]
             self.cond.notify_all()
         return "OK"
@@ -313,8 +336,8 @@ class ExchangePlugin(WorkerPlugin):
                 left = prog.timeout_s - (time.monotonic() - last_progress)
                 if left <= 0:
                     raise IparError(
-                        f"step {prog.tag}: worker {prog.worker} received no block for "
-                        f"{prog.timeout_s:.0f} s (still due: {len(due)}, e.g. "
+                        f"step {prog.tag}: worker {prog.worker} waited {prog.timeout_s:g} s "
+                        f"without receiving a block (still due: {len(due)}, e.g. "
                         f"{min(map(str, due))} from {prog.remote[min(due, key=str)]}); a peer "
                         "program is stuck or its worker is gone."
                     )
@@ -322,9 +345,10 @@ class ExchangePlugin(WorkerPlugin):
 
     def drop(self, keys):
         """Forget ``keys``: those here now and those arriving later (a failed program)."""
+        missing = object()
         with self.cond:
             for k in keys:
-                if self.box.pop(k, None) is None:
+                if self.box.pop(k, missing) is missing:
                     self.dropped.add(k)
 
     def drain(self) -> list:
@@ -409,6 +433,7 @@ def run_program(prog: Program, *values):
     uses = dict(prog.uses)
     keep = set(prog.outputs)
     seceded = False
+    waiting = set(prog.remote)
 
     def sent(key):
         """Drop a block that only other workers read once it is sent (the send holds it)."""
@@ -421,7 +446,6 @@ def run_program(prog: Program, *values):
                 sender.push(k, env[k], prog.sends[k])
                 sent(k)
         todo = list(prog.nodes)
-        waiting = set(prog.remote)
         started = last = time.monotonic()
         while todo:
             got = plugin.take_ready(waiting)
@@ -440,6 +464,7 @@ def run_program(prog: Program, *values):
                     seceded = True
                 continue
             key, node = todo.pop(n)
+            last = time.monotonic()  # progress: a wait's timeout counts from its start
             deps = node.dependencies
             if isinstance(node, Task) and node.func in MUTATES:
                 sender.flush(deps)
@@ -458,7 +483,8 @@ def run_program(prog: Program, *values):
     except BaseException as exc:
         reason = f"{type(exc).__name__} on {worker.address}: {exc}"
         sender.abort_peers(prog, reason)
-        plugin.drop([k for k in prog.remote if k not in env])
+        plugin.drop([k for k in prog.remote if k in waiting])
+        plugin.abort(tag=prog.tag, reason=reason)  # this worker's other program stops too
         raise
     finally:
         if seceded:
@@ -480,6 +506,10 @@ def _abort_here(uid, reason, dask_worker=None):
 def abort_programs(client, uid: str, reason: str, workers=None) -> None:
     """Make the waiting programs of model ``uid`` fail with ``reason`` (best effort)."""
     try:
+        if workers is None:  # a dead worker still listed would cost a connect timeout
+            from dask_ipar.cluster import scheduler_workers
+
+            workers = list(scheduler_workers(client))
         client.run(_abort_here, uid, reason, workers=workers, on_error="ignore")
     except Exception:  # noqa: BLE001 - the cluster may be going away
         pass

@@ -69,7 +69,8 @@ def test_compiled_graph_has_one_task_per_worker_and_output(client):
         g, new_w, _, stats = model.engine.train_step(x, y, 8, model._w, model._v, 99, 0.1,
                                                      0.9, 0.0, g=g)
         outputs = [(n, i, j) for n in new_w for i, j in model.grid.cells()] + stats
-        hlg, progs = compile_programs(g, outputs, model._locate, "t", "x-s99")
+        hlg, progs, orphans = compile_programs(g, outputs, model._locate, "t", "x-s99")
+        assert orphans == []
         dsk = dict(hlg)
         assert len(progs) == 4
         assert len(dsk) == 4 + len(outputs) < len(g.dsk)
@@ -79,7 +80,7 @@ def test_compiled_graph_has_one_task_per_worker_and_output(client):
             for d in dsk[p].dependencies:
                 assert model._locate(d) == place[p]
         # one program per worker and phase: the loss statistics come from the first
-        hlg, progs = compile_programs(g, outputs, model._locate, "t", "x-s99", first=stats)
+        hlg, progs, _ = compile_programs(g, outputs, model._locate, "t", "x-s99", first=stats)
         dsk = dict(hlg)
         assert sorted(k[0].split("-")[0] for k in progs) == ["step.run0"] * 4 + ["step.run1"] * 4
         assert len(dsk) == 8 + len(outputs)
@@ -182,12 +183,27 @@ def test_waiting_program_times_out_with_a_clear_error(client):
         # kernel is in the second, whose peer gives up waiting for its dW piece
         futs = _weight_futures(model)
         errors = " ".join(str(f.exception()) for f in futs if f.status == "error")
-        assert "received no block for 1 s" in errors
+        assert "waited 1 s without receiving a block" in errors
     finally:
         client.run(_unpatch_kernel, "dw_piece", workers=[slow])
         model.close()
     time.sleep(4)  # the slow worker's late pieces arrive and are dropped
     assert set(client.run(_mailbox, workers=list(model.binding.workers)).values()) == {0}
+
+
+def _plugin_id(dask_worker=None):
+    return id(dask_worker.plugins[PLUGIN_NAME])
+
+
+def test_a_second_registration_keeps_the_mailboxes(client):
+    """Every model registers the plugin; a registration must not replace (tear down) the
+    one whose mailbox another model's running programs use."""
+    from dask_ipar.programs import install_exchange
+
+    install_exchange(client)
+    before = client.run(_plugin_id)
+    install_exchange(client)
+    assert client.run(_plugin_id) == before
 
 
 def test_unknown_executor_is_a_clear_error(client):
