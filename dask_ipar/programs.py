@@ -51,9 +51,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dask._task_spec import Task, TaskRef
-from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from dask_ipar.engine import StepGraph, span_of_name
 from dask_ipar.errors import IparError
 
 __all__ = ["Program", "compile_programs", "run_program", "pick", "ExchangePlugin",
@@ -185,7 +185,7 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
         if 1 in phases and origin == 0:
             carry.setdefault(w, set()).add(d)
     workers = sorted(set(where.values()) | {w for w, _ in sends})
-    dsk, place, prog_keys = {}, {}, []
+    out, prog_keys = StepGraph(), []
     owner = {}  # output key -> program key
     for n, w in enumerate(workers):
         inputs = sorted({d for d, src in external.items() if src == w}, key=str)
@@ -207,27 +207,19 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
             )
             pkey = (f"step.run{p if early else ''}-{tag}", n)
             args = [TaskRef(prev)] if p == 1 else [TaskRef(k) for k in inputs]
-            dsk[pkey] = Task(pkey, run_program, prog, *args)
-            place[pkey] = w
+            out.add(pkey, w, run_program, prog, *args)
             prog_keys.append(pkey)
             for k in prog.outputs:
                 owner[k] = pkey
             prev = pkey
     for k in outputs:
-        dsk[k] = Task(k, pick, TaskRef(owner[k]), k)
-        place[k] = where[k]
+        out.add(k, where[k], pick, TaskRef(owner[k]), k)
     # a program no output depends on (it only sends) would be culled by dask: the caller
     # must request it too (``orphans``)
     needed = {owner[k] for k in outputs}
-    needed |= {d for k in list(needed) for d in dsk[k].dependencies}
-    from dask_ipar.engine import span_of_name
-
-    layer = MaterializedLayer(
-        dsk, annotations={"workers": place.get, "allow_other_workers": False,
-                          "span": {k: span_of_name(k[0]) for k in dsk}.get},
-    )
+    needed |= {d for k in list(needed) for d in out.dsk[k].dependencies}
     orphans = [k for k in prog_keys if k not in needed]
-    return HighLevelGraph({name: layer}, {name: set()}), prog_keys, orphans
+    return out.to_hlg(name), prog_keys, orphans
 
 
 def pick(result: dict, key):
@@ -420,8 +412,6 @@ def run_program(prog: Program, *values):
     """
     from distributed import get_worker, rejoin, secede
     from distributed.metrics import context_meter
-
-    from dask_ipar.engine import span_of_name
 
     worker = get_worker()
     plugin = _plugin(worker)
