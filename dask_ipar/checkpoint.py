@@ -46,12 +46,16 @@ import uuid
 
 import numpy as np
 
+from dask_ipar import checkpoint_format as fmt
+from dask_ipar.checkpoint_format import FORMAT, VERSION, CheckpointCorrupt, CheckpointStorageError
 from dask_ipar.cluster import scheduler_workers, wait_for_workers
 from dask_ipar.errors import IparError
 
 __all__ = [
     "FORMAT",
     "VERSION",
+    "CheckpointCorrupt",
+    "CheckpointStorageError",
     "WorkerLost",
     "save",
     "load",
@@ -63,10 +67,11 @@ __all__ = [
     "train_with_checkpoints",
 ]
 
-FORMAT = "dask-ipar-checkpoint"
-VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d+)$")
 _LATEST = "LATEST"
+#: what crashed or failed writes leave behind: unpublished checkpoints, replaced ones
+#: moved aside, unfinished LATEST pointers
+_LEFTOVER = re.compile(r"^(ckpt-\d+\.(tmp|old)-[0-9a-f]+|LATEST\.tmp-[0-9a-f]+)$")
 
 
 class WorkerLost(RuntimeError):
@@ -138,6 +143,16 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 # ---------------------------------------------------------- worker tasks
+# A worker task never raises on bad storage or damaged data: it returns what went wrong
+# (``_Failure`` or an ``{"error": ...}`` result), so dask logs no "Compute Failed" dump and
+# the client raises one clear error.
+class _Failure:
+    """What a read task returns instead of a block when the block cannot be trusted."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
 def _owned_range(b0: int, b1: int, chunk: int, n: int):
     """Rows ``[lo, hi)`` of the chunks whose first element lies in ``[b0, b1)``."""
     first = -(-b0 // chunk)
@@ -147,62 +162,114 @@ def _owned_range(b0: int, b1: int, chunk: int, n: int):
     return first * chunk, min(stop * chunk, n)
 
 
+def _take(block, r0, r1, c0, c1):
+    """A host copy of ``block[r0:r1, c0:c1]``, made on the block's owner.
+
+    A save sends a neighbour only this slice, under a key of its own that the save
+    releases: never the block itself, whose key the next steps keep (momentum is
+    updated in place), so no copy of it outlives the save.
+    """
+    from dask_ipar.kernels import to_host
+
+    return np.array(to_host(block[r0:r1, c0:c1]), copy=True)
+
+
 def _write_region(path, r0, r1, c0, c1, bounds, *blocks):
     """Write rows ``r0:r1`` x columns ``c0:c1`` of the array at ``path`` and fsync its chunks.
 
     Runs on the worker that owns the region's first block. ``bounds[k]`` gives the
     ``(br0, br1, bc0, bc1)`` of ``blocks[k]`` (each block overlaps the region).
-    Returns the number of bytes written (uncompressed).
+    Returns ``{"nbytes", "sha256": {chunk id: digest}}``, or ``{"error", "errno"}`` when
+    the storage refused the write.
     """
-    import zarr
-
-    arr = zarr.open_array(path, mode="r+")
-    region = np.empty((r1 - r0, c1 - c0), dtype=arr.dtype)
-    filled = 0
-    for (br0, br1, bc0, bc1), blk in zip(bounds, blocks):
-        lo, hi = max(r0, br0), min(r1, br1)
-        le, ri = max(c0, bc0), min(c1, bc1)
-        region[lo - r0:hi - r0, le - c0:ri - c0] = np.asarray(blk)[lo - br0:hi - br0,
-                                                                   le - bc0:ri - bc0]
-        filled += (hi - lo) * (ri - le)
-    if filled != region.size:  # pragma: no cover - a bug in the block bookkeeping
-        raise RuntimeError(f"checkpoint region {r0}:{r1}x{c0}:{c1} of {path} not covered")
-    arr[r0:r1, c0:c1] = region
-    hook = os.environ.get("DASK_IPAR_CHECKPOINT_WRITE_HOOK")
-    if hook:  # test hook: a file to touch, then a delay, to crash mid-write on purpose
-        open(hook, "a").close()
-        time.sleep(float(os.environ.get("DASK_IPAR_CHECKPOINT_WRITE_DELAY_S", "60")))
-    ch, cw = arr.chunks
-    for ci in range(r0 // ch, -(-r1 // ch)):
-        for cj in range(c0 // cw, -(-c1 // cw)):
-            f = os.path.join(path, "c", str(ci), str(cj))
-            if os.path.exists(f):
-                _fsync_file(f)
-    return region.nbytes
-
-
-def _read_block(path, r0, r1, c0, c1, dtype):
-    """Block ``[r0:r1, c0:c1]`` of the float array at ``path``; IparError if unreadable."""
-    import zarr
+    from dask_ipar.kernels import to_host
 
     try:
+        import zarr
+
+        arr = zarr.open_array(path, mode="r+")
+        region = np.empty((r1 - r0, c1 - c0), dtype=arr.dtype)
+        filled = 0
+        for (br0, br1, bc0, bc1), blk in zip(bounds, blocks):
+            lo, hi = max(r0, br0), min(r1, br1)
+            le, ri = max(c0, bc0), min(c1, bc1)
+            region[lo - r0:hi - r0, le - c0:ri - c0] = to_host(blk)[lo - br0:hi - br0,
+                                                                    le - bc0:ri - bc0]
+            filled += (hi - lo) * (ri - le)
+        if filled != region.size:  # pragma: no cover - a bug in the block bookkeeping
+            raise RuntimeError(f"checkpoint region {r0}:{r1}x{c0}:{c1} of {path} not covered")
+        arr[r0:r1, c0:c1] = region
+        hook = os.environ.get("DASK_IPAR_CHECKPOINT_WRITE_HOOK")
+        if hook:  # test hook: a file to touch, then a delay, to crash mid-write on purpose
+            open(hook, "a").close()
+            time.sleep(float(os.environ.get("DASK_IPAR_CHECKPOINT_WRITE_DELAY_S", "60")))
+        ch, cw = arr.chunks
+        digests = {}
+        for ci in range(r0 // ch, -(-r1 // ch)):
+            for cj in range(c0 // cw, -(-c1 // cw)):
+                digests[fmt.chunk_id(ci, cj)] = fmt.chunk_digest(
+                    region[ci * ch - r0:min((ci + 1) * ch, r1) - r0,
+                           cj * cw - c0:min((cj + 1) * cw, c1) - c0])
+                f = os.path.join(path, "c", str(ci), str(cj))
+                if os.path.exists(f):
+                    _fsync_file(f)
+    except Exception as exc:
+        return {"error": _describe(exc), "errno": getattr(exc, "errno", None)}
+    return {"nbytes": region.nbytes, "sha256": digests}
+
+
+def _describe(exc: BaseException) -> str:
+    """``[Errno 28] No space left on device`` for OS errors, ``Type: message`` otherwise."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return f"[Errno {exc.errno}] {exc.strerror or os.strerror(exc.errno)}"
+    if "computed checksum do not match" in str(exc):  # zarr's Crc32cCodec
+        return "a chunk file fails its CRC32C checksum"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _read_block(path, name, r0, r1, c0, c1, dtype, digests=None, module=None):
+    """Block ``[r0:r1, c0:c1]`` of the float array at ``path``, every chunk it touches
+    checked against ``digests`` (``{chunk id: sha256}``; None: version-1 checkpoint).
+
+    Returns the block (as ``module``'s array when given, e.g. CuPy), or a ``_Failure``.
+    ``name`` is how messages call the array (``ckpt-300/dense1/v``).
+    """
+    try:
+        import zarr
+
         arr = zarr.open_array(path, mode="r")
         if arr.dtype != np.dtype(dtype):
-            raise IparError(f"checkpoint array {path} has dtype {arr.dtype}, expected {dtype}.")
-        out = np.ascontiguousarray(arr[r0:r1, c0:c1])
-    except IparError:
-        raise
+            return _Failure(f"array {name} has dtype {arr.dtype}, the metadata says {dtype}")
+        ch, cw = arr.chunks
+        n, m = arr.shape
+        # whole chunks (what zarr decodes anyway), so each can be checked
+        R0, R1 = r0 // ch * ch, min(-(-r1 // ch) * ch, n)
+        C0, C1 = c0 // cw * cw, min(-(-c1 // cw) * cw, m)
+        data = arr[R0:R1, C0:C1]
     except Exception as exc:
-        raise IparError(
-            f"checkpoint array {path} could not be read ({type(exc).__name__}: {exc}); the "
-            "checkpoint is corrupted. Load an older one (see checkpoint.checkpoints(dir))."
-        ) from None
-    if out.dtype != np.dtype(dtype) or not np.isfinite(out).all():
-        raise IparError(
-            f"checkpoint array {path} has missing or non-finite values in rows {r0}:{r1}, "
-            f"columns {c0}:{c1} (a chunk file is missing or damaged). Load an older checkpoint."
-        )
+        return _Failure(f"array {name} could not be read ({_describe(exc)})")
+    if digests is not None:
+        for ci in range(R0 // ch, -(-R1 // ch)):
+            for cj in range(C0 // cw, -(-C1 // cw)):
+                part = data[ci * ch - R0:min((ci + 1) * ch, n) - R0,
+                            cj * cw - C0:min((cj + 1) * cw, m) - C0]
+                if fmt.chunk_digest(part) != digests.get(fmt.chunk_id(ci, cj)):
+                    return _Failure(f"chunk {ci}.{cj} of array {name} does not match its "
+                                    "checksum")
+    out = np.ascontiguousarray(data[r0 - R0:r1 - R0, c0 - C0:c1 - C0])
+    if not np.isfinite(out).all():
+        return _Failure(f"array {name} has missing or non-finite values in rows {r0}:{r1}, "
+                        f"columns {c0}:{c1} (a chunk file is missing or damaged)")
+    if module is not None:
+        from dask_ipar.kernels import to_device
+
+        return to_device(out, module)
     return out
+
+
+def _read_status(block):
+    """None when a read task produced its block, else its message (a small result)."""
+    return block.message if isinstance(block, _Failure) else None
 
 
 # --------------------------------------------------------- client helpers
@@ -283,7 +350,8 @@ def _model_meta(model) -> dict:
 def checkpoints(directory) -> list[tuple[int, str]]:
     """Complete checkpoints in ``directory`` as ``[(step, path), ...]``, oldest first.
 
-    ``.tmp-*`` directories (unfinished or crashed writes) are never listed.
+    ``.tmp-*`` directories (unfinished or crashed writes) are never listed. Complete
+    means renamed into place; whether a checkpoint verifies is for :func:`load`.
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
@@ -297,6 +365,18 @@ def checkpoints(directory) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def _pointer(directory: str) -> str | None:
+    """The checkpoint ``LATEST`` names, when it names a complete one."""
+    try:
+        with open(os.path.join(directory, _LATEST), "rb") as f:
+            name = f.read(256).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):  # absent, unreadable or garbage: not followed
+        return None
+    if _NAME.match(name) and os.path.isfile(os.path.join(directory, name, "zarr.json")):
+        return os.path.join(directory, name)
+    return None
+
+
 def latest(directory) -> str | None:
     """Path of the newest complete checkpoint in ``directory``, or None when there is none.
 
@@ -304,20 +384,27 @@ def latest(directory) -> str | None:
     highest step on disk; never a ``.tmp`` directory.
     """
     directory = os.fspath(directory)
-    pointer = os.path.join(directory, _LATEST)
-    try:
-        with open(pointer, encoding="utf-8") as f:
-            name = f.read().strip()
-    except OSError:
-        name = ""
-    if _NAME.match(name) and os.path.isfile(os.path.join(directory, name, "zarr.json")):
-        return os.path.join(directory, name)
+    found = _pointer(directory)
+    if found is not None:
+        return found
     found = checkpoints(directory)
     return found[-1][1] if found else None
 
 
+def _candidates(directory: str) -> list[str]:
+    """Checkpoints to try when resuming: :func:`latest` first, then newest to oldest."""
+    first = latest(directory)
+    rest = [p for _, p in reversed(checkpoints(directory)) if p != first]
+    return ([first] if first else []) + rest
+
+
 def read_metadata(path) -> dict:
-    """The metadata of the checkpoint at ``path`` (checked for format and version)."""
+    """The metadata of the checkpoint at ``path``, validated.
+
+    Raises :class:`CheckpointCorrupt` when it is unreadable, incomplete, fails its
+    checksum or contradicts itself (e.g. a step other than its directory's), IparError
+    for another format or version.
+    """
     zarr = _zarr()
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, "zarr.json")):
@@ -328,25 +415,53 @@ def read_metadata(path) -> dict:
     try:
         attrs = dict(zarr.open_group(path, mode="r").attrs)
     except Exception as exc:
-        raise IparError(
-            f"the metadata of checkpoint {path!r} could not be read ({type(exc).__name__}: "
-            f"{exc}); the checkpoint is corrupted. Load an older one."
+        raise CheckpointCorrupt(
+            f"the metadata of checkpoint {path!r} could not be read ({_describe(exc)}); the "
+            "checkpoint is corrupted. Load an older one."
         ) from None
-    if attrs.get("format") != FORMAT:
-        raise IparError(
-            f"{path!r} is a Zarr group but not a dask-ipar checkpoint (format "
-            f"{attrs.get('format')!r}, expected {FORMAT!r})."
-        )
-    if attrs.get("version") != VERSION:
-        raise IparError(
-            f"checkpoint {path!r} has format version {attrs.get('version')!r}; this dask-ipar "
-            f"reads version {VERSION}. Use the dask-ipar release that wrote it."
-        )
-    need = ("step", "grid", "dtype", "sizes", "layers", "has_velocity")
-    missing = [k for k in need if k not in attrs]
-    if missing or not isinstance(attrs["layers"], list):
-        raise IparError(f"checkpoint {path!r} metadata lacks {missing or ['layers']}; corrupted.")
-    return attrs
+    m = _NAME.match(os.path.basename(os.path.normpath(path)))
+    return fmt.validate_metadata(attrs, repr(path), int(m.group(1)) if m else None)
+
+
+class _StorageErrors:
+    """Turn OS errors of the training process's own checkpoint I/O into
+    :class:`CheckpointStorageError` naming the directory."""
+
+    def __init__(self, directory: str, what: str):
+        self.directory, self.what = directory, what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        if exc is not None and isinstance(exc, OSError):
+            raise _storage_error(self.directory, self.what, _describe(exc)) from None
+        return False
+
+
+def _storage_error(directory, what, why) -> CheckpointStorageError:
+    return CheckpointStorageError(
+        f"cannot write {what} in {directory!r}: {why}. The checkpoints saved before are "
+        "intact; free space or choose a writable checkpoint directory."
+    )
+
+
+def _remove_stale(directory: str, before: float, keep_path: str) -> None:
+    """Remove leftovers of crashed or failed writes older than ``before`` (a time)."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if path == keep_path or not _LEFTOVER.match(name):
+            continue
+        try:
+            if os.lstat(path).st_mtime >= before:
+                continue  # possibly a write in progress
+        except OSError:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 # ------------------------------------------------------------------ save
@@ -377,60 +492,70 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
 
     Raises
     ------
+    CheckpointStorageError
+        The directory cannot be written (disk full, read-only, no permission); nothing
+        is published and the earlier checkpoints are untouched.
     WorkerLost
         A grid worker died during the write (the checkpoint is not published).
     """
     zarr = _zarr()
     from zarr.codecs import Crc32cCodec, ZstdCodec
 
-    if model.binding is None:
-        raise IparError("save needs a distributed model: call model.distribute(client, grid).")
+    if step is not None and (not isinstance(step, (int, np.integer)) or isinstance(step, bool)
+                             or step < 0):
+        raise IparError(f"checkpoint step must be an integer >= 0, got {step!r}.")
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise IparError(f"keep must be a positive integer or None, got {keep!r}.")
+    sb = model.state_blocks()  # refuses closed models and lost state
     directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
+    t_start = time.time()
+    with _StorageErrors(directory, "a checkpoint"):
+        os.makedirs(directory, exist_ok=True)
     if step is None:
         found = checkpoints(directory)
         step = found[-1][0] + 1 if found else 0
-    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-        raise IparError(f"checkpoint step must be an integer >= 0, got {step!r}.")
     step = int(step)
-    if keep is not None and (not isinstance(keep, int) or keep < 1):
-        raise IparError(f"keep must be a positive integer or None, got {keep!r}.")
-    sb = model.state_blocks()
     client = model.client
+    workers = sorted({w for lay in sb["layers"] for w in lay["workers"].values()})
     # the momentum blocks are rewritten in place by the update that makes the weights:
     # they are this step's once the weights are done
-    _wait_alive(client, [f for lay in sb["layers"] for f in lay["w"].values()],
-                sorted({w for lay in sb["layers"] for w in lay["workers"].values()}),
+    _wait_alive(client, [f for lay in sb["layers"] for f in lay["w"].values()], workers,
                 f"the steps before checkpoint {step}", timeout_s)
     pr, pc = sb["grid"]
     has_v = all(lay["v"] is not None for lay in sb["layers"])
     meta = {
-        "format": FORMAT, "version": VERSION, "step": step, "grid": [pr, pc],
+        "format": fmt.FORMAT, "version": fmt.VERSION, "step": step, "grid": [pr, pc],
         "has_velocity": has_v, **_model_meta(model),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "extra": extra or {},
     }
     try:
-        json.dumps(meta)
-    except TypeError as exc:
+        json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as exc:
         raise IparError(f"checkpoint extra metadata must be JSON-serialisable: {exc}") from None
 
     final = os.path.join(directory, f"ckpt-{step}")
     tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
-    group = zarr.create_group(tmp, zarr_format=3, attributes=meta, overwrite=False)
-    futures = []
-    workers = sorted({w for lay in sb["layers"] for w in lay["workers"].values()})
+    what = f"checkpoint ckpt-{step}"
+    writes, slices = [], []
     try:
+        with _StorageErrors(directory, what):
+            group = zarr.create_group(tmp, zarr_format=3, attributes=meta, overwrite=False)
+        arrays = {}
         for lay in sb["layers"]:
             n_rows, n_cols = lay["n_out"], lay["n_in"] + int(lay["bias"])
             rows, cols = lay["rows"], lay["wcols"]
             ch = max(b - a for a, b in rows)
             cw = max(b - a for a, b in cols)
-            g = group.require_group(lay["name"])
+            with _StorageErrors(directory, what):
+                g = group.require_group(lay["name"])
             for kind in ("w", "v") if has_v else ("w",):
-                g.create_array(kind, shape=(n_rows, n_cols), chunks=(ch, cw),
-                               dtype=sb["dtype"], fill_value=np.nan,
-                               compressors=[ZstdCodec(level=1), Crc32cCodec()])
+                with _StorageErrors(directory, what):
+                    g.create_array(kind, shape=(n_rows, n_cols), chunks=(ch, cw),
+                                   dtype=sb["dtype"], fill_value=np.nan,
+                                   compressors=[ZstdCodec(level=1), Crc32cCodec()])
+                name = f"{lay['name']}/{kind}"
+                arrays[name] = {"shape": [n_rows, n_cols], "chunks": [ch, cw], "sha256": {}}
                 path = os.path.join(tmp, lay["name"], kind)
                 for i, (r0, r1) in enumerate(rows):
                     rr = _owned_range(r0, r1, ch, n_rows)
@@ -438,24 +563,52 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
                         cc = _owned_range(c0, c1, cw, n_cols)
                         if rr is None or cc is None:
                             continue
+                        owner = lay["workers"][(i, j)]
                         bounds, blocks = [], []
                         for ii, (a0, a1) in enumerate(rows):
                             for jj, (b0, b1) in enumerate(cols):
-                                if a0 < rr[1] and a1 > rr[0] and b0 < cc[1] and b1 > cc[0]:
+                                lo, hi = max(a0, rr[0]), min(a1, rr[1])
+                                le, ri = max(b0, cc[0]), min(b1, cc[1])
+                                if lo >= hi or le >= ri:
+                                    continue
+                                if (ii, jj) == (i, j):
                                     bounds.append((a0, a1, b0, b1))
                                     blocks.append(lay[kind][(ii, jj)])
-                        futures.append(client.submit(
+                                    continue
+                                # a neighbour's rows: a sliced copy under a key of its own
+                                part = client.submit(
+                                    _take, lay[kind][(ii, jj)], lo - a0, hi - a0, le - b0,
+                                    ri - b0, workers=[lay["workers"][(ii, jj)]],
+                                    allow_other_workers=False, pure=False,
+                                    key=f"ckpt-slice-{uuid.uuid4().hex}")
+                                slices.append(part)
+                                bounds.append((lo, hi, le, ri))
+                                blocks.append(part)
+                        writes.append((name, client.submit(
                             _write_region, path, *rr, *cc, bounds, *blocks,
-                            workers=[lay["workers"][(i, j)]], allow_other_workers=False,
+                            workers=[owner], allow_other_workers=False,
                             pure=False, key=f"ckpt-write-{uuid.uuid4().hex}",
-                        ))
-        _wait_alive(client, futures, workers, f"checkpoint write {final}", timeout_s)
-        del futures
-        _fsync_tree(tmp)
-        _publish(tmp, final, directory)
+                        )))
+        _wait_alive(client, [f for _, f in writes], workers, f"checkpoint write {final}",
+                    timeout_s)
+        results = client.gather([f for _, f in writes])
+        del slices[:]  # the neighbours' slices are forgotten, with every copy of them
+        for (name, _), res in zip(writes, results):
+            if "error" in res:
+                raise _storage_error(directory, what, res["error"])
+            arrays[name]["sha256"].update(res["sha256"])
+        meta["arrays"] = arrays
+        meta["checksum"] = fmt.meta_digest(meta)
+        with _StorageErrors(directory, what):
+            group.attrs.update({"arrays": arrays, "checksum": meta["checksum"]})
+            _fsync_tree(tmp)
+            _publish(tmp, final, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        del writes, slices
+    _remove_stale(directory, t_start, final)
     if keep is not None:
         for _, old in checkpoints(directory)[:-keep]:
             if old != final:
@@ -516,6 +669,12 @@ def _check_model(model, meta, path):
                     f"(checkpoint sizes {meta['sizes']}, model sizes {model.sizes}). Build "
                     "the model with the checkpoint's layers."
                 )
+        if model.input_dim is not None and a["n_in"] != b["n_in"]:
+            raise IparError(
+                f"checkpoint {path!r} does not match this model: layer {k} has "
+                f"{a['n_in']} inputs in the checkpoint but {b['n_in']} here. Build the model "
+                "with the checkpoint's layers."
+            )
     if meta["dtype"] != mine["dtype"]:
         raise IparError(
             f"checkpoint {path!r} holds {meta['dtype']} weights but the model is "
@@ -523,36 +682,38 @@ def _check_model(model, meta, path):
         )
 
 
-def _check_array(zarr, path, shape, dtype):
+def _check_array(zarr, path, shape, dtype, chunks=None):
+    """Raise :class:`CheckpointCorrupt` unless the array at ``path`` is what the metadata
+    promises: float, ``shape``, ``dtype``, ``chunks`` (version 2), every chunk file there."""
+    def bad(what):
+        raise CheckpointCorrupt(f"checkpoint array {path!r} {what}")
+
     try:
         arr = zarr.open_array(path, mode="r")
     except Exception as exc:
-        raise IparError(
-            f"checkpoint array {path!r} is missing or unreadable ({type(exc).__name__}); the "
-            "checkpoint is incomplete or corrupted. Load an older one."
-        ) from None
+        bad(f"is missing or unreadable ({type(exc).__name__}); the checkpoint is incomplete "
+            "or corrupted. Load an older one.")
     if arr.dtype.kind != "f":
-        raise IparError(
-            f"checkpoint array {path!r} has dtype {arr.dtype}; only float arrays are read "
-            "(object and other non-numeric arrays are refused: no pickle)."
-        )
+        bad(f"has dtype {arr.dtype}; only float arrays are read (object and other "
+            "non-numeric arrays are refused: no pickle).")
     if arr.dtype != np.dtype(dtype):
-        raise IparError(f"checkpoint array {path!r} has dtype {arr.dtype}, metadata says {dtype}.")
+        bad(f"has dtype {arr.dtype}, metadata says {dtype}.")
     if tuple(arr.shape) != tuple(shape):
-        raise IparError(
-            f"checkpoint array {path!r} has shape {tuple(arr.shape)}, expected {tuple(shape)} "
-            "for this model (n_out x (n_in + bias)). The checkpoint is of another model or "
-            "corrupted."
-        )
+        bad(f"has shape {tuple(arr.shape)}, expected {tuple(shape)} for this model "
+            "(n_out x (n_in + bias)). The checkpoint is of another model or corrupted.")
+    if chunks is not None and tuple(arr.chunks) != tuple(chunks):
+        bad(f"has chunks {tuple(arr.chunks)}, the metadata says {tuple(chunks)}; corrupted.")
     if arr.nchunks_initialized != arr.nchunks:
-        raise IparError(
-            f"checkpoint array {path!r} has {arr.nchunks_initialized} of {arr.nchunks} chunk "
-            "files; the checkpoint is incomplete or corrupted. Load an older one."
-        )
+        bad(f"has {arr.nchunks_initialized} of {arr.nchunks} chunk files; the checkpoint is "
+            "incomplete or corrupted. Load an older one.")
 
 
-def load(model, path, *, timeout_s: float | None = None) -> dict:
+def load(model, path, *, timeout_s: float | None = None, fallback: bool = False,
+         log=None) -> dict:
     """Restore weights and momentum from a checkpoint onto the model's current grid.
+
+    Every block is checked, on the worker that reads it, against the checksums the
+    checkpoint's metadata records, and the metadata against its own checksum.
 
     Parameters
     ----------
@@ -562,53 +723,95 @@ def load(model, path, *, timeout_s: float | None = None) -> dict:
         A ``ckpt-<step>`` directory, or a directory of checkpoints (its :func:`latest`).
     timeout_s : float, optional
         Give up (IparError) when the block reads take longer.
+    fallback : bool
+        With a directory of checkpoints: when the newest does not verify
+        (:class:`CheckpointCorrupt`), say so through ``log`` and try the next older one,
+        down to the oldest.
+    log : callable, optional
+        Gets one line per skipped checkpoint.
 
     Returns
     -------
     dict
-        The checkpoint metadata (``step``, ``grid``, ``extra``, ...).
+        The checkpoint metadata (``step``, ``grid``, ``extra``, ...) and ``path``, the
+        checkpoint loaded.
 
     Raises
     ------
+    CheckpointCorrupt
+        Missing or damaged chunk files, edited metadata, wrong shapes or dtypes (with
+        ``fallback``: no checkpoint in the directory verifies).
     IparError
-        No checkpoint, another model's checkpoint, wrong shapes or dtypes, missing or
-        damaged chunk files.
+        No checkpoint, another model's checkpoint.
     WorkerLost
         A grid worker died while reading.
     """
+    model._require_bound()  # a clear error for closed models and lost state
+    p = os.fspath(path)
+    if not fallback or os.path.isfile(os.path.join(p, "zarr.json")) or not os.path.isdir(p):
+        return _load_one(model, _resolve(p), timeout_s)
+    candidates = _candidates(p)
+    if not candidates:
+        _resolve(p)  # raises: no complete checkpoint
+    skipped = []
+    for cand in candidates:
+        try:
+            return _load_one(model, cand, timeout_s)
+        except CheckpointCorrupt as exc:
+            skipped.append(f"{os.path.basename(cand)} ({exc})")
+            if log is not None:
+                log(f"skipped checkpoint {cand}: {exc}")
+    raise CheckpointCorrupt(
+        f"none of the {len(candidates)} checkpoints in {p!r} verifies: " + "; ".join(skipped)
+    )
+
+
+def _load_one(model, path, timeout_s):
     zarr = _zarr()
-    if model.binding is None:
-        raise IparError("load needs a distributed model: call model.distribute(client, grid).")
-    path = _resolve(path)
     meta = read_metadata(path)
     _check_model(model, meta, path)
     if model.input_dim is None:
         model.input_dim = int(meta["sizes"][0])
     has_v = bool(meta["has_velocity"])
-    for lay in meta["layers"]:
-        shape = (lay["n_out"], lay["n_in"] + int(lay["bias"]))
-        for kind in ("w", "v") if has_v else ("w",):
-            _check_array(zarr, os.path.join(path, lay["name"], kind), shape, meta["dtype"])
+    recorded = meta.get("arrays")  # version 2: shapes, chunks and checksums
+    for name, shape in fmt.expected_arrays(meta).items():
+        rec = None if recorded is None else recorded[name]
+        _check_array(zarr, os.path.join(path, *name.split("/")), shape, meta["dtype"],
+                     None if rec is None else rec["chunks"])
     w_names, v_names = model.reserve_state_keys(has_v)
     sb = model.state_blocks()
     client = model.client
-    futures = {}
+    futures, status = {}, []
+    label = os.path.basename(os.path.normpath(path))
     for lay, wn, vn in zip(sb["layers"], w_names, v_names):
-        for kind, name in (("w", wn), ("v", vn)):
-            if name is None:
+        for kind, key_name in (("w", wn), ("v", vn)):
+            if key_name is None:
                 continue
+            name = f"{lay['name']}/{kind}"
             apath = os.path.join(path, lay["name"], kind)
+            digests = None if recorded is None else recorded[name]["sha256"]
             for (i, j), owner in lay["workers"].items():
                 r0, r1 = lay["rows"][i]
                 c0, c1 = lay["wcols"][j]
-                key = (name, i, j)
+                key = (key_name, i, j)
                 futures[key] = client.submit(
-                    _read_block, apath, r0, r1, c0, c1, meta["dtype"], key=key,
-                    workers=[owner], allow_other_workers=False,
+                    _read_block, apath, f"{label}/{name}", r0, r1, c0, c1, meta["dtype"],
+                    digests, model.block_module, key=key, workers=[owner],
+                    allow_other_workers=False,
                 )
+                status.append(client.submit(_read_status, futures[key], workers=[owner],
+                                            allow_other_workers=False, pure=False,
+                                            key=f"ckpt-check-{uuid.uuid4().hex}"))
     workers = sorted({w for lay in sb["layers"] for w in lay["workers"].values()})
-    _wait_alive(client, futures.values(), workers, f"checkpoint load {path}", timeout_s)
+    _wait_alive(client, status, workers, f"checkpoint load {path}", timeout_s)
+    problems = [m for m in client.gather(status) if m is not None]
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CheckpointCorrupt(f"checkpoint {path!r}: {problems[0]}{more}; it is damaged. "
+                                "Load an older one.")
     model.adopt_state(w_names, v_names, futures)
+    meta = dict(meta)
+    meta["path"] = path
     return meta
 
 
@@ -617,14 +820,14 @@ def recover(model, directory, *, grid=None, wait_timeout_s: float = 120.0, log=N
 
     The model's blocks on the cluster are dropped (some are lost), the cluster is given
     up to ``wait_timeout_s`` to have ``Pr*Pc`` workers again (a nanny restarts a killed
-    worker under a new address), the grid is bound afresh and :func:`latest` is loaded.
-    Returns the checkpoint metadata.
+    worker under a new address), the grid is bound afresh and the newest checkpoint
+    that verifies is loaded (``load(..., fallback=True)``). Returns its metadata.
     """
     grid = model.grid if grid is None else grid
     client = model.client
     if grid is None or client is None:
         raise IparError("recover needs a model that was distributed before.")
-    model.close()
+    model.drop_state()
     try:
         wait_for_workers(client, grid.size, wait_timeout_s, log)
     except IparError as exc:
@@ -633,7 +836,7 @@ def recover(model, directory, *, grid=None, wait_timeout_s: float = 120.0, log=N
             "checkpoint with dask-ipar train --resume)"
         ) from None
     model.distribute(client, grid)  # binds by worker name, asking the scheduler directly
-    return load(model, directory)
+    return load(model, directory, fallback=True, log=log)
 
 
 # -------------------------------------------------------------- training
@@ -647,8 +850,8 @@ def _faults_as_worker_lost(model, what):
     workers = model.binding.workers
     try:
         yield
-    except (WorkerLost, KeyboardInterrupt):
-        raise
+    except (WorkerLost, KeyboardInterrupt, CheckpointStorageError, CheckpointCorrupt):
+        raise  # storage and data faults end the run at once: no worker to wait for
     except Exception as exc:  # IparError too: a lineage cut that found a grid worker gone
         gone = _gone_soon(model.client, workers)
         if gone:
@@ -739,9 +942,10 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
     directory = os.fspath(directory)
     start = 0
     if resume and latest(directory) is not None:
-        meta = load(model, directory)
+        meta = load(model, directory, fallback=True, log=say)
         start = int(meta["step"])
-        say(f"resumed from {latest(directory)} (step {start})")
+        last_ckpt = meta["path"]
+        say(f"resumed from {last_ckpt} (step {start})")
     else:
         found = checkpoints(directory)
         if found:
@@ -751,11 +955,10 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
                 "--resume), or use an empty directory."
             )
         model.state_blocks()  # builds the initial weights
-        save(model, directory, step=0, keep=keep, extra=extra)
+        last_ckpt = save(model, directory, step=0, keep=keep, extra=extra)
     losses: dict[int, float] = {}
     restarts = 0
     step = start
-    last_ckpt = latest(directory)
     while True:
         try:
             while step < steps:
@@ -797,7 +1000,7 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
                 except WorkerLost as again:
                     fault = again
             step = int(meta["step"])
-            last_ckpt = latest(directory)
+            last_ckpt = meta["path"]
             say(f"recovered on workers {', '.join(model.binding.workers)}; resuming after "
                 f"step {step} from {last_ckpt} (restart {restarts} of at most {max_restarts})")
             for s in [s for s in losses if s > step]:

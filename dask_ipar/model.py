@@ -193,6 +193,7 @@ class Sequential:
         self._futures: dict = {}
         self._roots: deque = deque(maxlen=4)
         self._amm_held = False  # whether distribute() stopped the scheduler's AMM
+        self._closed = False  # close() was called: the state is gone, nothing rebuilds it
         self._step = 0
         #: Batches up to this many bytes (times Pr) travel inside the step graph.
         self.embed_bytes = 2**20
@@ -256,6 +257,8 @@ class Sequential:
 
         Returns ``self``. Weights already on a previous grid are moved to the new one.
         """
+        if self._closed:
+            self._require_bound()  # raises: a closed model does not start afresh silently
         grid = parse_grid(grid)
         first = len(self.layers) - len(self.dense_layers)
         for k, lay in enumerate(self.dense_layers, start=first):
@@ -271,7 +274,7 @@ class Sequential:
             front_layouts(self.layers[:self._n_front], self.input_shape, grid.pr, grid.pc)
         binding = bind_grid(grid, client, workers)
         params = self.get_weights() if self._w is not None else self._init_params
-        self.close()
+        self.drop_state()
         from dask_ipar.cluster import hold_replicas
 
         self._amm_held = hold_replicas(client)
@@ -319,10 +322,7 @@ class Sequential:
         self._init_params = None
 
     def _require(self, n_features=None):
-        if self.binding is None:
-            raise IparError(
-                "the model is not on a cluster yet: call model.distribute(client, grid) first."
-            )
+        self._require_bound()
         if self.engine is None:
             if self.input_dim is None:
                 if n_features is None:
@@ -641,6 +641,7 @@ class Sequential:
 
     def train_step(self, Xb, yb, optimizer: SGD):
         """Submit one SGD step on a prepared batch; returns the loss-statistics futures."""
+        self._require()
         if self.lineage_steps is not None and self._since_cut >= self.lineage_steps:
             self._cut_lineage()
         self._since_cut += 1
@@ -815,10 +816,33 @@ class Sequential:
             callback(st)
 
     def _require_bound(self):
+        """Raise a clear error unless the model is on a cluster with its state intact."""
+        if self._closed:
+            raise IparError(
+                "this model was closed (model.close()): its weights and momentum were released "
+                "from the cluster and are gone. Save a checkpoint or call get_weights() before "
+                "closing; to go on, build a new model and load a checkpoint into it."
+            )
         if self.binding is None:
             raise IparError(
                 "the model is not on a cluster yet: call model.distribute(client, grid) first."
             )
+        if self._w is not None:
+            cells = self.binding.grid.cells()
+            for name in self._w + self._v:
+                if name is None:
+                    continue
+                for c in cells:
+                    f = self._futures.get((name, *c))
+                    status = "missing" if f is None else f.status
+                    if status in ("pending", "finished"):
+                        continue
+                    raise IparError(
+                        f"the model's state on the cluster is lost: its block {name} of grid "
+                        f"cell {c} is {status} (the workers were restarted, a grid worker "
+                        "died, or a step failed). Restore it from a checkpoint: "
+                        "checkpoint.recover(model, directory) or `dask-ipar train --resume`."
+                    )
 
     # ----------------------------------------------------------- inference
     def _batches(self, X, y, batch_size):
@@ -934,6 +958,7 @@ class Sequential:
 
     def get_weights(self):
         """``[(W, b), ...]`` as NumPy arrays (``W`` is ``d_out x d_in``), gathered to the client."""
+        self._require_bound()
         if self._w is None:
             if self._init_params is None:
                 self._require()
@@ -1071,7 +1096,16 @@ class Sequential:
 
     def close(self):
         """Release every block this model holds on the cluster (steps still running as
-        worker programs stop)."""
+        worker programs stop). The weights are gone with them: afterwards every method
+        that needs them (``fit``, ``get_weights``, ``evaluate``, ``distribute``,
+        ``checkpoint.save``, ...) raises an error saying the model was closed."""
+        self.drop_state()
+        self._closed = True
+
+    def drop_state(self):
+        """Release every block this model holds on the cluster, keeping it usable: the
+        next use builds the initial weights again, unless state is loaded first (what
+        :func:`dask_ipar.checkpoint.recover` does after a worker died)."""
         if self._futures and self._exchange is not None:
             self.abort_programs("the model was closed")
         self._exchange = None
