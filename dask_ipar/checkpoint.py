@@ -435,14 +435,22 @@ class _StorageErrors:
 
     def __exit__(self, typ, exc, tb):
         if exc is not None and isinstance(exc, OSError):
-            raise _storage_error(self.directory, self.what, _describe(exc)) from None
+            raise _storage_error(self.directory, self.what, _describe(exc), exc.errno) from None
         return False
 
 
-def _storage_error(directory, what, why) -> CheckpointStorageError:
+def _storage_error(directory, what, why, errno_=None) -> CheckpointStorageError:
+    import errno
+
+    if errno_ in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space there or choose another checkpoint directory"
+    elif errno_ in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "choose a checkpoint directory that this process and every worker can write"
+    else:
+        fix = "check the file system, or choose another checkpoint directory"
     return CheckpointStorageError(
         f"cannot write {what} in {directory!r}: {why}. The checkpoints saved before are "
-        "intact; free space or choose a writable checkpoint directory."
+        f"intact; {fix}."
     )
 
 
@@ -595,7 +603,7 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
         del slices[:]  # the neighbours' slices are forgotten, with every copy of them
         for (name, _), res in zip(writes, results):
             if "error" in res:
-                raise _storage_error(directory, what, res["error"])
+                raise _storage_error(directory, what, res["error"], res["errno"])
             arrays[name]["sha256"].update(res["sha256"])
         meta["arrays"] = arrays
         meta["checksum"] = fmt.meta_digest(meta)

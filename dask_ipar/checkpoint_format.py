@@ -185,9 +185,11 @@ def validate_metadata(attrs, where: str, dir_step: int | None = None) -> dict:
                 f"(differ in {', '.join(extra)})")
         for name, shape in want.items():
             rec = arrays[name]
-            if not isinstance(rec, dict) or list(rec.get("shape", ())) != list(shape):
-                bad(f"array {name} is recorded with shape {rec.get('shape') if isinstance(rec, dict) else rec!r}, "
-                    f"the layers say {list(shape)}")
+            if not isinstance(rec, dict):
+                bad(f"array {name} has no record")
+            if rec.get("shape") != list(shape):
+                bad(f"array {name} is recorded with shape {rec.get('shape')!r}, the layers "
+                    f"say {list(shape)}")
             chunks = rec.get("chunks")
             if not (isinstance(chunks, list) and len(chunks) == 2
                     and all(_is_int(v, 1) for v in chunks)):
