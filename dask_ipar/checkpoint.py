@@ -4,28 +4,36 @@ Layout of a checkpoint directory ``<dir>/ckpt-<step>/`` (a Zarr v3 group)::
 
     zarr.json              group attributes: format, version, step, grid, dtype,
                            sizes, layers (name, n_in, n_out, bias, activation),
-                           has_velocity, extra (user metadata, JSON)
+                           has_velocity, extra (user metadata, JSON), arrays (shape,
+                           chunks, SHA-256 per chunk), checksum (of all the rest)
     dense0/w               float array n_out x (n_in + bias), the last column the bias
     dense0/v               its momentum (absent before the first step)
     dense1/w ...
 
-Arrays are chunked by the saving grid's blocks (the largest row block by the largest
-column block, so chunks equal blocks when the sizes divide evenly). Every chunk is
-written by exactly one worker: the owner of the block holding the chunk's first
-element; when blocks are uneven, the few neighbouring rows or columns it needs travel
-to it first. Chunks are compressed (zstd) and carry a CRC32C checksum.
+(:mod:`dask_ipar.checkpoint_format` defines and validates the metadata.) Arrays are
+chunked by the saving grid's blocks (the largest row block by the largest column block,
+so chunks equal blocks when the sizes divide evenly). Every chunk is written by exactly
+one worker: the owner of the block holding the chunk's first element; when blocks are
+uneven, the few neighbouring rows or columns it needs are cut from the neighbour's block
+on the neighbour and travel to it under a key of their own, released after the write.
+Chunks are compressed (zstd) and carry a CRC32C checksum; the writer records a SHA-256
+of each chunk's values, and every reader checks the chunks it decodes.
 
 Writes are atomic. The blocks go into ``<dir>/ckpt-<step>.tmp-<uuid>/``; every file is
 fsynced (chunk files by the worker that wrote them); the directory is renamed to
 ``ckpt-<step>``; then the ``LATEST`` pointer file is replaced (written beside, fsynced,
 renamed). A crash at any moment leaves the previous checkpoints and ``LATEST`` intact;
-:func:`latest` never returns a ``.tmp`` directory.
+:func:`latest` never returns a ``.tmp`` directory, and the next save removes such
+leftovers. A file system that refuses a write raises :class:`CheckpointStorageError`
+at once, naming the directory.
 
 Loading works on any grid: each worker of the new grid reads its own block straight
 from the arrays (:func:`load`), weights and momentum both, so a run saved on 2x2 goes
 on, with the same results, on 4x1 or 1x1. Only numeric float arrays are read (no
-pickle, object arrays are rejected); missing chunks, wrong shapes or another model's
-checkpoint raise :class:`~dask_ipar.errors.IparError`.
+pickle, object arrays are rejected). A checkpoint that does not verify (damaged or
+missing chunks, edited metadata) raises :class:`CheckpointCorrupt`; with
+``fallback=True`` the next older one is tried. Another model's checkpoint raises
+:class:`~dask_ipar.errors.IparError`.
 
 :func:`train_with_checkpoints` is a training loop that saves every N steps and, when a
 worker dies (its blocks are lost), says so, re-binds the model to the live workers and

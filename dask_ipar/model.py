@@ -837,6 +837,7 @@ class Sequential:
                     status = "missing" if f is None else f.status
                     if status in ("pending", "finished"):
                         continue
+                    self._check_alive(self._step)  # a grid worker gone: say which
                     raise IparError(
                         f"the model's state on the cluster is lost: its block {name} of grid "
                         f"cell {c} is {status} (the workers were restarted, a grid worker "
