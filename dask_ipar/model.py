@@ -837,13 +837,23 @@ class Sequential:
                     status = "missing" if f is None else f.status
                     if status in ("pending", "finished"):
                         continue
-                    self._check_alive(self._step)  # a grid worker gone: say which
-                    raise IparError(
-                        f"the model's state on the cluster is lost: its block {name} of grid "
-                        f"cell {c} is {status} (the workers were restarted, a grid worker "
-                        "died, or a step failed). Restore it from a checkpoint: "
-                        "checkpoint.recover(model, directory) or `dask-ipar train --resume`."
-                    )
+                    raise IparError(f"the model's state on the cluster is lost: "
+                                    f"{self._why_lost(name, c, status)}. Restore it from a "
+                                    "checkpoint: checkpoint.recover(model, directory) or "
+                                    "`dask-ipar train --resume`.")
+
+    def _why_lost(self, name, cell, status) -> str:
+        """Why block ``(name, *cell)`` is ``status``: the grid worker that left, if one did."""
+        from dask_ipar.cluster import scheduler_workers
+
+        alive = set(scheduler_workers(self.client))
+        for c in self.binding.grid.cells():
+            if (w := self.binding.worker(*c)) not in alive:
+                self.abort_programs(f"worker {w} of grid cell {c} left the cluster")
+                return (f"worker {w} of grid cell {c} left the cluster (restarted or died) "
+                        "and its blocks went with it")
+        return (f"its block {name} of grid cell {cell} is {status} (the workers were "
+                "restarted, or a step failed)")
 
     # ----------------------------------------------------------- inference
     def _batches(self, X, y, batch_size):
