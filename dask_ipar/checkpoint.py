@@ -239,8 +239,10 @@ def _read_block(path, name, r0, r1, c0, c1, dtype, digests=None, module=None):
     """Block ``[r0:r1, c0:c1]`` of the float array at ``path``, every chunk it touches
     checked against ``digests`` (``{chunk id: sha256}``; None: version-1 checkpoint).
 
-    Returns the block (as ``module``'s array when given, e.g. CuPy), or a ``_Failure``.
-    ``name`` is how messages call the array (``ckpt-300/dense1/v``).
+    Reads one whole chunk at a time (what zarr decodes anyway), so each can be checked
+    and the memory in use stays the block plus one chunk. Returns the block (as
+    ``module``'s array when given, e.g. CuPy), or a ``_Failure``. ``name`` is how
+    messages call the array (``ckpt-300/dense1/v``).
     """
     try:
         import zarr
@@ -250,28 +252,32 @@ def _read_block(path, name, r0, r1, c0, c1, dtype, digests=None, module=None):
             return _Failure(f"array {name} has dtype {arr.dtype}, the metadata says {dtype}")
         ch, cw = arr.chunks
         n, m = arr.shape
-        # whole chunks (what zarr decodes anyway), so each can be checked
-        R0, R1 = r0 // ch * ch, min(-(-r1 // ch) * ch, n)
-        C0, C1 = c0 // cw * cw, min(-(-c1 // cw) * cw, m)
-        data = arr[R0:R1, C0:C1]
-    except Exception as exc:
-        return _Failure(f"array {name} could not be read ({_describe(exc)})")
-    if digests is not None:
-        for ci in range(R0 // ch, -(-R1 // ch)):
-            for cj in range(C0 // cw, -(-C1 // cw)):
-                part = data[ci * ch - R0:min((ci + 1) * ch, n) - R0,
-                            cj * cw - C0:min((cj + 1) * cw, m) - C0]
-                if fmt.chunk_digest(part) != digests.get(fmt.chunk_id(ci, cj)):
+        out = np.empty((r1 - r0, c1 - c0), dtype=arr.dtype)
+        for ci in range(r0 // ch, -(-r1 // ch)):
+            a0, a1 = ci * ch, min((ci + 1) * ch, n)
+            for cj in range(c0 // cw, -(-c1 // cw)):
+                b0, b1 = cj * cw, min((cj + 1) * cw, m)
+                if digests is None:  # nothing to check: read only the overlap
+                    a0, a1, b0, b1 = max(a0, r0), min(a1, r1), max(b0, c0), min(b1, c1)
+                part = arr[a0:a1, b0:b1]
+                if digests is not None and (fmt.chunk_digest(part)
+                                            != digests.get(fmt.chunk_id(ci, cj))):
                     return _Failure(f"chunk {ci}.{cj} of array {name} does not match its "
                                     "checksum")
-    out = np.ascontiguousarray(data[r0 - R0:r1 - R0, c0 - C0:c1 - C0])
+                lo, hi, le, ri = max(a0, r0), min(a1, r1), max(b0, c0), min(b1, c1)
+                out[lo - r0:hi - r0, le - c0:ri - c0] = part[lo - a0:hi - a0, le - b0:ri - b0]
+    except Exception as exc:
+        return _Failure(f"array {name} could not be read ({_describe(exc)})")
     if not np.isfinite(out).all():
         return _Failure(f"array {name} has missing or non-finite values in rows {r0}:{r1}, "
                         f"columns {c0}:{c1} (a chunk file is missing or damaged)")
     if module is not None:
         from dask_ipar.kernels import to_device
 
-        return to_device(out, module)
+        try:
+            return to_device(out, module)
+        except Exception as exc:
+            return _Failure(f"array {name} could not be copied to the device ({_describe(exc)})")
     return out
 
 
@@ -373,37 +379,26 @@ def checkpoints(directory) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def _pointer(directory: str) -> str | None:
-    """The checkpoint ``LATEST`` names, when it names a complete one."""
-    try:
-        with open(os.path.join(directory, _LATEST), "rb") as f:
-            name = f.read(256).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):  # absent, unreadable or garbage: not followed
-        return None
-    if _NAME.match(name) and os.path.isfile(os.path.join(directory, name, "zarr.json")):
-        return os.path.join(directory, name)
-    return None
-
-
 def latest(directory) -> str | None:
-    """Path of the newest complete checkpoint in ``directory``, or None when there is none.
+    """Path of the newest complete checkpoint in ``directory`` (the highest step), or None
+    when there is none; never a ``.tmp`` directory.
 
-    Follows the ``LATEST`` pointer when it names a complete checkpoint, else takes the
-    highest step on disk; never a ``.tmp`` directory.
+    The ``LATEST`` file names the same checkpoint for other tools; it is not needed to
+    find it (a ``LATEST`` that is missing, stale or garbage changes nothing).
     """
-    directory = os.fspath(directory)
-    found = _pointer(directory)
-    if found is not None:
-        return found
-    found = checkpoints(directory)
+    found = checkpoints(os.fspath(directory))
     return found[-1][1] if found else None
 
 
 def _candidates(directory: str) -> list[str]:
-    """Checkpoints to try when resuming: :func:`latest` first, then newest to oldest."""
-    first = latest(directory)
-    rest = [p for _, p in reversed(checkpoints(directory)) if p != first]
-    return ([first] if first else []) + rest
+    """Every ``ckpt-<step>`` directory, newest first (complete or not: resuming says
+    why it skips one)."""
+    found = []
+    for name in os.listdir(directory):
+        m = _NAME.match(name)
+        if m and os.path.isdir(os.path.join(directory, name)):
+            found.append((int(m.group(1)), os.path.join(directory, name)))
+    return [p for _, p in sorted(found, reverse=True)]
 
 
 def read_metadata(path) -> dict:
@@ -547,8 +542,10 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
     }
     try:
         json.dumps(meta, allow_nan=False)
+        fmt.meta_digest(meta)  # the canonical form (sorted keys) must exist too
     except (TypeError, ValueError) as exc:
-        raise IparError(f"checkpoint extra metadata must be JSON-serialisable: {exc}") from None
+        raise IparError(f"checkpoint extra metadata must be JSON-serialisable with string "
+                        f"keys: {exc}") from None
 
     final = os.path.join(directory, f"ckpt-{step}")
     tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
@@ -640,7 +637,14 @@ def _publish(tmp: str, final: str, directory: str) -> None:
         os.rename(final, aside)
     os.rename(tmp, final)
     _fsync_dir(directory)
-    _write_atomic(os.path.join(directory, _LATEST), os.path.basename(final) + "\n")
+    try:
+        _write_atomic(os.path.join(directory, _LATEST), os.path.basename(final) + "\n")
+    except OSError:  # not published after all: put everything back as it was
+        with contextlib.suppress(OSError):
+            os.rename(final, tmp)
+            if aside is not None:
+                os.rename(aside, final)
+        raise
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -767,11 +771,14 @@ def load(model, path, *, timeout_s: float | None = None, fallback: bool = False,
     if not fallback or os.path.isfile(os.path.join(p, "zarr.json")) or not os.path.isdir(p):
         return _load_one(model, _resolve(p), timeout_s)
     candidates = _candidates(p)
-    if not candidates:
+    if not any(os.path.isfile(os.path.join(c, "zarr.json")) for c in candidates):
         _resolve(p)  # raises: no complete checkpoint
     skipped = []
     for cand in candidates:
         try:
+            if not os.path.isfile(os.path.join(cand, "zarr.json")):
+                raise CheckpointCorrupt(f"checkpoint {cand!r} has no zarr.json: it is "
+                                        "incomplete (a partial copy?)")
             return _load_one(model, cand, timeout_s)
         except CheckpointCorrupt as exc:
             skipped.append(f"{os.path.basename(cand)} ({exc})")
@@ -790,6 +797,11 @@ def _load_one(model, path, timeout_s):
         model.input_dim = int(meta["sizes"][0])
     has_v = bool(meta["has_velocity"])
     recorded = meta.get("arrays")  # version 2: shapes, chunks and checksums
+    if recorded is None:
+        import warnings
+
+        warnings.warn(f"checkpoint {path!r} has format version 1 (written before checksums): "
+                      "its values cannot be verified.", UserWarning, stacklevel=3)
     for name, shape in fmt.expected_arrays(meta).items():
         rec = None if recorded is None else recorded[name]
         _check_array(zarr, os.path.join(path, *name.split("/")), shape, meta["dtype"],

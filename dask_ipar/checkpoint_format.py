@@ -116,23 +116,24 @@ def validate_metadata(attrs, where: str, dir_step: int | None = None) -> dict:
 
     if not isinstance(attrs, dict):
         bad("the metadata is not a JSON object")
+    # a checksum that fails means damage, whatever the fields say (format and version too)
+    if "checksum" in attrs and (not isinstance(attrs["checksum"], str)
+                                or meta_digest(attrs) != attrs["checksum"]):
+        bad("the metadata does not match its checksum")
     if attrs.get("format") != FORMAT:
         raise IparError(
             f"{where} is a Zarr group but not a dask-ipar checkpoint (format "
             f"{attrs.get('format')!r}, expected {FORMAT!r})."
         )
     version = attrs.get("version")
-    if version not in READABLE_VERSIONS:
+    if type(version) is not int or version not in READABLE_VERSIONS:
         raise IparError(
             f"checkpoint {where} has format version {version!r}; this dask-ipar reads "
             f"versions {', '.join(map(str, READABLE_VERSIONS))}. Use the dask-ipar release "
             "that wrote it."
         )
-    if version >= 2:
-        if not isinstance(attrs.get("checksum"), str):
-            bad("the metadata has no checksum")
-        if meta_digest(attrs) != attrs["checksum"]:
-            bad("the metadata does not match its checksum")
+    if version >= 2 and not isinstance(attrs.get("checksum"), str):
+        bad("the metadata has no checksum")
     need = ("step", "grid", "dtype", "sizes", "layers", "has_velocity")
     missing = [k for k in need if k not in attrs]
     if missing:

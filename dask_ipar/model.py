@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import math
 import time
@@ -492,7 +493,7 @@ class Sequential:
         never needs CuPy or a GPU to receive results.
         """
         if not self.block_module:
-            return self.client.gather(list(futures))
+            return self._gather(list(futures))
         step = self._next_step()
         g = StepGraph()
         out = []
@@ -501,7 +502,7 @@ class Sequential:
             g.add(hkey, self.binding.worker(*key[1:3]), K.to_host, TaskRef(key))
             out.append(hkey)
         fetched = self._submit(g, f"to-host-{self.uid}-s{step}", out)
-        return self.client.gather(fetched)
+        return self._gather(fetched)
 
     def _cut_lineage(self):
         """Give the weight and momentum blocks new keys that have no task history.
@@ -837,23 +838,41 @@ class Sequential:
                     status = "missing" if f is None else f.status
                     if status in ("pending", "finished"):
                         continue
-                    raise IparError(f"the model's state on the cluster is lost: "
-                                    f"{self._why_lost(name, c, status)}. Restore it from a "
-                                    "checkpoint: checkpoint.recover(model, directory) or "
-                                    "`dask-ipar train --resume`.")
+                    self._raise_lost(f"its block {name} of grid cell {c} is {status}", f)
 
-    def _why_lost(self, name, cell, status) -> str:
-        """Why block ``(name, *cell)`` is ``status``: the grid worker that left, if one did."""
+    def _raise_lost(self, what: str, future=None, grace_s: float = 0.0):
+        """Raise the error of a model whose blocks are gone: the grid worker that left,
+        if one did (waiting up to ``grace_s`` for the scheduler to notice), else the
+        failed task's own error, else ``what``."""
         from dask_ipar.cluster import scheduler_workers
 
-        alive = set(scheduler_workers(self.client))
-        for c in self.binding.grid.cells():
-            if (w := self.binding.worker(*c)) not in alive:
-                self.abort_programs(f"worker {w} of grid cell {c} left the cluster")
-                return (f"worker {w} of grid cell {c} left the cluster (restarted or died) "
-                        "and its blocks went with it")
-        return (f"its block {name} of grid cell {cell} is {status} (the workers were "
-                "restarted, or a step failed)")
+        deadline = time.monotonic() + grace_s
+        while True:
+            alive = set(scheduler_workers(self.client))
+            gone = [(c, w) for c in self.binding.grid.cells()
+                    if (w := self.binding.worker(*c)) not in alive]
+            if gone or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        if gone:
+            c, w = gone[0]
+            self.abort_programs(f"worker {w} of grid cell {c} left the cluster")
+            what = f"worker {w} of grid cell {c} left the cluster (restarted or died)"
+        elif future is not None and future.status == "error":
+            raise future.exception()  # a failed step: its own error, not a guess
+        raise IparError(f"the model's state on the cluster is lost: {what}. Restore it from a "
+                        "checkpoint: checkpoint.recover(model, directory) or "
+                        "`dask-ipar train --resume`.")
+
+    def _gather(self, futures):
+        """``client.gather`` that turns blocks cancelled under it (a worker died, the
+        workers were restarted) into the model's one clear error."""
+        from distributed.client import FutureCancelledError
+
+        try:
+            return self.client.gather(futures)
+        except (FutureCancelledError, asyncio.CancelledError):
+            self._raise_lost("its blocks were cancelled on the cluster", grace_s=10.0)
 
     # ----------------------------------------------------------- inference
     def _batches(self, X, y, batch_size):
@@ -903,7 +922,7 @@ class Sequential:
         totals = np.zeros(2)
         for Xb, yb in self._batches(X, y, batch_size):
             futs, keys = self._forward_batch(Xb, yb)
-            totals += np.sum(self.client.gather(futs[len(keys):]), axis=0)
+            totals += np.sum(self._gather(futs[len(keys):]), axis=0)
         return {"loss": totals[0] / len(y), "accuracy": totals[1] / len(y)}
 
     def gradients(self, X, y):
@@ -923,7 +942,7 @@ class Sequential:
         keys = [(n, i, j) for n in names for i, j in self.binding.grid.cells()]
         futs = self._submit(g, f"grad-{self.uid}-s{step}", keys + stats)
         blocks = dict(zip(keys, self._fetch(keys, futs[: len(keys)])))
-        loss_sum, correct = np.sum(self.client.gather(futs[len(keys):]), axis=0)
+        loss_sum, correct = np.sum(self._gather(futs[len(keys):]), axis=0)
         grads = [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.param_layouts, names)]
         return loss_sum / len(y), correct / len(y), grads
 

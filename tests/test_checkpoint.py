@@ -244,11 +244,18 @@ def test_corrupted_and_mismatched_checkpoints(client4, data, tmp_path):
     # garbage group metadata, another format
     with pytest.raises(IparError, match="corrupted"):
         ck.load(fresh, broken(lambda p: open(os.path.join(p, "zarr.json"), "w").write("{")))
-    def other_format(p):
+    def other_format(p):  # another tool's group: no checksum of ours
         g = zarr.open_group(p, mode="r+")
-        g.attrs["format"] = "something-else"
+        attrs = dict(g.attrs)
+        attrs.pop("checksum")
+        attrs["format"] = "something-else"
+        g.attrs.put(attrs)
     with pytest.raises(IparError, match="not a dask-ipar checkpoint"):
         ck.load(fresh, broken(other_format))
+    def edited_format(p):  # ours, damaged: the checksum says so
+        zarr.open_group(p, mode="r+").attrs["format"] = "something-else"
+    with pytest.raises(ck.CheckpointCorrupt, match="does not match its checksum"):
+        ck.load(fresh, broken(edited_format))
     with pytest.raises(IparError, match="not a dask-ipar checkpoint|does not exist"):
         ck.read_metadata(tmp_path / "nothing")
     # the failed loads left the model as it was

@@ -197,6 +197,52 @@ def test_edited_metadata_is_refused_in_one_line(client, saved, tmp_path, edit):
     m.close()
 
 
+def resign(a):
+    """Recompute the metadata checksum after an edit: the fields alone must catch it."""
+    from dask_ipar.checkpoint_format import meta_digest
+
+    a["checksum"] = meta_digest(a)
+
+
+FIELD_EDITS = {
+    "negative step": (lambda a: a.update(step=-5), "step is -5"),
+    "step not a number": (lambda a: a.update(step="twenty"), "step is 'twenty'"),
+    "step of another directory": (lambda a: a.update(step=3), "says step 3 but the directory"),
+    "layer without n_in": (lambda a: a["layers"][0].pop("n_in"), "layer 0 has no n_in"),
+    "momentum dropped": (lambda a: a.update(has_velocity=False), "has_velocity = false"),
+    "boolean version": (lambda a: a.update(version=True), "format version True"),
+    "array checksum missing": (lambda a: a["arrays"]["dense1/v"]["sha256"].pop("0.0"),
+                               "lacks checksums"),
+}
+
+
+@pytest.mark.parametrize("edit", list(FIELD_EDITS))
+def test_each_metadata_field_is_checked(client, saved, tmp_path, edit):
+    change, message = FIELD_EDITS[edit]
+    path = copy_of(saved / "ckpt-4", tmp_path, "f")
+    edit_attrs(path, lambda a: (change(a), resign(a)))
+    m = make_model().distribute(client, "1x1")
+    with pytest.raises(IparError, match=message) as err:
+        ck.load(m, path)
+    assert "\n" not in str(err.value)
+    m.close()
+
+
+def test_damaged_format_or_version_still_falls_back(client, saved, tmp_path):
+    d = tmp_path / "d"
+    shutil.copytree(saved, d)
+    edit_attrs(str(d / "ckpt-4"), lambda a: a.update(version=3))
+    edit_attrs(str(d / "ckpt-2"), lambda a: a.update(format="dask-ipar-checkpoinx"))
+    (d / "ckpt-5").mkdir()  # a partial copy: no zarr.json
+    m = make_model().distribute(client, "2x2")
+    lines = []
+    assert ck.load(m, d, fallback=True, log=lines.append)["step"] == 0
+    assert [ln.split(":")[0] for ln in lines] == [
+        f"skipped checkpoint {d / n}" for n in ("ckpt-5", "ckpt-4", "ckpt-2")]
+    assert "no zarr.json" in lines[0] and "does not match its checksum" in lines[1]
+    m.close()
+
+
 def test_version_1_metadata_is_validated_too(client, saved, tmp_path):
     """Checkpoints of the first format (no checksums) load, and bad fields are refused."""
     path = copy_of(saved / "ckpt-4", tmp_path, "v1")
@@ -207,7 +253,8 @@ def test_version_1_metadata_is_validated_too(client, saved, tmp_path):
         a.pop("checksum")
     edit_attrs(path, to_v1)
     m = make_model().distribute(client, "1x2")
-    assert ck.load(m, path)["step"] == 4
+    with pytest.warns(UserWarning, match="format version 1 .* cannot be verified"):
+        assert ck.load(m, path)["step"] == 4
     edit_attrs(path, lambda a: a.update(step="twenty"))
     with pytest.raises(CheckpointCorrupt, match="step is 'twenty'"):
         ck.load(m, path)
@@ -340,6 +387,51 @@ def test_restarted_workers_give_one_clear_error(data, tmp_path):
         m.close()
 
 
+def test_a_failed_step_raises_its_own_error(data):
+    """A kernel that fails on a worker: the caller sees that error, not a guess."""
+    from distributed import Client, LocalCluster
+
+    X, y = data
+    logging.getLogger("distributed").setLevel(logging.CRITICAL)
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as c:
+        m = make_model().distribute(c, "1x2")
+        victim = m.binding.worker(0, 1)
+        c.run(_break_updates, workers=[victim])
+        c.gather(m.train_step(X[:10], y[:10], OPT))  # the forward pass still works
+        with pytest.raises(RuntimeError, match="injected update failure"):
+            for _ in range(3):
+                m.get_weights()
+                c.gather(m.train_step(X[:10], y[:10], OPT))
+        m.close()
+
+
+def _break_updates():
+    import dask_ipar.kernels as K
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected update failure")
+    K.sgd_update = K.sgd_weight = K.sgd_velocity = broken
+
+
+def test_worker_killed_then_get_weights_gives_one_clear_error(data):
+    import signal
+
+    from distributed import Client, LocalCluster
+
+    X, y = data
+    logging.getLogger("distributed").setLevel(logging.CRITICAL)
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as c:
+        m = make_model().distribute(c, "1x2")
+        m.fit(X, y, batch_size=10, optimizer=OPT, measure=False)
+        victim = m.binding.worker(0, 1)
+        os.kill(c.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        with pytest.raises(IparError, match=f"lost: worker {victim} of grid cell"):
+            m.get_weights()  # at once, while the futures still look finished
+        m.close()
+
+
 # -------------------------------------------------------- storage faults
 @pytest.fixture
 def small_fs(tmp_path):
@@ -357,11 +449,10 @@ def small_fs(tmp_path):
 
 
 def fill(mnt):
-    with open(mnt / "filler", "wb") as f:
+    with open(mnt / "filler", "wb", buffering=0) as f:  # unbuffered: close cannot fail
         try:
             while True:
-                f.write(b"\0" * 65536)
-                f.flush()
+                f.write(b"\0" * 4096)
         except OSError:
             pass
 
@@ -392,6 +483,19 @@ def test_storage_fault_ends_the_save_at_once(client, data, small_fs, fault):
     assert ck.load(other, d)["step"] == 0  # the earlier checkpoint verifies
     other.close()
     m.close()
+
+
+def test_worker_side_write_error_is_reported_not_raised(small_fs):
+    """The writer task returns the storage error (no "Compute Failed" dump on the worker)."""
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    path = str(small_fs / "a")
+    zarr.create_array(path, shape=(64, 64), chunks=(32, 32), dtype="float64",
+                      fill_value=np.nan, compressors=[ZstdCodec(level=1), Crc32cCodec()])
+    fill(small_fs)
+    block = np.random.default_rng(0).standard_normal((64, 64))
+    res = ck._write_region(path, 0, 64, 0, 64, [(0, 64, 0, 64)], block)
+    assert res["errno"] == 28 and "No space left on device" in res["error"]
 
 
 def run_cli(*args, timeout=240):

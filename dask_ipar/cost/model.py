@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from dask_ipar.cost.collectives import log2_ceil
 from dask_ipar.cost.layers import FC, Conv2d, LayerSpec, Pool2d, as_layer_spec
 from dask_ipar.cost.machine import Machine
+from dask_ipar.halo import halo_plan
 
 __all__ = [
     "CONVENTIONS",
@@ -43,6 +44,7 @@ __all__ = [
     "dense_layer_phases",
     "conv_model_phases",
     "domain_layer_phases",
+    "engine_halo_phases",
     "halo_phases",
     "exchange_phase",
     "batch_layer_phases",
@@ -314,9 +316,10 @@ def batch_layer_phases(layer: LayerSpec, procs: int, machine: Machine, *, conven
 
 
 def domain_layer_phases(
-    conv: Conv2d, pr: int, pc: int, batch: int, machine: Machine, *, convention: str = "engine", name: str | None = None
+    conv: Conv2d | Pool2d, pr: int, pc: int, batch: int, machine: Machine, *, convention: str = "engine",
+    name: str | None = None, first_layer: bool = False,
 ) -> list[PhaseCost]:
-    """Domain-parallel conv layer on a ``Pr x Pc`` grid (Eqs. 7, 9).
+    """Domain-parallel conv (or pooling) layer on a ``Pr x Pc`` grid (Eqs. 7, 9).
 
     Height split over Pr, samples over Pc, weights replicated on all P:
 
@@ -325,16 +328,29 @@ def domain_layer_phases(
     - ``halo_bwd``: ``alpha + beta*(B/Pc)*Y_W*Y_C*floor(k_h/2)``.
     - weight all-reduce over all P: ``2*(alpha*ceil(log P) + beta*(P-1)/P*|W_i|)``.
 
-    1 x 1 kernels (floor(k_h/2) = 0) send no halo.  The paper charges one
-    neighbour; the engine convention charges both neighbours of an interior
-    slab (up to 2 messages, ``2*halo`` rows).  Totals count every boundary in
-    both directions: ``2*(Pr-1)*halo*X_W*X_C*B`` words.
+    That is the paper's convention. The engine convention is what the engine sends
+    (:func:`engine_halo_phases`): the input rows each grid row reads from its
+    neighbours, from the exact window geometry (kernel, stride, padding, uneven
+    strips; an interior strip talks to up to 2 neighbours); backward returns the
+    gradient of those same rows to their owners (the adjoint of the forward
+    exchange, the same bytes), except in the first layer (``first_layer``), whose
+    input needs no gradient; the dW reduce-scatter plus weight all-gather over all P.
+    1 x 1 kernels send no halo. Pooling layers (:class:`Pool2d`) have the halos and no
+    weights.
     """
     _check_grid(pr, pc, batch)
     _check_convention(convention)
-    if not isinstance(conv, Conv2d):
-        raise ValueError(f"conv: got {type(conv).__name__}; domain parallelism applies to Conv2d layers")
+    if not isinstance(conv, (Conv2d, Pool2d)):
+        raise ValueError(f"conv: got {type(conv).__name__}; domain parallelism applies to Conv2d and "
+                         "Pool2d layers")
     name = name or conv.name
+    if convention == "engine":
+        phases = engine_halo_phases(conv, pr, pc, batch, machine, name=name, first_layer=first_layer)
+        if isinstance(conv, Pool2d):
+            return phases
+        return phases + _weight_allreduce_all(conv, name, pr * pc, machine, convention)
+    if isinstance(conv, Pool2d):
+        return []  # the paper charges pooling nothing
     w = machine.word_bytes
     halo = conv.halo_rows
     phases = []
@@ -343,14 +359,29 @@ def domain_layer_phases(
             phases.append(_phase(name, phase, pr, 0, 0, 0, machine))
             continue
         total = 2 * (pr - 1) * halo * row_words * batch * w
-        if convention == "paper":
-            nbytes = batch / pc * row_words * halo * w  # Eq. 7 with B/Pc samples (Eq. 9)
-            phases.append(_phase(name, phase, pr, total, math.ceil(nbytes), 1, machine, nbytes))
-        else:
-            neighbours = min(2, pr - 1)
-            mx = neighbours * halo * row_words * _ceil_div(batch, pc) * w
-            phases.append(_phase(name, phase, pr, total, mx, neighbours, machine))
+        nbytes = batch / pc * row_words * halo * w  # Eq. 7 with B/Pc samples (Eq. 9)
+        phases.append(_phase(name, phase, pr, total, math.ceil(nbytes), 1, machine, nbytes))
     return phases + _weight_allreduce_all(conv, name, pr * pc, machine, convention)
+
+
+def engine_halo_phases(
+    layer: Conv2d | Pool2d, pr: int, pc: int, batch: int, machine: Machine, *, name: str | None = None,
+    first_layer: bool = False, pad: tuple[int, int] | None = None,
+) -> list[PhaseCost]:
+    """The halo exchanges the engine makes for one domain-parallel conv or pooling layer.
+
+    The rows come from :func:`dask_ipar.halo.halo_plan` (the geometry the engine builds
+    its exchange from); ``pad`` is the (top, bottom) zero padding (default: the spec's
+    symmetric ``padding``). ``halo_fwd`` and ``halo_bwd`` move the same bytes; the first
+    layer has no ``halo_bwd`` (:func:`halo_phases`).
+    """
+    k = layer.k_h if isinstance(layer, Conv2d) else layer.k
+    channels = layer.in_c if isinstance(layer, Conv2d) else layer.channels
+    pad = (layer.padding, layer.padding) if pad is None else tuple(pad)
+    plan = halo_plan(layer.in_h, pr, k, layer.stride, pad)
+    phases = halo_phases(name or layer.name, sum(n.halo_rows for n in plan), channels * layer.in_w, pr, pc,
+                         batch, machine, max_rows=max(n.halo_rows for n in plan))
+    return phases[:1] if first_layer else phases
 
 
 def exchange_phase(

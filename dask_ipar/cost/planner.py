@@ -152,7 +152,8 @@ def _layer_phases(layer, scheme, name, pr, pc, batch, machine, first, convention
     if scheme == "model":
         return _matmul_phases(layer, name, pr, pc, batch, machine, first, convention, dx_size)
     if scheme == "domain":
-        return domain_layer_phases(layer, pr, pc, batch, machine, convention=convention, name=name)
+        return domain_layer_phases(layer, pr, pc, batch, machine, convention=convention, name=name,
+                                   first_layer=first)
     return batch_layer_phases(layer, pr * pc, machine, convention=convention, name=name)
 
 
@@ -175,8 +176,17 @@ def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size, domain
     first = True
     for idx, layer in enumerate(layers):
         name = layer.name or str(idx)
-        if isinstance(layer, Pool2d):
-            continue  # pooling keeps the layout and sends nothing
+        if isinstance(layer, Pool2d):  # keeps the layout; on strips the engine exchanges halos
+            if convention == "engine" and "domain" in frontier and pr > 1:
+                c, schemes, phases = frontier["domain"]
+                if pr > layer.out_h:  # a strip without output rows
+                    del frontier["domain"]
+                    if not frontier:
+                        return None
+                    continue
+                extra = domain_layer_phases(layer, pr, pc, batch, machine, name=name, first_layer=first)
+                frontier["domain"] = (c + sum(p.seconds for p in extra), schemes, phases + tuple(extra))
+            continue
         new = {}
         for state, (cost, schemes, phases) in frontier.items():
             for s in allowed[idx]:
