@@ -43,9 +43,10 @@ def cost_specs(layers, input_shape) -> list:
         p = _symmetric(f.pad[:2], h, f.k[0], f.stride, oh)
         if f.kind == "conv":
             specs.append(cost.Conv2d(h, w, c, o, f.k[0], f.k[1], f.stride, p, f.groups,
-                                     f.weights.bias, name=f.name))
+                                     f.weights.bias, name=f.name, pad_rows=tuple(f.pad[:2])))
         else:
-            specs.append(cost.Pool2d(h, w, c, f.k[0], f.stride, p, name=f.name))
+            specs.append(cost.Pool2d(h, w, c, f.k[0], f.stride, p, name=f.name,
+                                     pad_rows=tuple(f.pad[:2])))
     c, h, w = f.out_shape
     d = c * h * w
     for k, lay in enumerate(layers[n_front + 1:], start=n_front + 1):

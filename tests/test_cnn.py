@@ -214,3 +214,70 @@ def test_batch_parallel_conv_errors(client):
     with pytest.raises(IparError, match="smaller than the 4 cells"):
         m.fit(np.zeros((3, 1, 8, 8)), np.zeros(3, int), batch_size=3)
     m.close()
+
+
+# ------------------------------------------------- one cost path: planner == meter
+def _engine_on_fake_workers(layers, input_shape, pr, pc):
+    """The engine of a CNN bound to fake worker addresses (graphs only, no cluster)."""
+    from dask_ipar.engine import Engine, LayerLayout
+    from dask_ipar.front import Front, front_layouts
+    from dask_ipar.grid import Grid, GridBinding
+
+    m = Sequential(layers, input_shape=input_shape)
+    grid = Grid(pr, pc)
+    binding = GridBinding(grid, tuple(f"tcp://10.0.0.{k}:1" for k in range(grid.size)))
+    first = len(m.layers) - len(m.dense_layers)
+    layouts = [LayerLayout.build(k, m.sizes[k], lay, pr, pc)
+               for k, lay in enumerate(m.dense_layers, start=first)]
+    front = Front(binding, front_layouts(m.layers[:m._n_front], input_shape, pr, pc),
+                  f"flatten{m._n_front}", "t")
+    return Engine(binding, layouts, "t", front=front)
+
+
+PLANNED = {
+    "awkward": None,  # dask_ipar.testing.awkward_cnn: stride 2, asymmetric padding, pools
+    "strides": ([Conv2d(6, 11, stride=4, padding=2, activation="relu"), MaxPool2d(3, stride=2),
+                 Conv2d(4, 5, padding=2, groups=2, activation="relu"),
+                 Conv2d(4, 5, padding=2, groups=2, bias=False), Flatten(), Dense(5)],
+                (3, 47, 27)),
+    "issue-25": ([Conv2d(8, 3, activation="relu"), Conv2d(32, 3, activation="relu"), Flatten(),
+                  Dense(10)], (3, 16, 16)),
+}
+
+
+@pytest.mark.parametrize("net", list(PLANNED))
+def test_planner_prices_exactly_what_the_meter_predicts(net):
+    """Domain-parallel CNNs on every grid the engine runs: the planner's bytes per layer and
+    phase equal the comm table's prediction (which test_cnn_matches_reference checks
+    against the measured bytes). The flatten redistribution is the planner's
+    ``redistribute`` of the first dense layer."""
+    from dask_ipar import cost
+    from dask_ipar.comm import LOOPBACK_MACHINE, predict_step
+    from dask_ipar.planning import ENGINE_SCHEMES, cost_specs
+    from dask_ipar.testing import awkward_cnn
+
+    layers, shape = PLANNED[net] or awkward_cnn()
+    batch = 9
+    n_front = next(k for k, lay in enumerate(layers) if isinstance(lay, Flatten))
+    checked = 0
+    for grid in GRIDS:
+        try:
+            eng = _engine_on_fake_workers(layers, shape, grid.pr, grid.pc)
+        except (IparError, ValueError):
+            continue  # a strip without rows: the engine refuses this grid
+        meter = {(p.layer, p.phase): p.total_bytes
+                 for p in predict_step(eng, grid.pr, grid.pc, batch, LOOPBACK_MACHINE, 8)}
+        flat = (f"flatten{n_front}", "redistribute")
+        meter = {((f"dense{n_front + 1}", "redistribute") if k == flat else k): v
+                 for k, v in meter.items()}
+        plan = cost.evaluate_grid(cost_specs(layers, shape), grid.pr, grid.pc, batch,
+                                  cost.Machine(alpha_s=1e-3, bandwidth_Bps=1e9, word_bytes=8),
+                                  conv="domain", schemes=ENGINE_SCHEMES)
+        assert plan.feasible, (grid, plan.reason)
+        planned = {}
+        for p in plan.phases:
+            planned[(p.layer, p.phase)] = planned.get((p.layer, p.phase), 0) + p.total_bytes
+        keys = {k for k, v in {**meter, **planned}.items() if v}
+        assert {k: planned.get(k, 0) for k in keys} == {k: meter.get(k, 0) for k in keys}, grid
+        checked += 1
+    assert checked >= 8

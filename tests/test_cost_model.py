@@ -378,7 +378,8 @@ def all_phases(layer, pr, pc, b, machine, convention):
         out += dense_layer_phases(layer, pr, pc, b, machine, first_layer=False, convention=convention)
     else:
         out += conv_model_phases(layer, pr, pc, b, machine, first_layer=False, convention=convention)
-        out += domain_layer_phases(layer, pr, pc, b, machine, convention=convention)
+        if convention == "paper" or pr <= layer.out_h:  # the engine needs an output row per strip
+            out += domain_layer_phases(layer, pr, pc, b, machine, convention=convention)
     out.append(redistribute_phase(layer.d_in, pr, pc, b, machine, convention=convention))
     out.append(redistribute_phase(layer.d_in, pr, pc, b, machine, convention=convention, kind="alltoall"))
     return out

@@ -97,6 +97,9 @@ class Conv2d:
     groups: int = 1
     bias: bool = True
     name: str = ""
+    #: (top, bottom) zero rows when they differ from ``padding`` (the engine's exact
+    #: halo geometry; the output size still follows ``padding``)
+    pad_rows: tuple[int, int] | None = None
     out_h: int = field(init=False)
     out_w: int = field(init=False)
 
@@ -166,6 +169,7 @@ class Pool2d:
     padding: int = 0
     global_pool: bool = False
     name: str = ""
+    pad_rows: tuple[int, int] | None = None  #: as for :class:`Conv2d`
     out_h: int = field(init=False)
     out_w: int = field(init=False)
 

@@ -372,12 +372,13 @@ def engine_halo_phases(
 
     The rows come from :func:`dask_ipar.halo.halo_plan` (the geometry the engine builds
     its exchange from); ``pad`` is the (top, bottom) zero padding (default: the spec's
-    symmetric ``padding``). ``halo_fwd`` and ``halo_bwd`` move the same bytes; the first
+    ``pad_rows``, else its symmetric ``padding``). ``halo_fwd`` and ``halo_bwd`` move the same bytes; the first
     layer has no ``halo_bwd`` (:func:`halo_phases`).
     """
     k = layer.k_h if isinstance(layer, Conv2d) else layer.k
     channels = layer.in_c if isinstance(layer, Conv2d) else layer.channels
-    pad = (layer.padding, layer.padding) if pad is None else tuple(pad)
+    if pad is None:
+        pad = layer.pad_rows if layer.pad_rows is not None else (layer.padding, layer.padding)
     plan = halo_plan(layer.in_h, pr, k, layer.stride, pad)
     phases = halo_phases(name or layer.name, sum(n.halo_rows for n in plan), channels * layer.in_w, pr, pc,
                          batch, machine, max_rows=max(n.halo_rows for n in plan))

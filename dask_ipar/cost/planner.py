@@ -177,15 +177,12 @@ def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size, domain
     for idx, layer in enumerate(layers):
         name = layer.name or str(idx)
         if isinstance(layer, Pool2d):  # keeps the layout; on strips the engine exchanges halos
-            if convention == "engine" and "domain" in frontier and pr > 1:
+            # (a pool with fewer output rows than Pr is not priced: the engine refuses it)
+            if convention == "engine" and "domain" in frontier and 1 < pr <= layer.out_h:
                 c, schemes, phases = frontier["domain"]
-                if pr > layer.out_h:  # a strip without output rows
-                    del frontier["domain"]
-                    if not frontier:
-                        return None
-                    continue
                 extra = domain_layer_phases(layer, pr, pc, batch, machine, name=name, first_layer=first)
                 frontier["domain"] = (c + sum(p.seconds for p in extra), schemes, phases + tuple(extra))
+            first = False
             continue
         new = {}
         for state, (cost, schemes, phases) in frontier.items():
