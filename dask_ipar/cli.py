@@ -214,8 +214,14 @@ def run_train(args) -> int:
 
             grid, layers, chosen = plan_layers(layers, tuple(Xtr.shape[1:]), grid.size,
                                                t["batch"], machine, grid=cfg["grid"])
+            from dask_ipar.comm import LOOPBACK_MACHINE
+
+            used = machine or LOOPBACK_MACHINE
             _eprint(f"dask-ipar: planner (conv auto): grid {grid}, " + ", ".join(
-                f"{n} {s}" for n, s in chosen.schemes if n.startswith("conv")))
+                f"{n} {s}" for n, s in chosen.schemes if n.startswith("conv"))
+                + f"; machine alpha {used.alpha_s:g} s, {used.bandwidth_Bps:.3g} B/s ("
+                + (cfg["machine"] if machine else "the loopback default; --machine FILE from "
+                   "`dask-ipar calibrate` for this cluster's own") + ")")
         model = Sequential(layers, input_shape=tuple(Xtr.shape[1:]),
                            dtype=cfg["model"]["dtype"], seed=t["seed"], device=args.device)
         layers = model.dense_layers

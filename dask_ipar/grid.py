@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dask_ipar.cost.planner import factorizations as cost_factorizations
 from dask_ipar.errors import IparError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,14 +80,15 @@ def parse_grid(text: str | Grid | tuple[int, int]) -> Grid:
 
 
 def factorizations(p: int) -> list[Grid]:
-    """Every grid with ``pr * pc == p``, pure model (``p x 1``) first.
+    """Every grid with ``pr * pc == p`` by increasing ``Pr``, pure batch (``1 x p``) first:
+    the grids, and the order, of :func:`dask_ipar.cost.factorizations` (the planner's).
 
     >>> factorizations(6)
-    [Grid(6x1), Grid(3x2), Grid(2x3), Grid(1x6)]
+    [Grid(1x6), Grid(2x3), Grid(3x2), Grid(6x1)]
     """
-    if p < 1:
-        raise IparError(f"number of processes must be >= 1, got {p}")
-    return [Grid(p // pc, pc) for pc in range(1, p + 1) if p % pc == 0]
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise IparError(f"number of processes must be a positive integer, got {p!r}")
+    return [Grid(pr, pc) for pr, pc in cost_factorizations(p)]
 
 
 @dataclass(frozen=True)

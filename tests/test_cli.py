@@ -78,6 +78,7 @@ def test_train_cnn_on_digits(client):
                        "--json")
     assert out["test_accuracy"] >= 0.5, out  # it learns (chance: 0.1)
     assert "planner (conv auto): grid 2x1, conv0 " in proc.stderr
+    assert "machine alpha 0.001 s, 1e+09 B/s (the loopback default" in proc.stderr
     phases = {(c["layer"], c["phase"]) for c in out["comm"]}
     assert ("flatten4", "redistribute") in phases
     for c in out["comm"]:
