@@ -355,6 +355,17 @@ def test_stale_temporary_directories_are_removed_at_the_next_save(client, saved,
 
 
 # ----------------------------------------------------- closed / lost state
+@pytest.fixture
+def fresh2():
+    """A client on a cluster of its own (2 worker processes): these tests break it."""
+    from distributed import Client, LocalCluster
+
+    logging.getLogger("distributed").setLevel(logging.CRITICAL)
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as c:
+        yield c
+
+
 def test_closed_model_refuses_everything(client, data, tmp_path):
     X, y = data
     m = make_model().distribute(client, "2x2")
@@ -369,41 +380,33 @@ def test_closed_model_refuses_everything(client, data, tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_restarted_workers_give_one_clear_error(data, tmp_path):
-    from distributed import Client, LocalCluster
-
+def test_restarted_workers_give_one_clear_error(fresh2, data, tmp_path):
     X, y = data
-    logging.getLogger("distributed").setLevel(logging.CRITICAL)
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
-            Client(cluster) as c:
-        m = make_model().distribute(c, "1x2")
-        m.fit(X, y, batch_size=10, optimizer=OPT, measure=False)
-        c.restart()
-        for call in (m.get_weights, lambda: m.fit(X, y, batch_size=10),
-                     lambda: ck.save(m, tmp_path), lambda: m.evaluate(X, y),
-                     lambda: m.distribute(c, "2x1")):
-            with pytest.raises(IparError, match="state on the cluster is lost"):
-                call()
-        m.close()
+    c = fresh2
+    m = make_model().distribute(c, "1x2")
+    m.fit(X, y, batch_size=10, optimizer=OPT, measure=False)
+    c.restart()
+    for call in (m.get_weights, lambda: m.fit(X, y, batch_size=10),
+                 lambda: ck.save(m, tmp_path), lambda: m.evaluate(X, y),
+                 lambda: m.distribute(c, "2x1")):
+        with pytest.raises(IparError, match="state on the cluster is lost"):
+            call()
+    m.close()
 
 
-def test_a_failed_step_raises_its_own_error(data):
+def test_a_failed_step_raises_its_own_error(fresh2, data):
     """A kernel that fails on a worker: the caller sees that error, not a guess."""
-    from distributed import Client, LocalCluster
-
     X, y = data
-    logging.getLogger("distributed").setLevel(logging.CRITICAL)
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
-            Client(cluster) as c:
-        m = make_model().distribute(c, "1x2")
-        victim = m.binding.worker(0, 1)
-        c.run(_break_updates, workers=[victim])
-        c.gather(m.train_step(X[:10], y[:10], OPT))  # the forward pass still works
-        with pytest.raises(RuntimeError, match="injected update failure"):
-            for _ in range(3):
-                m.get_weights()
-                c.gather(m.train_step(X[:10], y[:10], OPT))
-        m.close()
+    c = fresh2
+    m = make_model().distribute(c, "1x2")
+    victim = m.binding.worker(0, 1)
+    c.run(_break_updates, workers=[victim])
+    c.gather(m.train_step(X[:10], y[:10], OPT))  # the forward pass still works
+    with pytest.raises(RuntimeError, match="injected update failure"):
+        for _ in range(3):
+            m.get_weights()
+            c.gather(m.train_step(X[:10], y[:10], OPT))
+    m.close()
 
 
 def _break_updates():
@@ -414,22 +417,18 @@ def _break_updates():
     K.sgd_update = K.sgd_weight = K.sgd_velocity = broken
 
 
-def test_worker_killed_then_get_weights_gives_one_clear_error(data):
+def test_worker_killed_then_get_weights_gives_one_clear_error(fresh2, data):
     import signal
 
-    from distributed import Client, LocalCluster
-
     X, y = data
-    logging.getLogger("distributed").setLevel(logging.CRITICAL)
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
-            Client(cluster) as c:
-        m = make_model().distribute(c, "1x2")
-        m.fit(X, y, batch_size=10, optimizer=OPT, measure=False)
-        victim = m.binding.worker(0, 1)
-        os.kill(c.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
-        with pytest.raises(IparError, match=f"lost: worker {victim} of grid cell"):
-            m.get_weights()  # at once, while the futures still look finished
-        m.close()
+    c = fresh2
+    m = make_model().distribute(c, "1x2")
+    m.fit(X, y, batch_size=10, optimizer=OPT, measure=False)
+    victim = m.binding.worker(0, 1)
+    os.kill(c.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+    with pytest.raises(IparError, match=f"lost: worker {victim} of grid cell"):
+        m.get_weights()  # at once, while the futures still look finished
+    m.close()
 
 
 # -------------------------------------------------------- storage faults
