@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import math
 import os
@@ -367,15 +368,19 @@ def checkpoints(directory) -> list[tuple[int, str]]:
     ``.tmp-*`` directories (unfinished or crashed writes) are never listed. Complete
     means renamed into place; whether a checkpoint verifies is for :func:`load`.
     """
-    directory = os.fspath(directory)
+    return [(s, p) for s, p in _ckpt_dirs(os.fspath(directory))
+            if os.path.isfile(os.path.join(p, "zarr.json"))]
+
+
+def _ckpt_dirs(directory: str) -> list[tuple[int, str]]:
+    """Every ``ckpt-<step>`` directory, complete or not, oldest first."""
     if not os.path.isdir(directory):
         return []
     out = []
     for name in os.listdir(directory):
         m = _NAME.match(name)
-        path = os.path.join(directory, name)
-        if m and os.path.isfile(os.path.join(path, "zarr.json")):
-            out.append((int(m.group(1)), path))
+        if m and os.path.isdir(os.path.join(directory, name)):
+            out.append((int(m.group(1)), os.path.join(directory, name)))
     return sorted(out)
 
 
@@ -388,17 +393,6 @@ def latest(directory) -> str | None:
     """
     found = checkpoints(os.fspath(directory))
     return found[-1][1] if found else None
-
-
-def _candidates(directory: str) -> list[str]:
-    """Every ``ckpt-<step>`` directory, newest first (complete or not: resuming says
-    why it skips one)."""
-    found = []
-    for name in os.listdir(directory):
-        m = _NAME.match(name)
-        if m and os.path.isdir(os.path.join(directory, name)):
-            found.append((int(m.group(1)), os.path.join(directory, name)))
-    return [p for _, p in sorted(found, reverse=True)]
 
 
 def read_metadata(path) -> dict:
@@ -426,25 +420,17 @@ def read_metadata(path) -> dict:
     return fmt.validate_metadata(attrs, repr(path), int(m.group(1)) if m else None)
 
 
-class _StorageErrors:
+@contextlib.contextmanager
+def _storage_errors(directory: str, what: str):
     """Turn OS errors of the training process's own checkpoint I/O into
     :class:`CheckpointStorageError` naming the directory."""
-
-    def __init__(self, directory: str, what: str):
-        self.directory, self.what = directory, what
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, typ, exc, tb):
-        if exc is not None and isinstance(exc, OSError):
-            raise _storage_error(self.directory, self.what, _describe(exc), exc.errno) from None
-        return False
+    try:
+        yield
+    except OSError as exc:
+        raise _storage_error(directory, what, _describe(exc), exc.errno) from None
 
 
 def _storage_error(directory, what, why, errno_=None) -> CheckpointStorageError:
-    import errno
-
     if errno_ in (errno.ENOSPC, errno.EDQUOT):
         fix = "free space there or choose another checkpoint directory"
     elif errno_ in (errno.EROFS, errno.EACCES, errno.EPERM):
@@ -520,7 +506,7 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
     sb = model.state_blocks()  # refuses closed models and lost state
     directory = os.fspath(directory)
     t_start = time.time()
-    with _StorageErrors(directory, "a checkpoint"):
+    with _storage_errors(directory, "a checkpoint"):
         os.makedirs(directory, exist_ok=True)
     if step is None:
         found = checkpoints(directory)
@@ -552,7 +538,7 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
     what = f"checkpoint ckpt-{step}"
     writes, slices = [], []
     try:
-        with _StorageErrors(directory, what):
+        with _storage_errors(directory, what):
             group = zarr.create_group(tmp, zarr_format=3, attributes=meta, overwrite=False)
         arrays = {}
         for lay in sb["layers"]:
@@ -560,10 +546,10 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
             rows, cols = lay["rows"], lay["wcols"]
             ch = max(b - a for a, b in rows)
             cw = max(b - a for a, b in cols)
-            with _StorageErrors(directory, what):
+            with _storage_errors(directory, what):
                 g = group.require_group(lay["name"])
             for kind in ("w", "v") if has_v else ("w",):
-                with _StorageErrors(directory, what):
+                with _storage_errors(directory, what):
                     g.create_array(kind, shape=(n_rows, n_cols), chunks=(ch, cw),
                                    dtype=sb["dtype"], fill_value=np.nan,
                                    compressors=[ZstdCodec(level=1), Crc32cCodec()])
@@ -612,7 +598,7 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
             arrays[name]["sha256"].update(res["sha256"])
         meta["arrays"] = arrays
         meta["checksum"] = fmt.meta_digest(meta)
-        with _StorageErrors(directory, what):
+        with _storage_errors(directory, what):
             group.attrs.update({"arrays": arrays, "checksum": meta["checksum"]})
             _fsync_tree(tmp)
             _publish(tmp, final, directory)
@@ -770,7 +756,7 @@ def load(model, path, *, timeout_s: float | None = None, fallback: bool = False,
     p = os.fspath(path)
     if not fallback or os.path.isfile(os.path.join(p, "zarr.json")) or not os.path.isdir(p):
         return _load_one(model, _resolve(p), timeout_s)
-    candidates = _candidates(p)
+    candidates = [c for _, c in reversed(_ckpt_dirs(p))]  # newest first
     if not any(os.path.isfile(os.path.join(c, "zarr.json")) for c in candidates):
         _resolve(p)  # raises: no complete checkpoint
     skipped = []

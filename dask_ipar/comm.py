@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 
 from dask_ipar.cost import (FC, Machine, batch_layer_phases, dense_layer_phases, exchange_phase,
-                            halo_phases, redistribute_phase)
+                            redistribute_phase, window_halo_phases)
 from dask_ipar.engine import phase_of_key
 
 __all__ = ["CommMeter", "CommRow", "CommReport", "predict_step", "LOOPBACK_MACHINE"]
@@ -112,8 +112,6 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
     of their exact window geometry and, for convs, the weight all-reduce over all P;
     then the flatten redistribution (Eq. 6).
     """
-    from dask_ipar.halo import halo_plan
-
     m = Machine(alpha_s=machine.alpha_s, bandwidth_Bps=machine.bandwidth_Bps,
                 word_bytes=word_bytes)
     out = []
@@ -136,12 +134,9 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
             if prev is not None and prev.layout == "batch":  # samples <-> strips, both ways
                 out.extend(_all_to_all(f, pr, pc, batch, m))
             prev = f
-            plan = halo_plan(h, pr, f.k[0], f.stride, f.pad[:2])
-            rows = sum(n.halo_rows for n in plan)
-            halo = halo_phases(f.name, rows, c * w, pr, pc, batch, m,
-                               max_rows=max(n.halo_rows for n in plan))
             # the first layer needs no input gradient: no ghost rows go back
-            out.extend(halo[:1] if f is front.layouts[0] else halo)
+            out.extend(window_halo_phases(f.name, h, c * w, f.k[0], f.stride, f.pad[:2], pr, pc,
+                                          batch, m, first_layer=f is front.layouts[0]))
             if f.kind == "conv":
                 out.extend(batch_layer_phases(FC(f.weights.n_in, f.weights.n_out,
                                                  bias=f.weights.bias), pr * pc, m, name=f.name))

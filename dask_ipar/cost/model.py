@@ -45,6 +45,7 @@ __all__ = [
     "conv_model_phases",
     "domain_layer_phases",
     "engine_halo_phases",
+    "window_halo_phases",
     "halo_phases",
     "exchange_phase",
     "batch_layer_phases",
@@ -366,22 +367,33 @@ def domain_layer_phases(
 
 def engine_halo_phases(
     layer: Conv2d | Pool2d, pr: int, pc: int, batch: int, machine: Machine, *, name: str | None = None,
-    first_layer: bool = False, pad: tuple[int, int] | None = None,
+    first_layer: bool = False,
 ) -> list[PhaseCost]:
-    """The halo exchanges the engine makes for one domain-parallel conv or pooling layer.
-
-    The rows come from :func:`dask_ipar.halo.halo_plan` (the geometry the engine builds
-    its exchange from); ``pad`` is the (top, bottom) zero padding (default: the spec's
-    ``pad_rows``, else its symmetric ``padding``). ``halo_fwd`` and ``halo_bwd`` move the same bytes; the first
-    layer has no ``halo_bwd`` (:func:`halo_phases`).
-    """
+    """The halo exchanges the engine makes for one domain-parallel conv or pooling layer
+    spec: :func:`window_halo_phases` with the spec's window, stride and (top, bottom)
+    padding (``pad_rows``, else its symmetric ``padding``)."""
     k = layer.k_h if isinstance(layer, Conv2d) else layer.k
     channels = layer.in_c if isinstance(layer, Conv2d) else layer.channels
-    if pad is None:
-        pad = layer.pad_rows if layer.pad_rows is not None else (layer.padding, layer.padding)
-    plan = halo_plan(layer.in_h, pr, k, layer.stride, pad)
-    phases = halo_phases(name or layer.name, sum(n.halo_rows for n in plan), channels * layer.in_w, pr, pc,
-                         batch, machine, max_rows=max(n.halo_rows for n in plan))
+    pad = layer.pad_rows if layer.pad_rows is not None else (layer.padding, layer.padding)
+    return window_halo_phases(name or layer.name, layer.in_h, channels * layer.in_w, k, layer.stride, pad,
+                              pr, pc, batch, machine, first_layer=first_layer)
+
+
+def window_halo_phases(
+    name: str, h_in: int, row_words: int, k: int, stride: int, pad: tuple[int, int], pr: int, pc: int,
+    batch: int, machine: Machine, *, first_layer: bool = False,
+) -> list[PhaseCost]:
+    """The halo exchanges of a height-split window (conv or pooling) layer, exactly.
+
+    The rows come from :func:`dask_ipar.halo.halo_plan`, the geometry the engine builds
+    its exchange from (``h_in`` input rows over ``pr``, window ``k``, ``stride``, ``pad``
+    = (top, bottom)); ``row_words`` = ``C_in * W_in``. ``halo_fwd`` and ``halo_bwd`` move
+    the same bytes; the first layer has no ``halo_bwd`` (:func:`halo_phases`). The
+    planner's engine convention and the run's comm table both price halos here.
+    """
+    plan = halo_plan(h_in, pr, k, stride, tuple(pad))
+    phases = halo_phases(name, sum(n.halo_rows for n in plan), row_words, pr, pc, batch, machine,
+                         max_rows=max(n.halo_rows for n in plan))
     return phases[:1] if first_layer else phases
 
 
