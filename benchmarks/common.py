@@ -209,7 +209,7 @@ class _null:
 # -------------------------------------------------------------- dask clusters
 def blas_env(threads: int) -> dict:
     """BLAS threads, and the malloc settings dask-ipar's own clusters give their workers."""
-    from dask_ipar.clusters import REUSE_MEMORY_ENV
+    from dask_ipar.runtime.cluster import REUSE_MEMORY_ENV
 
     t = str(threads)
     return {"OMP_NUM_THREADS": t, "OPENBLAS_NUM_THREADS": t, "MKL_NUM_THREADS": t,
@@ -222,7 +222,7 @@ def local_cluster(n_workers: int, cores: int):
     import dask
     from distributed import Client, LocalCluster
 
-    from dask_ipar.clusters import QUIET_LOOP_CONFIG
+    from dask_ipar.runtime.cluster import QUIET_LOOP_CONFIG
 
     threads = max(1, cores // n_workers)
     with dask.config.set({**QUIET_LOOP_CONFIG,
@@ -291,7 +291,7 @@ def graph_profile(model, cfg: MLPConfig, optimizer, executor: str = "graph") -> 
     (one program per worker plus one per output block; ``graph_tasks`` the kernels they
     run); the chains and hops are those of the kernels' data flow either way.
     """
-    from dask_ipar.programs import compile_programs
+    from dask_ipar.runtime.programs import compile_programs
 
     from dask._task_spec import TaskRef
 
@@ -372,8 +372,8 @@ def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int, floor: bool = True
     from distributed.deploy.subprocess import SubprocessCluster
 
     from dask_ipar import SGD, Dense, Sequential
-    from dask_ipar.clusters import QUIET_LOOP_CONFIG, config_environ
-    from dask_ipar.grid import parse_grid
+    from dask_ipar.runtime.cluster import QUIET_LOOP_CONFIG, config_environ
+    from dask_ipar.layout.grid import parse_grid
 
     n = parse_grid(grid).size
     # the subprocesses read their dask config from the environment
@@ -431,8 +431,7 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
     from dask._task_spec import Task, TaskRef
     from distributed import wait
 
-    from dask_ipar import kernels as K
-
+    from dask_ipar.kernels import dense as K
     eng, grid, L = model.engine, model.grid, cfg.layers
     xk = {(i, j): TaskRef((f"floor.bx-{i}-{j}", i, j)) for i, j in grid.cells()}
     yk = {(i, j): TaskRef((f"floor.by-{i}-{j}", i, j)) for i, j in grid.cells()}

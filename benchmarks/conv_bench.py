@@ -11,8 +11,7 @@ import argparse
 import numpy as np
 from common import median_time
 
-from dask_ipar import conv_kernels as C
-
+from dask_ipar.kernels import conv as C
 SHAPES = [  # name, C, H, W, O, k, stride, pad, groups (AlexNet's conv layers)
     ("conv1", 3, 227, 227, 96, 11, 4, 0, 1),
     ("conv2", 96, 27, 27, 256, 5, 1, 2, 2),

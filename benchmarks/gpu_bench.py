@@ -63,7 +63,7 @@ CNN_BATCH = 64
 
 
 def cnn_layers():
-    from dask_ipar.layers import Conv2d, Dense, Flatten, MaxPool2d
+    from dask_ipar.nn.layers import Conv2d, Dense, Flatten, MaxPool2d
 
     return [Conv2d(32, 3, activation="relu"), MaxPool2d(2), Conv2d(64, 3, activation="relu"),
             MaxPool2d(2), Flatten(), Dense(256, "relu"), Dense(10)]

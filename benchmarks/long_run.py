@@ -55,8 +55,8 @@ def run(lineage_steps, steps: int, every: int, grid: str) -> dict:
     from distributed.deploy.subprocess import SubprocessCluster
 
     from dask_ipar import SGD, Dense, Sequential
-    from dask_ipar.clusters import QUIET_LOOP_CONFIG, config_environ
-    from dask_ipar.grid import parse_grid
+    from dask_ipar.runtime.cluster import QUIET_LOOP_CONFIG, config_environ
+    from dask_ipar.layout.grid import parse_grid
 
     cfg = C.TINY
     n = parse_grid(grid).size

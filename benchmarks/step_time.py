@@ -2,7 +2,7 @@
 
     python benchmarks/step_time.py [--workers 4] [--steps 6] [--json out.json]
 
-One LocalCluster of ``--workers`` processes (1 thread each); ``dask_ipar.calibrate`` runs on it
+One LocalCluster of ``--workers`` processes (1 thread each); ``dask_ipar.runtime.calibrate`` runs on it
 first, then for each MLP and grid: two warm-up passes, then the median wall time of ``--steps``
 single steps (each submitted and waited for alone), beside ``model.predict_step_s`` with the
 calibrated machine and the machine's core count. Prints a markdown table.
@@ -33,10 +33,10 @@ def main(argv=None):
     from distributed import Client, LocalCluster, wait
 
     from dask_ipar import Dense, Sequential
-    from dask_ipar.calibrate import calibrate
-    from dask_ipar.grid import factorizations
+    from dask_ipar.runtime.calibrate import calibrate
+    from dask_ipar.layout.grid import factorizations
     from dask_ipar.optim import SGD
-    from dask_ipar.partition import split_bounds
+    from dask_ipar.layout.partition import split_bounds
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
@@ -45,7 +45,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     cores = os.cpu_count()
     rows = []
-    from dask_ipar.clusters import worker_environment
+    from dask_ipar.runtime.cluster import worker_environment
 
     with dask.config.set({"distributed.worker.profile.enabled": False}), worker_environment():
         cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,

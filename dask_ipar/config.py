@@ -322,7 +322,7 @@ def validate(cfg: dict) -> dict:
     """
     from dask.utils import parse_bytes
 
-    from dask_ipar.grid import parse_grid
+    from dask_ipar.layout.grid import parse_grid
 
     if not isinstance(cfg, dict):
         raise IparError(f"the configuration must be a mapping, got {type(cfg).__name__}.")

@@ -13,15 +13,16 @@ from dataclasses import dataclass, field
 import numpy as np
 from dask._task_spec import TaskRef
 
-from dask_ipar.data import as_features, as_labels
-from dask_ipar import kernels as K
-from dask_ipar.engine import Engine, LayerLayout, StepGraph
+from dask_ipar.io.data import as_features, as_labels
+from dask_ipar.kernels import dense as K
+from dask_ipar.nn.engine import Engine, LayerLayout, StepGraph
 from dask_ipar.errors import IparError
-from dask_ipar.lineage import fold_finished_groups, missing_blocks, rekey_blocks
-from dask_ipar.grid import Grid, GridBinding, bind_grid, parse_grid
-from dask_ipar.layers import AvgPool2d, Conv2d, Dense, Flatten, MaxPool2d
+from dask_ipar.runtime.lineage import fold_finished_groups, missing_blocks, rekey_blocks
+from dask_ipar.layout.grid import Grid, GridBinding, parse_grid
+from dask_ipar.runtime.workers import bind_grid
+from dask_ipar.nn.layers import AvgPool2d, Conv2d, Dense, Flatten, MaxPool2d
 from dask_ipar.optim import SGD
-from dask_ipar.partition import split_bounds
+from dask_ipar.layout.partition import split_bounds
 
 __all__ = ["Sequential", "History", "StepStats"]
 
@@ -43,7 +44,7 @@ class History:
 
     epochs: list = field(default_factory=list)
     steps: list = field(default_factory=list)
-    #: Predicted beside measured communication (:class:`~dask_ipar.comm.CommReport`),
+    #: Predicted beside measured communication (:class:`~dask_ipar.runtime.meter.CommReport`),
     #: when ``fit(measure=True)``.
     comm: object = None
 
@@ -69,10 +70,10 @@ _FRONT = (Conv2d, MaxPool2d, AvgPool2d)
 class Sequential:
     """A network ending in softmax cross-entropy: dense layers, or a CNN.
 
-    An MLP is a list of :class:`~dask_ipar.layers.Dense` layers. A CNN starts with
-    :class:`~dask_ipar.layers.Conv2d`, :class:`~dask_ipar.layers.MaxPool2d` and
-    :class:`~dask_ipar.layers.AvgPool2d` layers (domain-parallel: image rows over
-    ``Pr``, samples over ``Pc``), then :class:`~dask_ipar.layers.Flatten`, then the
+    An MLP is a list of :class:`~dask_ipar.nn.layers.Dense` layers. A CNN starts with
+    :class:`~dask_ipar.nn.layers.Conv2d`, :class:`~dask_ipar.nn.layers.MaxPool2d` and
+    :class:`~dask_ipar.nn.layers.AvgPool2d` layers (domain-parallel: image rows over
+    ``Pr``, samples over ``Pc``), then :class:`~dask_ipar.nn.layers.Flatten`, then the
     dense layers (model-parallel over ``Pr``, batch-parallel over ``Pc``).
 
     Parameters
@@ -179,7 +180,7 @@ class Sequential:
         self.dense_layers = self.layers[n_front + bool(n_front):]
         self.input_dim = input_dim
         if n_front:
-            from dask_ipar.front import front_layouts
+            from dask_ipar.nn.front import front_layouts
 
             self._shapes = front_layouts(self.layers[:n_front], input_shape, 1, 1)
         self.dtype = dt
@@ -205,11 +206,11 @@ class Sequential:
         #: never does. Each step's weights are computed from the step before, and dask
         #: keeps the records of finished tasks that lead to data still held: without the
         #: cut the workers and the scheduler keep every past step's (see
-        #: :mod:`dask_ipar.lineage`).
+        #: :mod:`dask_ipar.runtime.lineage`).
         self.lineage_steps: int | None = 100
         #: How a training step runs: ``"programs"``, the step's kernels run as one dask
         #: task per worker that pushes the blocks to the other workers itself
-        #: (:mod:`dask_ipar.programs`), or ``"graph"``, every kernel a dask task of its own
+        #: (:mod:`dask_ipar.runtime.programs`), or ``"graph"``, every kernel a dask task of its own
         #: (the dashboard's task stream shows each layer and phase, dask moves the
         #: blocks). The same results bit for bit and the same bytes moved; programs cost
         #: the scheduler a fraction of the work per step.
@@ -270,13 +271,13 @@ class Sequential:
                     f"Pr <= {min(l.units for l in self.dense_layers)}."
                 )
         if self._n_front:
-            from dask_ipar.front import front_layouts
+            from dask_ipar.nn.front import front_layouts
 
             front_layouts(self.layers[:self._n_front], self.input_shape, grid.pr, grid.pc)
         binding = bind_grid(grid, client, workers)
         params = self.get_weights() if self._w is not None else self._init_params
         self.drop_state()
-        from dask_ipar.cluster import hold_replicas
+        from dask_ipar.runtime.workers import hold_replicas
 
         self._amm_held = hold_replicas(client)
         self.client, self.binding = client, binding
@@ -302,7 +303,7 @@ class Sequential:
         ]
         front = None
         if self._n_front:
-            from dask_ipar.front import Front, front_layouts
+            from dask_ipar.nn.front import Front, front_layouts
 
             flayouts = front_layouts(self.layers[:self._n_front], self.input_shape, grid.pr,
                                      grid.pc)
@@ -509,11 +510,11 @@ class Sequential:
 
         Waits until the current blocks exist (the steps before have finished), then each
         worker stores its blocks under new keys as scattered data
-        (:func:`~dask_ipar.lineage.rekey_blocks`: the same arrays, no copy, no transfer,
+        (:func:`~dask_ipar.runtime.lineage.rekey_blocks`: the same arrays, no copy, no transfer,
         no task), the scheduler learns of them as it does of scattered data, and the old
         keys are released. With no finished task feeding any data they still hold, the
         workers and the scheduler forget the records of all past steps; the model's
-        finished task groups are folded (:func:`~dask_ipar.lineage.fold_finished_groups`).
+        finished task groups are folded (:func:`~dask_ipar.runtime.lineage.fold_finished_groups`).
         """
         from distributed import Future, wait
 
@@ -563,12 +564,12 @@ class Sequential:
         computed too, their futures held until the next submission.
 
         With ``step`` and ``executor == "programs"`` the graph runs as worker programs
-        (:func:`dask_ipar.programs.compile_programs`; the prefetches happen inside them):
+        (:func:`dask_ipar.runtime.programs.compile_programs`; the prefetches happen inside them):
         per worker one program for what ``first`` needs (the forward pass and the loss
         statistics), one for the rest of the step.
         """
         if step is not None and self._use_programs():
-            from dask_ipar.programs import compile_programs
+            from dask_ipar.runtime.programs import compile_programs
 
             hlg, _, orphans = compile_programs(graph, list(keys), self._locate, name,
                                                f"{self.uid}-s{step}", self.program_timeout_s,
@@ -589,7 +590,7 @@ class Sequential:
         if self.executor == "graph":
             return False
         if self._exchange is not self.client:
-            from dask_ipar.programs import install_exchange
+            from dask_ipar.runtime.programs import install_exchange
 
             install_exchange(self.client)
             self._exchange = self.client
@@ -599,7 +600,7 @@ class Sequential:
         """Make this model's worker programs that are waiting for blocks fail now with
         ``reason`` (called when a grid worker has left; nothing when none ever ran)."""
         if self._exchange is not None:
-            from dask_ipar.programs import abort_programs
+            from dask_ipar.runtime.programs import abort_programs
 
             abort_programs(self.client, self.uid, reason)
 
@@ -704,7 +705,7 @@ class Sequential:
         callback = progress if callable(progress) else None
         meter = None
         if measure:
-            from dask_ipar.comm import CommMeter
+            from dask_ipar.runtime.meter import CommMeter
 
             meter = CommMeter(self.client, self.binding, self.engine,
                               self.dtype.itemsize, machine)
@@ -751,7 +752,7 @@ class Sequential:
 
     def _check_alive(self, step):
         """Raise a clear error if a worker of the grid has left the cluster."""
-        from dask_ipar.cluster import scheduler_workers
+        from dask_ipar.runtime.workers import scheduler_workers
 
         alive = set(scheduler_workers(self.client))
         gone = [(cell, w) for cell in self.binding.grid.cells()
@@ -762,7 +763,7 @@ class Sequential:
             raise IparError(
                 f"worker {w} of grid cell {cell} left the cluster during step {step}; the blocks "
                 "it held are lost, so training stops here. Save checkpoints "
-                "(dask_ipar.checkpoint or `dask-ipar train --checkpoint-dir DIR`) and resume "
+                "(dask_ipar.io.checkpoint or `dask-ipar train --checkpoint-dir DIR`) and resume "
                 "from the last one (`--resume`) on the restarted cluster."
             )
 
@@ -844,7 +845,7 @@ class Sequential:
         """Raise the error of a model whose blocks are gone: the grid worker that left,
         if one did (waiting up to ``grace_s`` for the scheduler to notice), else the
         failed task's own error, else ``what``."""
-        from dask_ipar.cluster import scheduler_workers
+        from dask_ipar.runtime.workers import scheduler_workers
 
         deadline = time.monotonic() + grace_s
         while True:
@@ -1035,7 +1036,7 @@ class Sequential:
         :class:`dask_ipar.cost.SimResult`. Nothing is submitted.
         """
         from dask_ipar.cost import simulate_step
-        from dask_ipar.engine import sim_tasks
+        from dask_ipar.nn.engine import sim_tasks
 
         self._require()
         if self._n_front:
@@ -1135,7 +1136,7 @@ class Sequential:
     def drop_state(self):
         """Release every block this model holds on the cluster, keeping it usable: the
         next use builds the initial weights again, unless state is loaded first (what
-        :func:`dask_ipar.checkpoint.recover` does after a worker died)."""
+        :func:`dask_ipar.io.checkpoint.recover` does after a worker died)."""
         if self._futures and self._exchange is not None:
             self.abort_programs("the model was closed")
         self._exchange = None
@@ -1144,7 +1145,7 @@ class Sequential:
         self._w = self._v = None
         self.engine = None
         if self._amm_held:
-            from dask_ipar.cluster import release_replicas
+            from dask_ipar.runtime.workers import release_replicas
 
             self._amm_held = False
             release_replicas(self.client)

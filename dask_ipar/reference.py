@@ -165,7 +165,7 @@ def cnn_loss_and_grads(layers, params, X, y):
     Flatten, Dense); ``params``: ``(W, b)`` of every layer with weights, in order (conv
     ``W`` is ``(O, C/groups, kh, kw)``); ``X``: images ``(B, C, H, W)``; ``y``: labels.
     """
-    from dask_ipar.layers import Conv2d, Dense, Flatten, resolve_padding
+    from dask_ipar.nn.layers import Conv2d, Dense, Flatten, resolve_padding
 
     a, cache, it = X, [], iter(params)
     for lay in layers:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dask_ipar.layers import Dense
+from dask_ipar.nn.layers import Dense
 from dask_ipar.model import Sequential
 from dask_ipar.optim import SGD
 from dask_ipar.reference import cnn_loss_and_grads, mlp_forward, mlp_loss_and_grads, sgd_step
@@ -51,7 +51,7 @@ def compare_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh
     Keys: ``logits``, ``loss``, ``accuracy``, ``dW<k>``/``db<k>`` (relative errors),
     ``finite_difference`` (directional derivative vs gradient), ``sgd<k>`` (relative
     error of layer k's weights after ``steps`` SGD steps), ``comm`` (the
-    :class:`~dask_ipar.comm.CommReport` of those steps).
+    :class:`~dask_ipar.runtime.meter.CommReport` of those steps).
     """
     X, y = awkward_problem(sizes, batch, seed)
     model = Sequential(_layers(sizes, activations), input_dim=sizes[0], dtype="float64",
@@ -141,7 +141,7 @@ def awkward_cnn():
     stride 1 and padding, then dense layers: output heights 35, 17, 9, 10, so every
     grid with Pr <= 8 applies.
     """
-    from dask_ipar.layers import AvgPool2d, Conv2d, Flatten, MaxPool2d
+    from dask_ipar.nn.layers import AvgPool2d, Conv2d, Flatten, MaxPool2d
 
     layers = [Conv2d(4, 3, activation="relu"), MaxPool2d(2),
               Conv2d(6, (5, 3), stride=2, padding=(2, 1, 1, 1), activation="tanh"),

@@ -5,7 +5,7 @@ Run: python examples/check_every_grid.py
 
 from distributed import Client, LocalCluster
 
-from dask_ipar.grid import factorizations
+from dask_ipar.layout.grid import factorizations
 from dask_ipar.testing import check_mlp
 
 

@@ -11,7 +11,7 @@ Run: python examples/digits_cnn.py   (needs: pip install "dask-ipar[train]")
 from distributed import Client, LocalCluster
 
 from dask_ipar import SGD, Conv2d, Dense, Flatten, MaxPool2d, Sequential
-from dask_ipar.data import load_digits_images
+from dask_ipar.io.data import load_digits_images
 
 
 def main():

@@ -6,7 +6,7 @@ Run: python examples/digits_mlp.py   (needs: pip install "dask-ipar[train]")
 from distributed import Client, LocalCluster
 
 from dask_ipar import SGD, Dense, Sequential
-from dask_ipar.data import load_digits_split
+from dask_ipar.io.data import load_digits_split
 
 
 def main():

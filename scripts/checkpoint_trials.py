@@ -25,9 +25,7 @@ import time
 import numpy as np
 import zarr
 
-from dask_ipar import checkpoint as ck
-
-
+from dask_ipar.io import checkpoint as ck
 def cli(*args, on_line=None):
     """Run ``dask-ipar train``; returns (exit code, stderr lines with times, seconds)."""
     cmd = [sys.executable, "-m", "dask_ipar.cli", "train", "--no-progress", "--no-dashboard",

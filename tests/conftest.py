@@ -18,7 +18,7 @@ def client():
     logging.getLogger("distributed").setLevel(logging.ERROR)
     # 8 processes share 2 cores: the workers' 10 ms statistical profiler is the one
     # background cost worth switching off (nothing here reads profiles).
-    from dask_ipar.clusters import worker_environment
+    from dask_ipar.runtime.cluster import worker_environment
 
     with dask.config.set({"distributed.worker.profile.enabled": False}), worker_environment():
         cluster = LocalCluster(

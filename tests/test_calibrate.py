@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dask_ipar.calibrate import calibrate
+from dask_ipar.runtime.calibrate import calibrate
 from dask_ipar.cost import load_machine, save_machine
 
 

@@ -88,7 +88,7 @@ def close(a, b, tol=1e-10):
 
 # --------------------------------------------------------------- pure parts
 def test_owned_ranges_cover_each_axis_once():
-    from dask_ipar.partition import split_bounds
+    from dask_ipar.layout.partition import split_bounds
 
     for n in range(1, 30):
         for p in range(1, min(n, 6) + 1):
@@ -270,8 +270,7 @@ CRASH_SCRIPT = textwrap.dedent("""
     import numpy as np
     from distributed import Client, LocalCluster
     from dask_ipar import Dense, Sequential, SGD
-    from dask_ipar import checkpoint as ck
-
+    from dask_ipar.io import checkpoint as ck
     if __name__ == "__main__":
         logging.getLogger("distributed").setLevel(logging.CRITICAL)
         directory, hook = sys.argv[1], sys.argv[2]

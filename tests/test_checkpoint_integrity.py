@@ -18,7 +18,7 @@ zarr = pytest.importorskip("zarr")
 
 from dask_ipar import SGD, Dense, Sequential  # noqa: E402
 from dask_ipar import checkpoint as ck  # noqa: E402
-from dask_ipar.checkpoint_format import CheckpointCorrupt, CheckpointStorageError  # noqa: E402
+from dask_ipar.io.checkpoint_format import CheckpointCorrupt, CheckpointStorageError  # noqa: E402
 from dask_ipar.errors import IparError  # noqa: E402
 
 OPT = SGD(lr=0.1, momentum=0.9, weight_decay=1e-3)
@@ -166,7 +166,7 @@ def test_metadata_records_checksums(saved):
     assert set(meta["arrays"]) == {"dense0/w", "dense0/v", "dense1/w", "dense1/v"}
     rec = meta["arrays"]["dense0/w"]
     assert rec["shape"] == [10, 9] and rec["chunks"] == [5, 5]
-    from dask_ipar.checkpoint_format import chunk_digest
+    from dask_ipar.io.checkpoint_format import chunk_digest
 
     values = zarr.open_array(saved / "ckpt-4" / "dense0" / "w")[:]
     assert rec["sha256"]["1.0"] == chunk_digest(values[5:10, 0:5])  # an independent hash
@@ -199,7 +199,7 @@ def test_edited_metadata_is_refused_in_one_line(client, saved, tmp_path, edit):
 
 def resign(a):
     """Recompute the metadata checksum after an edit: the fields alone must catch it."""
-    from dask_ipar.checkpoint_format import meta_digest
+    from dask_ipar.io.checkpoint_format import meta_digest
 
     a["checksum"] = meta_digest(a)
 
@@ -413,7 +413,7 @@ def test_a_failed_step_raises_its_own_error(fresh2, data):
 
 
 def _break_updates():
-    import dask_ipar.kernels as K
+    import dask_ipar.kernels.dense as K
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected update failure")

@@ -61,7 +61,7 @@ def test_train_checkpoints_and_resume(tmp_path):
     proc, first = _train("--epochs", "1", *common)
     assert "checkpoint" in proc.stderr and (ck / "LATEST").exists()
     proc, resumed = _train("--epochs", "2", "--resume", *common)
-    from dask_ipar.data import load_digits_split
+    from dask_ipar.io.data import load_digits_split
 
     steps_per_epoch = load_digits_split()[0].shape[0] // 128
     assert (ck / f"ckpt-{2 * steps_per_epoch}").is_dir()  # resumed to the end of epoch 2

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from dask_ipar.clusters import job_script, jobqueue_kwargs, local_threads, make_cluster
+from dask_ipar.runtime.cluster import job_script, jobqueue_kwargs, local_threads, make_cluster
 from dask_ipar.config import DEFAULTS
 from dask_ipar.errors import IparError
 
@@ -165,7 +165,7 @@ def test_shutdown_heartbeat_errors_muted_and_nothing_else():
     the heartbeat-race error record only."""
     import logging
 
-    from dask_ipar.clusters import mute_shutdown_heartbeat_errors
+    from dask_ipar.runtime.cluster import mute_shutdown_heartbeat_errors
 
     log = logging.getLogger("distributed.worker")
     before = list(log.filters)

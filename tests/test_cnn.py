@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dask_ipar import AvgPool2d, Conv2d, Dense, Flatten, IparError, MaxPool2d, Sequential
-from dask_ipar.grid import factorizations, parse_grid
+from dask_ipar.layout.grid import factorizations, parse_grid
 from dask_ipar.testing import check_cnn
 
 GRIDS = [g for p in (1, 2, 3, 4, 6, 8) for g in factorizations(p)]
@@ -81,7 +81,7 @@ def test_cnn_errors(client):
 
 def test_cnn_checkpoint_moves_between_grids(client, tmp_path):
     """Conv weights and momentum saved on 2x2 come back on 4x1 and train on identically."""
-    from dask_ipar import checkpoint
+    from dask_ipar.io import checkpoint
     from dask_ipar.optim import SGD
 
     layers = [Conv2d(3, 3, activation="relu"), MaxPool2d(2), Flatten(), Dense(4)]
@@ -152,7 +152,7 @@ def test_planner_sets_each_conv_layers_scheme():
     """plan_layers: the cost model's per-layer choice becomes each Conv2d's ``parallel``,
     within what the engine runs (domain first, then model; whole filters per grid row)."""
     from dask_ipar.cost import Machine
-    from dask_ipar.planning import cost_specs, plan_layers
+    from dask_ipar.nn.planning import cost_specs, plan_layers
 
     layers = [Conv2d(8, 3, activation="relu"), MaxPool2d(2), Conv2d(64, 3, activation="relu"),
               Conv2d(64, 3, activation="relu"), Flatten(), Dense(10)]
@@ -219,9 +219,9 @@ def test_batch_parallel_conv_errors(client):
 # ------------------------------------------------- one cost path: planner == meter
 def _engine_on_fake_workers(layers, input_shape, pr, pc):
     """The engine of a CNN bound to fake worker addresses (graphs only, no cluster)."""
-    from dask_ipar.engine import Engine, LayerLayout
-    from dask_ipar.front import Front, front_layouts
-    from dask_ipar.grid import Grid, GridBinding
+    from dask_ipar.nn.engine import Engine, LayerLayout
+    from dask_ipar.nn.front import Front, front_layouts
+    from dask_ipar.layout.grid import Grid, GridBinding
 
     m = Sequential(layers, input_shape=input_shape)
     grid = Grid(pr, pc)
@@ -252,8 +252,8 @@ def test_planner_prices_exactly_what_the_meter_predicts(net):
     against the measured bytes). The flatten redistribution is the planner's
     ``redistribute`` of the first dense layer."""
     from dask_ipar import cost
-    from dask_ipar.comm import LOOPBACK_MACHINE, predict_step
-    from dask_ipar.planning import ENGINE_SCHEMES, cost_specs
+    from dask_ipar.runtime.meter import LOOPBACK_MACHINE, predict_step
+    from dask_ipar.nn.planning import ENGINE_SCHEMES, cost_specs
     from dask_ipar.testing import awkward_cnn
 
     layers, shape = PLANNED[net] or awkward_cnn()

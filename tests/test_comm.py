@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dask_ipar import Dense, Sequential
-from dask_ipar.grid import parse_grid
+from dask_ipar.layout.grid import parse_grid
 
 # Grids with a row all-reduce, P in {2, 4, 6, 8}: pure batch, square, and tall and wide mixes.
 BALANCE_GRIDS = [parse_grid(g) for g in ("1x2", "2x2", "3x2", "2x4", "1x8")]

@@ -116,8 +116,7 @@ def test_bad_files(tmp_path):
 
 
 def test_config_show(tmp_path, capsys):
-    from dask_ipar import config_cli
-
+    from dask_ipar.cli import config as config_cli
     f = _write(tmp_path / "c.yaml", {"grid": "4x1", "checkpoint": {"dir": "ck", "every": 5}})
     parser = argparse.ArgumentParser()
     config_cli.add_parser(parser.add_subparsers(dest="command"))

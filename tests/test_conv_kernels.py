@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dask_ipar import conv_kernels as C
-
+from dask_ipar.kernels import conv as C
 rng = np.random.default_rng(0)
 
 

@@ -410,7 +410,7 @@ def test_costs_nonnegative_and_monotone_in_alpha_and_inverse_bandwidth(layer, pr
 
 def test_importing_cost_model_does_not_import_dask():
     code = (
-        "import sys; import dask_ipar.cost, dask_ipar.plan_cli; "
+        "import sys; import dask_ipar.cost, dask_ipar.cli.plan; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed')); "
         "assert not bad, bad"
     )

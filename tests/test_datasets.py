@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dask_ipar.datasets import load_dataset, train_test_split
+from dask_ipar.io.data import load_dataset, train_test_split
 from dask_ipar.errors import IparError
 
 

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from dask_ipar import Dense, Grid, IparError, Sequential, bind_grid
-from dask_ipar.grid import GridBinding, parse_grid
+from dask_ipar.layout.grid import GridBinding, parse_grid
 
 
 def _model(**kw):

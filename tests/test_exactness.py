@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dask_ipar.grid import factorizations
+from dask_ipar.layout.grid import factorizations
 from dask_ipar.testing import check_mlp
 
 GRIDS = [g for p in (1, 2, 3, 4, 6, 8) for g in factorizations(p)]
@@ -28,8 +28,7 @@ def test_mlp_matches_reference(client, grid, executor):
 
 def test_check_detects_a_wrong_gradient(client, monkeypatch):
     """The checker is not vacuous: a kernel off by a tiny factor makes it fail."""
-    from dask_ipar import kernels
-
+    from dask_ipar.kernels import dense as kernels
     real = kernels.dw_piece
 
     def skewed(dz, xb, c0, c1, n_in, *x):
@@ -37,9 +36,9 @@ def test_check_detects_a_wrong_gradient(client, monkeypatch):
 
     # dw_piece runs on the workers by reference: patch it there too.
     monkeypatch.setattr(kernels, "dw_piece", skewed)
-    client.run(lambda: setattr(__import__("dask_ipar.kernels").kernels, "dw_piece", skewed))
+    client.run(lambda: setattr(__import__("dask_ipar.kernels.dense").kernels.dense, "dw_piece", skewed))
     try:
         with pytest.raises(AssertionError, match="differs from the reference"):
             check_mlp(client, "1x2", steps=1)
     finally:
-        client.run(lambda: setattr(__import__("dask_ipar.kernels").kernels, "dw_piece", real))
+        client.run(lambda: setattr(__import__("dask_ipar.kernels.dense").kernels.dense, "dw_piece", real))

@@ -69,7 +69,7 @@ def test_cuda_cnn_layouts_float32(client):
     import numpy as np
 
     from dask_ipar import SGD, Sequential
-    from dask_ipar.layers import Conv2d, Dense, Flatten, MaxPool2d
+    from dask_ipar.nn.layers import Conv2d, Dense, Flatten, MaxPool2d
     from dask_ipar.testing import rel_err
 
     rng = np.random.default_rng(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dask_ipar import conv_kernels as C
-from dask_ipar.halo import halo_plan, halo_rows
+from dask_ipar.kernels import conv as C
+from dask_ipar.layout.halo import halo_plan, halo_rows
 
 
 @pytest.mark.parametrize("h,pr,k,s,pad", [

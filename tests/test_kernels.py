@@ -9,8 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dask_ipar import kernels as K
-
+from dask_ipar.kernels import dense as K
 xps = pytest.importorskip("array_api_strict")
 
 

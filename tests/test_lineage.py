@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dask_ipar import SGD, Dense, Sequential
-from dask_ipar.lineage import fold_finished_groups
+from dask_ipar.runtime.lineage import fold_finished_groups
 
 
 def _model(steps_between_cuts):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_ipar import plan_cli
+from dask_ipar.cli import plan as plan_cli
 from dask_ipar.cost import (
     FC,
     MODES,

@@ -11,7 +11,7 @@ import pytest
 
 from dask_ipar import SGD, Dense, Sequential
 from dask_ipar.errors import IparError
-from dask_ipar.programs import PLUGIN_NAME, compile_programs
+from dask_ipar.runtime.programs import PLUGIN_NAME, compile_programs
 from dask_ipar.testing import awkward_problem, check_cnn, check_mlp
 
 
@@ -100,14 +100,14 @@ def _boom(*args, **kwargs):
 
 
 def _patch_kernel(name, fn, dask_worker=None):
-    import dask_ipar.kernels as K
+    import dask_ipar.kernels.dense as K
 
     setattr(K, "_saved_" + name, getattr(K, name))
     setattr(K, name, fn)
 
 
 def _unpatch_kernel(name, dask_worker=None):
-    import dask_ipar.kernels as K
+    import dask_ipar.kernels.dense as K
 
     setattr(K, name, getattr(K, "_saved_" + name))
 
@@ -168,7 +168,7 @@ def test_failing_program_stops_its_peers_at_once(client):
 
 def _slow(*args, **kwargs):
     time.sleep(4)
-    import dask_ipar.kernels as K
+    import dask_ipar.kernels.dense as K
 
     return K._saved_dw_piece(*args, **kwargs)
 
@@ -198,7 +198,7 @@ def _plugin_id(dask_worker=None):
 def test_a_second_registration_keeps_the_mailboxes(client):
     """Every model registers the plugin; a registration must not replace (tear down) the
     one whose mailbox another model's running programs use."""
-    from dask_ipar.programs import install_exchange
+    from dask_ipar.runtime.programs import install_exchange
 
     install_exchange(client)
     before = client.run(_plugin_id)

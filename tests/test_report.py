@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dask_ipar import Dense, Sequential
-from dask_ipar.report import write_run_card
+from dask_ipar.io.report import write_run_card
 
 
 class _Tables(HTMLParser):

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from dask_ipar.cost.collectives import log2_ceil
 from dask_ipar.cost.layers import FC, Conv2d, LayerSpec, Pool2d, as_layer_spec
 from dask_ipar.cost.machine import Machine
-from dask_ipar.halo import halo_plan
+from dask_ipar.layout.halo import halo_plan
 
 __all__ = [
     "CONVENTIONS",
@@ -385,7 +385,7 @@ def window_halo_phases(
 ) -> list[PhaseCost]:
     """The halo exchanges of a height-split window (conv or pooling) layer, exactly.
 
-    The rows come from :func:`dask_ipar.halo.halo_plan`, the geometry the engine builds
+    The rows come from :func:`dask_ipar.layout.halo.halo_plan`, the geometry the engine builds
     its exchange from (``h_in`` input rows over ``pr``, window ``k``, ``stride``, ``pad``
     = (top, bottom)); ``row_words`` = ``C_in * W_in``. ``halo_fwd`` and ``halo_bwd`` move
     the same bytes; the first layer has no ``halo_bwd`` (:func:`halo_phases`). The
@@ -411,7 +411,7 @@ def halo_phases(
 
     ``exchanged_rows`` is the number of input rows that grid rows read from a
     neighbour, summed over ``Pr`` (from the layer's exact window geometry: kernel,
-    stride, padding, uneven blocks; ``dask_ipar.halo.halo_rows``), ``row_words`` the
+    stride, padding, uneven blocks; ``dask_ipar.layout.halo.halo_rows``), ``row_words`` the
     words of one row of one sample (``C_in * W_in``). Forward (``halo_fwd``) sends
     those rows; backward (``halo_bwd``) returns their gradient to the owners: the same
     words each way, ``exchanged_rows * row_words * B``. ``max_rows``: most rows one

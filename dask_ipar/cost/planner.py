@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from dask_ipar.cost.layers import Conv2d, Pool2d, as_layer_spec
 from dask_ipar.cost.machine import Machine
+from dask_ipar.layout.partition import grid_shapes
 from dask_ipar.cost.model import (
     CONVENTIONS,
     PhaseCost,
@@ -42,12 +43,9 @@ _BACKWARD_SHARE = 2.0 / 3.0  # two of the three matmuls per layer are backward
 
 
 def factorizations(procs: int) -> list[tuple[int, int]]:
-    """All grids ``(Pr, Pc)`` with ``Pr * Pc = procs``, by increasing Pr (not only powers of two)."""
-    if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
-        raise ValueError(f"procs: got {procs!r}; expected a positive integer number of processes")
-    small = [d for d in range(1, math.isqrt(procs) + 1) if procs % d == 0]
-    divisors = sorted(set(small) | {procs // d for d in small})
-    return [(pr, procs // pr) for pr in divisors]
+    """All grids ``(Pr, Pc)`` with ``Pr * Pc = procs``, by increasing Pr (not only powers of
+    two); :func:`dask_ipar.layout.partition.grid_shapes`, which also orders the engine's grids."""
+    return grid_shapes(procs)
 
 
 def network_flops(layers, batch: int) -> int:

@@ -22,10 +22,13 @@ import warnings
 import math
 import os
 
+from dask_ipar.config import DEFAULTS
 from dask_ipar.errors import IparError
+from dask_ipar.runtime.workers import wait_for_workers
 
 __all__ = ["make_cluster", "job_script", "jobqueue_kwargs", "local_threads", "JOBQUEUE_CLASSES",
-           "QUIET_LOOP_CONFIG", "config_environ", "mute_shutdown_heartbeat_errors"]
+           "QUIET_LOOP_CONFIG", "config_environ", "mute_shutdown_heartbeat_errors",
+           "open_client", "dashboard_link"]
 
 #: dask settings of the clusters dask-ipar starts: the event-loop housekeeping of the
 #: scheduler, nannies and workers runs less often than dask's defaults (a tick every 20 ms,
@@ -84,7 +87,6 @@ JOBQUEUE_CLASSES = {
 
 
 def _section(cfg: dict) -> dict:
-    from dask_ipar.config import DEFAULTS
 
     c = dict(DEFAULTS["cluster"])
     c.update(cfg.get("cluster", {}) or {})
@@ -285,8 +287,6 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
     import dask
     from distributed import Client
 
-    from dask_ipar.cluster import _cuda_cluster_class, _has_bokeh, wait_for_workers
-
     _check_n(n_workers)
     c = _section(cfg)
     kind = c["kind"]
@@ -372,3 +372,59 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
             client.close()
     finally:
         cluster.close()
+
+
+def _has_bokeh() -> bool:
+    try:
+        import bokeh  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def open_client(n_workers: int | None = None, scheduler_address: str | None = None, *,
+                threads_per_worker: int = 1, dashboard: bool = True, device: str = "cpu",
+                connect_timeout_s: float = 10.0, wait_timeout_s: float = 60.0, log=None):
+    """Yield a ``distributed.Client`` on a new LocalCluster or an existing scheduler.
+
+    A shortcut to :func:`dask_ipar.runtime.cluster.make_cluster` with the default
+    configuration: a LocalCluster started here (worker processes, dashboard on
+    127.0.0.1) is closed on exit, whatever happens; a remote cluster is left
+    running and only the client disconnects.
+    """
+    import copy
+
+
+    cfg = copy.deepcopy(DEFAULTS)
+    cfg["cluster"].update(
+        kind="local", scheduler_address=scheduler_address, dashboard=dashboard,
+        connect_timeout=connect_timeout_s, wait_timeout=wait_timeout_s,
+    )
+    if scheduler_address is None:
+        if n_workers is None or n_workers < 1:
+            raise IparError(f"number of workers must be a positive integer, got {n_workers!r}.")
+        cfg["cluster"]["cores"] = threads_per_worker * n_workers
+    return make_cluster(cfg, n_workers or 1, device=device, log=log)
+
+
+def _cuda_cluster_class(n_workers: int):
+    """dask-cuda's LocalCUDACluster when it is installed and there is a GPU per worker."""
+    try:
+        import cupy
+        from dask_cuda import LocalCUDACluster
+    except ImportError:
+        return None
+    try:
+        n_gpus = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return None
+    return LocalCUDACluster if n_gpus >= n_workers else None
+
+
+def dashboard_link(client) -> str | None:
+    """The dashboard URL, or None when it cannot be served (bokeh missing)."""
+    if not _has_bokeh():
+        return None
+    if client.scheduler_info().get("services", {}).get("dashboard") is None:
+        return None
+    return client.dashboard_link

@@ -30,7 +30,7 @@ fetches the row's weight slices of every layer while each is still only on its o
 so every slice is sent by its owner (balanced senders); later fetches could be served
 by a replica. Replicas are read by several tasks of a step, so a model holds dask's
 Active Memory Manager stopped while it is distributed
-(:func:`dask_ipar.cluster.hold_replicas`): its ReduceReplicas policy would drop replicas
+(:func:`dask_ipar.runtime.workers.hold_replicas`): its ReduceReplicas policy would drop replicas
 that a waiting task still needs, and they would travel again.
 
 The dW reduce-scatter followed by the next step's weight all-gather is the
@@ -43,7 +43,7 @@ run through the same code; collectives over a group of one are skipped.
 
 Updates in place: a momentum block is read by one task only, its owner's update in the
 next step, so after the first step it is a long-lived state block that the update task
-(:func:`dask_ipar.kernels.sgd_update`, one task per cell) rewrites in place; successive
+(:func:`dask_ipar.kernels.dense.sgd_update`, one task per cell) rewrites in place; successive
 updates of a cell are ordered through its weights. The update writes the new weights into
 the old weight block too, after the tasks of its cell that read it (the dX pieces and the
 dX sum of the layer, added as dependencies); the other cells' copies were fetched before
@@ -66,9 +66,9 @@ from dataclasses import dataclass, field
 from dask._task_spec import DataNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from dask_ipar import kernels as K
-from dask_ipar.grid import GridBinding
-from dask_ipar.partition import split_bounds
+from dask_ipar.kernels import dense as K
+from dask_ipar.layout.grid import GridBinding
+from dask_ipar.layout.partition import split_bounds
 
 __all__ = ["LayerLayout", "StepGraph", "Engine", "phase_of_key", "span_of_name", "sim_tasks",
            "TASK_PHASE", "TASK_SPAN"]
@@ -242,7 +242,7 @@ class Engine:
         One per dense layer, in order.
     uid : str
         Hex token unique to the model, part of every key.
-    front : dask_ipar.front.Front, optional
+    front : dask_ipar.nn.front.Front, optional
         Conv and pooling layers in front of the dense ones (a CNN).
     """
 
@@ -365,7 +365,7 @@ class Engine:
         """Backward of every layer.
 
         ``reduce_fn(g, lay, l, dw_args, readers)`` adds the tasks that reduce the dW pieces;
-        ``dw_args(i, jj)`` gives the :func:`~dask_ipar.kernels.dw_reduce` arguments
+        ``dw_args(i, jj)`` gives the :func:`~dask_ipar.kernels.dense.dw_reduce` arguments
         of slice ``(i, jj)`` (local inputs, then the remote pieces); ``readers(i, jj)`` the
         tasks of cell (i, jj) that read its weight slice after the forward pass (an update
         in place must follow them), or None when they are not known (no update in place).

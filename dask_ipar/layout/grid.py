@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from dask_ipar.cost.planner import factorizations as cost_factorizations
 from dask_ipar.errors import IparError
+from dask_ipar.layout.partition import grid_shapes
 
-if TYPE_CHECKING:  # pragma: no cover
-    from distributed import Client
-
-__all__ = ["Grid", "GridBinding", "parse_grid", "factorizations", "bind_grid"]
+__all__ = ["Grid", "GridBinding", "parse_grid", "factorizations"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +84,7 @@ def factorizations(p: int) -> list[Grid]:
     """
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
         raise IparError(f"number of processes must be a positive integer, got {p!r}")
-    return [Grid(pr, pc) for pr, pc in cost_factorizations(p)]
+    return [Grid(pr, pc) for pr, pc in grid_shapes(p)]
 
 
 @dataclass(frozen=True)
@@ -116,36 +112,3 @@ class GridBinding:
 
     def column(self, j: int) -> list[str]:
         return [self.worker(i, j) for i in range(self.grid.pr)]
-
-
-def _worker_order(info: dict) -> list[str]:
-    """Workers sorted by name (numeric names numerically), then address."""
-
-    def key(item):
-        addr, w = item
-        name = w.get("name", addr)
-        return (0, int(name), addr) if str(name).isdigit() else (1, str(name), addr)
-
-    return [addr for addr, _ in sorted(info.items(), key=key)]
-
-
-def bind_grid(grid: Grid, client: "Client", workers: list[str] | None = None) -> GridBinding:
-    """Bind ``grid`` to the first ``grid.size`` workers of ``client`` (by worker name).
-
-    Raises
-    ------
-    IparError
-        If the cluster has fewer workers than grid cells.
-    """
-    grid = parse_grid(grid)
-    if workers is None:
-        from dask_ipar.cluster import scheduler_workers
-
-        workers = _worker_order(scheduler_workers(client))
-    if len(workers) < grid.size:
-        raise IparError(
-            f"grid {grid} needs {grid.size} workers but the cluster has {len(workers)}. "
-            f"Start the cluster with at least {grid.size} workers (--workers {grid.size}) "
-            f"or choose a smaller grid whose Pr*Pc <= {len(workers)}."
-        )
-    return GridBinding(grid, tuple(workers[: grid.size]))

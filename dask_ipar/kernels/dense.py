@@ -295,7 +295,7 @@ def sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *r
     On NumPy and CuPy blocks the new velocity is written into ``v``'s buffer, a slice of
     rows at a time (the local dW piece too, about 16 MiB of it at a time), so no array the
     size of a large block is allocated: ``v`` is the cell's long-lived momentum block,
-    which only this task reads (see :class:`dask_ipar.engine.Engine`). Other array libraries, and blocks this process may
+    which only this task reads (see :class:`dask_ipar.nn.engine.Engine`). Other array libraries, and blocks this process may
     not overwrite, get a new array.
     """
     m = None if v is None else _ufuncs(v)

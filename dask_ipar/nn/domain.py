@@ -1,7 +1,7 @@
 """Domain-parallel conv and pooling on a bound grid: height over ``Pr``, samples over ``Pc``.
 
 The first pieces of the integrated CNN (Eqs. 7 and 9 of the paper), as pinned task graphs
-with the halo geometry of :mod:`dask_ipar.halo`:
+with the halo geometry of :mod:`dask_ipar.layout.halo`:
 
 * forward: each cell sends the rows its neighbours need (``<layer>.xhalo`` pieces, exactly
   the halo rows, never whole blocks), assembles its rows in one local key
@@ -10,13 +10,13 @@ with the halo geometry of :mod:`dask_ipar.halo`:
 * backward: each cell computes the gradient of the rows it read; rows owned by a neighbour
   go back to their owner as ghost-row pieces (``<layer>.dxhalo``) and are added there
   (``<layer>.dx``);
-* conv weight gradients: each cell returns its partial ``dW``; :mod:`dask_ipar.front`
+* conv weight gradients: each cell returns its partial ``dW``; :mod:`dask_ipar.nn.front`
   sums them over all P cells with a balanced all-reduce (reduce-scatter onto the owners
   of the weight blocks, update there, all-gather before the next forward).
 
-Keys are ``("<layer>.<task>-<token>", *cell)``, as in :mod:`dask_ipar.engine`, so the
+Keys are ``("<layer>.<task>-<token>", *cell)``, as in :mod:`dask_ipar.nn.engine`, so the
 workers' transfer logs attribute bytes to ``halo_fwd``, ``halo_bwd``, ``dw_reduce`` and
-``w_gather``. :mod:`dask_ipar.front` strings these layers together for
+``w_gather``. :mod:`dask_ipar.nn.front` strings these layers together for
 :class:`~dask_ipar.model.Sequential`.
 """
 
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from dask._task_spec import TaskRef
 
-from dask_ipar import conv_kernels as CK
-from dask_ipar import kernels as K
-from dask_ipar.engine import StepGraph
-from dask_ipar.halo import halo_plan
-from dask_ipar.kernels import xp_of
-from dask_ipar.partition import split_bounds
+from dask_ipar.kernels import conv as CK
+from dask_ipar.kernels import dense as K
+from dask_ipar.nn.engine import StepGraph
+from dask_ipar.layout.halo import halo_plan
+from dask_ipar.kernels.dense import xp_of
+from dask_ipar.layout.partition import split_bounds
 
 __all__ = [
     "conv_forward_graph",

@@ -1,8 +1,8 @@
 """Layer descriptions used to build models.
 
 A layer here is a small frozen value; the distributed forward and backward
-graphs live in :mod:`dask_ipar.engine`, the local kernels in
-:mod:`dask_ipar.kernels`, and the analytic cost in :mod:`dask_ipar.cost`.
+graphs live in :mod:`dask_ipar.nn.engine`, the local kernels in
+:mod:`dask_ipar.kernels.dense`, and the analytic cost in :mod:`dask_ipar.cost`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dask_ipar.errors import IparError
-from dask_ipar.kernels import ACTIVATIONS
+from dask_ipar.kernels.dense import ACTIVATIONS
 
 __all__ = ["Dense", "Conv2d", "MaxPool2d", "AvgPool2d", "Flatten", "resolve_padding"]
 

@@ -10,7 +10,7 @@ Layout of a checkpoint directory ``<dir>/ckpt-<step>/`` (a Zarr v3 group)::
     dense0/v               its momentum (absent before the first step)
     dense1/w ...
 
-(:mod:`dask_ipar.checkpoint_format` defines and validates the metadata.) Arrays are
+(:mod:`dask_ipar.io.checkpoint_format` defines and validates the metadata.) Arrays are
 chunked by the saving grid's blocks (the largest row block by the largest column block,
 so chunks equal blocks when the sizes divide evenly). Every chunk is written by exactly
 one worker: the owner of the block holding the chunk's first element; when blocks are
@@ -55,9 +55,9 @@ import uuid
 
 import numpy as np
 
-from dask_ipar import checkpoint_format as fmt
-from dask_ipar.checkpoint_format import FORMAT, VERSION, CheckpointCorrupt, CheckpointStorageError
-from dask_ipar.cluster import scheduler_workers, wait_for_workers
+from dask_ipar.io import checkpoint_format as fmt
+from dask_ipar.io.checkpoint_format import FORMAT, VERSION, CheckpointCorrupt, CheckpointStorageError
+from dask_ipar.runtime.workers import scheduler_workers, wait_for_workers
 from dask_ipar.errors import IparError
 
 __all__ = [
@@ -178,7 +178,7 @@ def _take(block, r0, r1, c0, c1):
     releases: never the block itself, whose key the next steps keep (momentum is
     updated in place), so no copy of it outlives the save.
     """
-    from dask_ipar.kernels import to_host
+    from dask_ipar.kernels.dense import to_host
 
     return np.array(to_host(block[r0:r1, c0:c1]), copy=True)
 
@@ -191,7 +191,7 @@ def _write_region(path, r0, r1, c0, c1, bounds, *blocks):
     Returns ``{"nbytes", "sha256": {chunk id: digest}}``, or ``{"error", "errno"}`` when
     the storage refused the write.
     """
-    from dask_ipar.kernels import to_host
+    from dask_ipar.kernels.dense import to_host
 
     try:
         import zarr
@@ -273,7 +273,7 @@ def _read_block(path, name, r0, r1, c0, c1, dtype, digests=None, module=None):
         return _Failure(f"array {name} has missing or non-finite values in rows {r0}:{r1}, "
                         f"columns {c0}:{c1} (a chunk file is missing or damaged)")
     if module is not None:
-        from dask_ipar.kernels import to_device
+        from dask_ipar.kernels.dense import to_device
 
         try:
             return to_device(out, module)
@@ -930,7 +930,7 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
     dict
         ``{"steps", "restarts", "losses" (per step, final run), "checkpoint"}``.
     """
-    from dask_ipar.data import as_features, as_labels
+    from dask_ipar.io.data import as_features, as_labels
     from dask_ipar.optim import SGD
 
     optimizer = optimizer or SGD()

@@ -3,7 +3,7 @@ then the redistribution (Eq. 6) to the model-parallel dense layers.
 
 Layout on a ``Pr x Pc`` grid: cell ``(i, j)`` holds rows ``i`` (balanced over ``Pr``) of
 the images of sample block ``j`` (balanced over ``Pc``), for every conv and pool layer's
-input and output. The graphs of each layer come from :mod:`dask_ipar.domain` (halo
+input and output. The graphs of each layer come from :mod:`dask_ipar.nn.domain` (halo
 exchange forward, ghost-row gradients back).
 
 Conv weights are one matrix per layer, ``O x (C/g*kh*kw [+ 1])`` (the last column the
@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 from dask._task_spec import TaskRef
 
-from dask_ipar import domain as D
-from dask_ipar import kernels as K
-from dask_ipar.conv_kernels import conv_out_size
-from dask_ipar.engine import LayerLayout, StepGraph
+from dask_ipar.nn import domain as D
+from dask_ipar.kernels import dense as K
+from dask_ipar.kernels.conv import conv_out_size
+from dask_ipar.nn.engine import LayerLayout, StepGraph
 from dask_ipar.errors import IparError
-from dask_ipar.layers import Conv2d, resolve_padding
-from dask_ipar.partition import split_bounds
+from dask_ipar.nn.layers import Conv2d, resolve_padding
+from dask_ipar.layout.partition import split_bounds
 
 __all__ = ["FrontLayout", "Front", "front_layouts"]
 

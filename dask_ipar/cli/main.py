@@ -113,7 +113,7 @@ def _add_train(sub):
 
 
 def _resolve_grid(grid_text, workers):
-    from dask_ipar.grid import Grid, parse_grid
+    from dask_ipar.layout.grid import Grid, parse_grid
 
     if grid_text is not None:
         grid = parse_grid(grid_text)
@@ -129,7 +129,7 @@ def _resolve_grid(grid_text, workers):
 @contextlib.contextmanager
 def _performance_report(path):
     """Record dask's performance report (inline bokeh) when a run card is asked for."""
-    from dask_ipar.cluster import _has_bokeh
+    from dask_ipar.runtime.cluster import _has_bokeh
 
     out = {}
     if not path or not _has_bokeh():
@@ -149,14 +149,14 @@ def _load_data(cfg):
     """Training and test data: a file from the config, else the bundled digits."""
     import numpy as np
 
-    from dask_ipar.data import load_digits_images, load_digits_split
+    from dask_ipar.io.data import load_digits_images, load_digits_split
 
     t = cfg["train"]
     if not cfg["data"]["path"]:
         if cfg["model"].get("kind") == "cnn":
             return (*load_digits_images(upsample=2, seed=t["seed"]), 10, "digits 16x16")
         return (*load_digits_split(seed=t["seed"]), 10, "digits")
-    from dask_ipar.datasets import load_dataset, train_test_split
+    from dask_ipar.io.data import load_dataset, train_test_split
 
     X, y = load_dataset(cfg["data"]["path"], chunk_rows=64 * t["batch"])
     Xtr, ytr, Xte, yte = train_test_split(X, y, cfg["data"]["test_fraction"], t["seed"])
@@ -164,10 +164,10 @@ def _load_data(cfg):
 
 
 def run_train(args) -> int:
-    from dask_ipar.clusters import make_cluster
-    from dask_ipar.cluster import dashboard_link
+    from dask_ipar.runtime.cluster import make_cluster
+    from dask_ipar.runtime.cluster import dashboard_link
     from dask_ipar.config import config_from_args
-    from dask_ipar.layers import Dense
+    from dask_ipar.nn.layers import Dense
     from dask_ipar.model import Sequential
     from dask_ipar.optim import SGD
 
@@ -201,7 +201,7 @@ def run_train(args) -> int:
                 f"--model cnn needs images (n, channels, height, width); the data has shape "
                 f"{tuple(np.shape(Xtr))}. Save X with that shape, or train an MLP."
             )
-        from dask_ipar.layers import Conv2d, Flatten, MaxPool2d
+        from dask_ipar.nn.layers import Conv2d, Flatten, MaxPool2d
 
         conv = cfg["model"].get("conv", "domain")
         front = [lay for f in cfg["model"]["filters"]
@@ -210,11 +210,11 @@ def run_train(args) -> int:
                              MaxPool2d(2))]
         layers = front + [Flatten()] + layers
         if conv == "auto":
-            from dask_ipar.planning import plan_layers
+            from dask_ipar.nn.planning import plan_layers
 
             grid, layers, chosen = plan_layers(layers, tuple(Xtr.shape[1:]), grid.size,
                                                t["batch"], machine, grid=cfg["grid"])
-            from dask_ipar.comm import LOOPBACK_MACHINE
+            from dask_ipar.runtime.meter import LOOPBACK_MACHINE
 
             used = machine or LOOPBACK_MACHINE
             _eprint(f"dask-ipar: planner (conv auto): grid {grid}, " + ", ".join(
@@ -247,8 +247,7 @@ def run_train(args) -> int:
         model.executor = t["executor"]
         t_fit = time.perf_counter()
         if ck["dir"]:
-            from dask_ipar import checkpoint
-
+            from dask_ipar.io import checkpoint
             steps = t["epochs"] * (Xtr.shape[0] // t["batch"])
             done = checkpoint.train_with_checkpoints(
                 model, Xtr, ytr, steps=steps, every=ck["every"] or steps, directory=ck["dir"],
@@ -282,7 +281,7 @@ def run_train(args) -> int:
             if history is None:
                 _eprint("dask-ipar: no run card for checkpointed runs (--report needs a plain fit)")
             else:
-                from dask_ipar.report import write_run_card
+                from dask_ipar.io.report import write_run_card
 
                 write_run_card(args.report, summary, history, model, perf.get("html"))
                 _eprint(f"dask-ipar: run card written to {args.report}")
@@ -318,8 +317,8 @@ def _add_calibrate(sub):
 
 
 def run_calibrate(args) -> int:
-    from dask_ipar.calibrate import calibrate
-    from dask_ipar.cluster import open_client
+    from dask_ipar.runtime.calibrate import calibrate
+    from dask_ipar.runtime.cluster import open_client
     from dask_ipar.cost import save_machine
 
     if args.workers < 2 and not args.scheduler_address:
@@ -356,7 +355,7 @@ def _add_verify(sub):
 
 
 def run_verify(args) -> int:
-    from dask_ipar.cluster import open_client
+    from dask_ipar.runtime.cluster import open_client
     from dask_ipar.testing import compare_mlp
 
     grid = _resolve_grid(args.grid, None)
@@ -405,13 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibrate(sub)
     _add_verify(sub)
     try:
-        from dask_ipar import plan_cli
+        from dask_ipar.cli import plan as plan_cli
     except ImportError:  # pragma: no cover - the planner ships with the package
         plan_cli = None
     if plan_cli is not None:
         plan_cli.add_parser(sub)
-    from dask_ipar import config_cli
-
+    from dask_ipar.cli import config as config_cli
     config_cli.add_parser(sub)
     return parser
 

@@ -182,7 +182,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Stand-alone entry point, ``python -m dask_ipar.plan_cli plan ...``."""
+    """Stand-alone entry point, ``python -m dask_ipar.cli.plan plan ...``."""
     parser = argparse.ArgumentParser(prog="dask-ipar")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

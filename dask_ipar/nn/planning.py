@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from dask_ipar.errors import IparError
-from dask_ipar.layers import Conv2d, Flatten
+from dask_ipar.nn.layers import Conv2d, Flatten
 
 __all__ = ["cost_specs", "plan_layers"]
 
@@ -33,7 +33,7 @@ def _symmetric(pad, n, k, s, out):
 def cost_specs(layers, input_shape) -> list:
     """:mod:`dask_ipar.cost` specs of a CNN's layers, named as the engine names them."""
     from dask_ipar import cost
-    from dask_ipar.front import front_layouts
+    from dask_ipar.nn.front import front_layouts
 
     n_front = next(k for k, lay in enumerate(layers) if isinstance(lay, Flatten))
     specs = []
@@ -66,7 +66,7 @@ def plan_layers(layers, input_shape, procs: int, batch: int, machine=None, *, gr
     procs, batch : int
         Worker processes P and mini-batch size B.
     machine : dask_ipar.cost.Machine, optional
-        Default: the rough loopback figures of :data:`dask_ipar.comm.LOOPBACK_MACHINE`.
+        Default: the rough loopback figures of :data:`dask_ipar.runtime.meter.LOOPBACK_MACHINE`.
     grid : Grid or "PRxPC", optional
         Keep this grid and choose only the schemes.
 
@@ -76,8 +76,8 @@ def plan_layers(layers, input_shape, procs: int, batch: int, machine=None, *, gr
         The layers are the given ones with each Conv2d's ``parallel`` set.
     """
     from dask_ipar import cost
-    from dask_ipar.comm import LOOPBACK_MACHINE
-    from dask_ipar.grid import Grid, parse_grid
+    from dask_ipar.runtime.meter import LOOPBACK_MACHINE
+    from dask_ipar.layout.grid import Grid, parse_grid
 
     if not any(isinstance(lay, Flatten) for lay in layers):
         raise IparError("plan_layers plans CNNs (conv layers, Flatten, Dense layers).")

@@ -1,24 +1,18 @@
-"""Starting or joining a dask cluster, and always shutting down what we started."""
+"""The workers a model runs on: asking the scheduler for them, waiting for them, binding
+grid cells to them, and holding the Active Memory Manager off while a model trains."""
 
 from __future__ import annotations
 
 import time
 
 from dask_ipar.errors import IparError
+from dask_ipar.layout.grid import Grid, GridBinding, parse_grid
 
-__all__ = ["open_client", "wait_for_workers", "dashboard_link", "scheduler_workers",
-           "hold_replicas", "release_replicas"]
+__all__ = ["scheduler_workers", "wait_for_workers", "bind_grid", "hold_replicas",
+           "release_replicas"]
 
 #: Models per scheduler address that hold dask's Active Memory Manager stopped.
 _AMM_HOLDS: dict[str, int] = {}
-
-
-def _has_bokeh() -> bool:
-    try:
-        import bokeh  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def scheduler_workers(client) -> dict:
@@ -89,51 +83,33 @@ def wait_for_workers(client, n: int, timeout_s: float, log=None) -> None:
         time.sleep(0.2)
 
 
-def open_client(n_workers: int | None = None, scheduler_address: str | None = None, *,
-                threads_per_worker: int = 1, dashboard: bool = True, device: str = "cpu",
-                connect_timeout_s: float = 10.0, wait_timeout_s: float = 60.0, log=None):
-    """Yield a ``distributed.Client`` on a new LocalCluster or an existing scheduler.
 
-    A shortcut to :func:`dask_ipar.clusters.make_cluster` with the default
-    configuration: a LocalCluster started here (worker processes, dashboard on
-    127.0.0.1) is closed on exit, whatever happens; a remote cluster is left
-    running and only the client disconnects.
+def _worker_order(info: dict) -> list[str]:
+    """Workers sorted by name (numeric names numerically), then address."""
+
+    def key(item):
+        addr, w = item
+        name = w.get("name", addr)
+        return (0, int(name), addr) if str(name).isdigit() else (1, str(name), addr)
+
+    return [addr for addr, _ in sorted(info.items(), key=key)]
+
+
+def bind_grid(grid: Grid, client, workers: list[str] | None = None) -> GridBinding:
+    """Bind ``grid`` to the first ``grid.size`` workers of ``client`` (by worker name).
+
+    Raises
+    ------
+    IparError
+        If the cluster has fewer workers than grid cells.
     """
-    import copy
-
-    from dask_ipar.clusters import make_cluster
-    from dask_ipar.config import DEFAULTS
-
-    cfg = copy.deepcopy(DEFAULTS)
-    cfg["cluster"].update(
-        kind="local", scheduler_address=scheduler_address, dashboard=dashboard,
-        connect_timeout=connect_timeout_s, wait_timeout=wait_timeout_s,
-    )
-    if scheduler_address is None:
-        if n_workers is None or n_workers < 1:
-            raise IparError(f"number of workers must be a positive integer, got {n_workers!r}.")
-        cfg["cluster"]["cores"] = threads_per_worker * n_workers
-    return make_cluster(cfg, n_workers or 1, device=device, log=log)
-
-
-def _cuda_cluster_class(n_workers: int):
-    """dask-cuda's LocalCUDACluster when it is installed and there is a GPU per worker."""
-    try:
-        import cupy
-        from dask_cuda import LocalCUDACluster
-    except ImportError:
-        return None
-    try:
-        n_gpus = cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return None
-    return LocalCUDACluster if n_gpus >= n_workers else None
-
-
-def dashboard_link(client) -> str | None:
-    """The dashboard URL, or None when it cannot be served (bokeh missing)."""
-    if not _has_bokeh():
-        return None
-    if client.scheduler_info().get("services", {}).get("dashboard") is None:
-        return None
-    return client.dashboard_link
+    grid = parse_grid(grid)
+    if workers is None:
+        workers = _worker_order(scheduler_workers(client))
+    if len(workers) < grid.size:
+        raise IparError(
+            f"grid {grid} needs {grid.size} workers but the cluster has {len(workers)}. "
+            f"Start the cluster with at least {grid.size} workers (--workers {grid.size}) "
+            f"or choose a smaller grid whose Pr*Pc <= {len(workers)}."
+        )
+    return GridBinding(grid, tuple(workers[: grid.size]))

@@ -1,7 +1,7 @@
 """Worker programs: a step's task graph run as one dask task per worker and phase.
 
 With ``Model.executor = "programs"`` the engine builds the same step graph as always
-(:class:`~dask_ipar.engine.StepGraph`: the same kernels, arguments and placement), and
+(:class:`~dask_ipar.nn.engine.StepGraph`: the same kernels, arguments and placement), and
 :func:`compile_programs` turns it into *programs*, dask tasks that run the tasks placed on
 their worker themselves: per worker one for the forward pass up to the loss statistics,
 and one for the rest of the step (backward and update), so that the loss arrives, and the
@@ -10,7 +10,7 @@ pushed to that worker as soon as it exists, once per worker, over a handler that
 :class:`ExchangePlugin` adds to every worker (the mechanism of dask's P2P shuffle):
 the blocks that move and their senders are the ones dask moves in the task-graph
 executor, so the cost model's prediction holds unchanged, and each transfer is logged on
-its sender and read by :class:`dask_ipar.comm.CommMeter` like dask's own transfer logs.
+its sender and read by :class:`dask_ipar.runtime.meter.CommMeter` like dask's own transfer logs.
 
 Why: dask's scheduler spends about half a millisecond of CPU per task on a small machine
 (``docs/benchmarks.md``, target 2); a 2x2 step has 20 tasks per layer as a task graph
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from dask._task_spec import Task, TaskRef
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from dask_ipar.engine import StepGraph, span_of_name
+from dask_ipar.nn.engine import StepGraph, span_of_name
 from dask_ipar.errors import IparError
 
 __all__ = ["Program", "compile_programs", "run_program", "pick", "ExchangePlugin",
@@ -72,8 +72,8 @@ SECEDE_AFTER_S = 2.0
 
 
 def _mutating_kernels() -> frozenset:
-    from dask_ipar import kernels as K
-    from dask_ipar.domain import add_rows
+    from dask_ipar.kernels import dense as K
+    from dask_ipar.nn.domain import add_rows
 
     return frozenset({K.sgd_update, K.sgd_velocity, K.sum_pieces, add_rows})
 
@@ -497,7 +497,7 @@ def abort_programs(client, uid: str, reason: str, workers=None) -> None:
     """Make the waiting programs of model ``uid`` fail with ``reason`` (best effort)."""
     try:
         if workers is None:  # a dead worker still listed would cost a connect timeout
-            from dask_ipar.cluster import scheduler_workers
+            from dask_ipar.runtime.workers import scheduler_workers
 
             workers = list(scheduler_workers(client))
         client.run(_abort_here, uid, reason, workers=workers, on_error="ignore")

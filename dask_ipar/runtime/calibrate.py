@@ -28,7 +28,7 @@ import numpy as np
 from dask._task_spec import TaskRef
 
 from dask_ipar.cost import Machine
-from dask_ipar.engine import StepGraph
+from dask_ipar.nn.engine import StepGraph
 
 __all__ = ["calibrate"]
 
@@ -163,7 +163,7 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     dtype : str
         Dtype of the matmul rate and the word size of the result.
     """
-    from dask_ipar.cluster import scheduler_workers
+    from dask_ipar.runtime.workers import scheduler_workers
 
     workers = list(workers or sorted(scheduler_workers(client)))
     if len(workers) < 2:

@@ -2,10 +2,10 @@
 
 Every worker logs each dependency it fetched (``transfer_incoming_log``:
 sender, keys and their ``sizeof`` bytes, duration), and each block its worker programs
-pushed to another worker (:mod:`dask_ipar.programs`, the same fields). :class:`CommMeter`
+pushed to another worker (:mod:`dask_ipar.runtime.programs`, the same fields). :class:`CommMeter`
 drains those logs on every step (after widening them so that nothing is
 dropped by the ``distributed.admin.low-level-log-length`` cap), attributes
-each key to its layer and phase by its name (:func:`dask_ipar.engine.phase_of_key`),
+each key to its layer and phase by its name (:func:`dask_ipar.nn.engine.phase_of_key`),
 and compares the totals with :func:`dask_ipar.cost.dense_layer_phases` for
 the same model, grid and batches.
 
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from dask_ipar.cost import (FC, Machine, batch_layer_phases, dense_layer_phases, exchange_phase,
                             redistribute_phase, window_halo_phases)
-from dask_ipar.engine import phase_of_key
+from dask_ipar.nn.engine import phase_of_key
 
 __all__ = ["CommMeter", "CommRow", "CommReport", "predict_step", "LOOPBACK_MACHINE"]
 
@@ -45,8 +45,8 @@ def _widen_logs(maxlen, dask_worker=None):
 def _drain_logs(dask_worker=None):
     """Pop every transfer entry as ``(sender, receiver, duration_s, [(key, nbytes), ...])``:
     what dask fetched to this worker, and what this worker's programs pushed to others
-    (:mod:`dask_ipar.programs`, logged by the sender)."""
-    from dask_ipar.programs import drain_exchange_log
+    (:mod:`dask_ipar.runtime.programs`, logged by the sender)."""
+    from dask_ipar.runtime.programs import drain_exchange_log
 
     out = []
     log = dask_worker.transfer_incoming_log
@@ -151,7 +151,7 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
 
 def _all_to_all(f, pr, pc, batch, m):
     """Whole images of each cell's samples to strips of its column's samples, and back."""
-    from dask_ipar.partition import split_bounds
+    from dask_ipar.layout.partition import split_bounds
 
     c, h, w = f.in_shape
     rows = [b - a for a, b in split_bounds(h, pr)]
@@ -229,7 +229,7 @@ class CommMeter:
 
         Only workers the scheduler still lists are asked (a worker that died would make
         the call wait for a connection timeout; its log is lost with it)."""
-        from dask_ipar.cluster import scheduler_workers
+        from dask_ipar.runtime.workers import scheduler_workers
 
         alive = scheduler_workers(self.client)
         logs = self.client.run(_drain_logs, workers=[w for w in self.workers if w in alive])

@@ -7,7 +7,9 @@ differ by at most one (the layout of ``numpy.array_split``).
 
 from __future__ import annotations
 
-__all__ = ["split_sizes", "split_bounds"]
+import math
+
+__all__ = ["split_sizes", "split_bounds", "grid_shapes"]
 
 
 def split_sizes(n: int, p: int) -> tuple[int, ...]:
@@ -34,3 +36,12 @@ def split_bounds(n: int, p: int) -> tuple[tuple[int, int], ...]:
         out.append((start, start + size))
         start += size
     return tuple(out)
+
+
+def grid_shapes(procs: int) -> list[tuple[int, int]]:
+    """All grids ``(Pr, Pc)`` with ``Pr * Pc = procs``, by increasing Pr (not only powers of two)."""
+    if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+        raise ValueError(f"procs: got {procs!r}; expected a positive integer number of processes")
+    small = [d for d in range(1, math.isqrt(procs) + 1) if procs % d == 0]
+    divisors = sorted(set(small) | {procs // d for d in small})
+    return [(pr, procs // pr) for pr in divisors]

@@ -1,7 +1,7 @@
 """Local convolution and pooling kernels (NCHW), forward and backward.
 
 The per-block computations of the conv and pooling layers; the distributed
-graphs around them are in :mod:`dask_ipar.domain` and :mod:`dask_ipar.front`.
+graphs around them are in :mod:`dask_ipar.nn.domain` and :mod:`dask_ipar.nn.front`.
 Written against the Python array API standard (strided slicing,
 ``reshape``, ``matmul``), so the same code runs on NumPy and CuPy: im2col is
 a loop over the ``k_h * k_w`` kernel offsets, each one strided slice of the
@@ -14,7 +14,7 @@ image can be padded on its outer edges only.
 
 from __future__ import annotations
 
-from dask_ipar.kernels import xp_of
+from dask_ipar.kernels.dense import xp_of
 
 __all__ = [
     "conv_out_size",

@@ -2,7 +2,7 @@
 
 Pure functions, no dask: which input rows each grid row needs for the output
 rows it owns, and which cells own them. The exchange itself (the tasks that
-move the pieces) is in :mod:`dask_ipar.domain`; see docs/conv.md.
+move the pieces) is in :mod:`dask_ipar.nn.domain`; see docs/conv.md.
 
 Each layer's output rows are split over ``Pr`` in balanced blocks (as every
 layout in dask-ipar), so a layer's input split is the previous layer's output
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dask_ipar.partition import split_bounds
+from dask_ipar.layout.partition import split_bounds
 
 __all__ = ["RowNeed", "halo_plan", "halo_rows"]
 
