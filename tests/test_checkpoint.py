@@ -17,7 +17,7 @@ import pytest
 zarr = pytest.importorskip("zarr")
 
 from dask_ipar import SGD, Dense, Sequential  # noqa: E402
-from dask_ipar import checkpoint as ck  # noqa: E402
+from dask_ipar.io import checkpoint as ck  # noqa: E402
 from dask_ipar import reference as ref  # noqa: E402
 from dask_ipar.errors import IparError  # noqa: E402
 
