@@ -420,7 +420,7 @@ def time_own_scheduler(cfg: MLPConfig, grid: str, steps: int, floor: bool = True
 
 def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> dict:
     """dask's own cost for the engine's step graph: the same graph (tasks, placement,
-    dependencies, requested keys) with every kernel replaced by ``kernels.fetched``, which
+    dependencies, requested keys) with every kernel replaced by ``kernels.blocks.fetched``, which
     does nothing but receive its dependencies. Its inputs (batch blocks, the first weight
     and the momentum slices) are one-element placeholder arrays scattered once to their
     cells; each step reads the weight keys the step before produced, as in training. The
@@ -431,7 +431,7 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
     from dask._task_spec import Task, TaskRef
     from distributed import wait
 
-    from dask_ipar.kernels import dense as K
+    from dask_ipar.kernels import blocks as K
     eng, grid, L = model.engine, model.grid, cfg.layers
     xk = {(i, j): TaskRef((f"floor.bx-{i}-{j}", i, j)) for i, j in grid.cells()}
     yk = {(i, j): TaskRef((f"floor.by-{i}-{j}", i, j)) for i, j in grid.cells()}

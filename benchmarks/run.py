@@ -510,7 +510,7 @@ def render(res) -> str:
           "whole-process CPU time is measured (psutil, mean over the steps); the graph build is "
           "the client's. This is what target 2 reads. The last two columns are dask's own "
           "cost for the same graph: every kernel replaced by a task that only receives its "
-          "dependencies (`kernels.fetched`), inputs one-element placeholders "
+          "dependencies (`kernels.blocks.fetched`), inputs one-element placeholders "
           "(`common.noop_floor`).\n")
         w("| MLP | tasks/step | step (s) | scheduler CPU per step (ms) | per task (ms) "
           "| graph build (ms) | per layer: scheduler + build (ms) "

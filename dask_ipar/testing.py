@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from dask._task_spec import TaskRef
+
+from dask_ipar.layout.grid import GridBinding, parse_grid
 from dask_ipar.nn.layers import Dense
 from dask_ipar.model import Sequential
 from dask_ipar.optim import SGD
 from dask_ipar.reference import cnn_loss_and_grads, mlp_forward, mlp_loss_and_grads, sgd_step
 
 __all__ = ["awkward_problem", "compare_mlp", "check_mlp", "compare_cnn", "check_cnn",
-           "awkward_cnn", "rel_err"]
+           "awkward_cnn", "rel_err", "fake_binding", "step_graph"]
 
 
 def rel_err(a, b) -> float:
@@ -27,6 +30,30 @@ def rel_err(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     scale = np.abs(b).max()
     return float(np.abs(a - b).max() / (scale if scale > 0 else 1.0))
+
+
+def fake_binding(grid) -> GridBinding:
+    """``grid`` bound to addresses no worker listens on: for building graphs only."""
+    grid = parse_grid(grid)
+    return GridBinding(grid, tuple(f"tcp://10.255.{k // 250}.{k % 250 + 1}:1"
+                                   for k in range(grid.size)))
+
+
+def step_graph(model, grid, batch: int):
+    """``(engine, graph)`` of one training step of ``model`` on ``grid`` for ``batch``
+    samples, built on :func:`fake_binding` (no cluster): the fast tier of the tests.
+
+    The graph's inputs (``("x", i, j)``, ``("y", i, j)``) and weights (``("w<k>", i, j)``)
+    are keys it does not compute; ``graph.routed_words()`` is what its collectives move.
+    """
+    engine = model._make_engine(fake_binding(grid))
+    cells = engine.grid.cells()
+    x = {c: TaskRef(("x", *c)) for c in cells}
+    y = {c: TaskRef(("y", *c)) for c in cells}
+    n = len(engine.param_layouts)
+    g, *_ = engine.train_step(x, y, batch, [f"w{k}" for k in range(n)], [None] * n, 0,
+                              0.1, 0.9, 0.0)
+    return engine, g
 
 
 def awkward_problem(sizes=(37, 29, 13, 10), batch=23, seed=0):

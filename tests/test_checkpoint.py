@@ -18,6 +18,7 @@ zarr = pytest.importorskip("zarr")
 
 from dask_ipar import SGD, Dense, Sequential  # noqa: E402
 from dask_ipar.io import checkpoint as ck  # noqa: E402
+from dask_ipar.io import checkpoint_save  # noqa: E402
 from dask_ipar import reference as ref  # noqa: E402
 from dask_ipar.errors import IparError  # noqa: E402
 
@@ -96,7 +97,7 @@ def test_owned_ranges_cover_each_axis_once():
             chunk = max(b - a for a, b in bounds)
             covered = []
             for b0, b1 in bounds:
-                r = ck._owned_range(b0, b1, chunk, n)
+                r = checkpoint_save._owned_range(b0, b1, chunk, n)
                 if r is not None:
                     assert r[0] % chunk == 0 and (r[1] % chunk == 0 or r[1] == n)
                     covered.extend(range(*r))

@@ -18,6 +18,7 @@ zarr = pytest.importorskip("zarr")
 
 from dask_ipar import SGD, Dense, Sequential  # noqa: E402
 from dask_ipar.io import checkpoint as ck  # noqa: E402
+from dask_ipar.io import checkpoint_save, checkpoint_tasks  # noqa: E402
 from dask_ipar.io.checkpoint_format import CheckpointCorrupt, CheckpointStorageError  # noqa: E402
 from dask_ipar.errors import IparError  # noqa: E402
 
@@ -63,7 +64,7 @@ def straddles(model) -> bool:
         for bounds, n in ((lay["rows"], lay["n_out"]), (lay["wcols"], lay["n_in"] + 1)):
             chunk = max(b - a for a, b in bounds)
             for b0, b1 in bounds:
-                r = ck._owned_range(b0, b1, chunk, n)
+                r = checkpoint_save._owned_range(b0, b1, chunk, n)
                 if r is not None and r[1] > b1:
                     return True
     return False
@@ -496,7 +497,7 @@ def test_worker_side_write_error_is_reported_not_raised(small_fs):
                       fill_value=np.nan, compressors=[ZstdCodec(level=1), Crc32cCodec()])
     fill(small_fs)
     block = np.random.default_rng(0).standard_normal((64, 64))
-    res = ck._write_region(path, 0, 64, 0, 64, [(0, 64, 0, 64)], block)
+    res = checkpoint_tasks._write_region(path, 0, 64, 0, 64, [(0, 64, 0, 64)], block)
     assert res["errno"] == 28 and "No space left on device" in res["error"]
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from dask_ipar.kernels import conv as C
-from dask_ipar.nn.domain import conv_backward_graph, conv_forward_graph
-from dask_ipar.nn.engine import StepGraph, phase_of_key
+from dask_ipar.nn.conv import conv_backward_graph, conv_forward_graph
+from dask_ipar.nn.graph import StepGraph, phase_of_key
 from dask_ipar.layout.halo import halo_rows
 from dask_ipar.layout.grid import parse_grid
 from dask_ipar.runtime.workers import bind_grid
@@ -102,7 +102,7 @@ def test_domain_conv_matches_whole_image(client, grid, h, k, s, pad):
     ("4x1", 11, 2, 2, (0, 0, 0, 0)),
 ])
 def test_domain_pooling_matches_whole_image(client, mode, grid, h, k, s, pad):
-    from dask_ipar.nn.domain import pool_backward_graph, pool_forward_graph
+    from dask_ipar.nn.conv import pool_backward_graph, pool_forward_graph
 
     grid = parse_grid(grid)
     binding = bind_grid(grid, client)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dask_ipar.kernels import blocks as B
 from dask_ipar.kernels import dense as K
 xps = pytest.importorskip("array_api_strict")
 
@@ -82,9 +83,9 @@ def test_dense_forward(activation):
 
 def test_concat():
     a, b = rng.standard_normal((2, 3)), rng.standard_normal((4, 3))
-    np.testing.assert_array_equal(_same(K.concat_rows, a, b), np.vstack([a, b]))
+    np.testing.assert_array_equal(_same(B.concat_rows, a, b), np.vstack([a, b]))
     c, d = rng.standard_normal((3, 2)), rng.standard_normal((3, 5))
-    np.testing.assert_array_equal(_same(K.concat_cols, c, d), np.hstack([c, d]))
+    np.testing.assert_array_equal(_same(B.concat_cols, c, d), np.hstack([c, d]))
 
 
 def test_softmax_cross_entropy():

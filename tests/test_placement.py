@@ -8,7 +8,7 @@ import pytest
 from distributed import get_task_stream
 
 from dask_ipar import SGD, Dense, Sequential
-from dask_ipar.nn.engine import StepGraph
+from dask_ipar.nn.graph import StepGraph
 
 
 @pytest.mark.parametrize("grid", ["2x2", "3x2", "1x4", "4x1"])

@@ -2,7 +2,7 @@
 
 ``device="cuda"`` makes every block a CuPy array: the batch and the weights are copied to
 the device by their owners, every kernel and collective then runs on device arrays, and
-results come back through :func:`dask_ipar.kernels.dense.to_host`. Here the same code path runs
+results come back through :func:`dask_ipar.kernels.blocks.to_host`. Here the same code path runs
 with ``array_api_strict`` as the device module, which rejects anything outside the array
 API standard (NumPy-only functions, methods, implicit conversions). A model that trains
 exactly on it uses only what CuPy also provides, and nothing in a step silently falls
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dask_ipar.kernels import dense as K
+from dask_ipar.kernels import blocks as B
 from dask_ipar.testing import check_cnn, check_mlp
 
 pytest.importorskip("array_api_strict")
@@ -22,7 +22,7 @@ pytest.importorskip("array_api_strict")
 
 @pytest.fixture
 def strict_device(monkeypatch):
-    monkeypatch.setitem(K.DEVICE_MODULES, "strict", "array_api_strict")
+    monkeypatch.setitem(B.DEVICE_MODULES, "strict", "array_api_strict")
     return "strict"
 
 

@@ -29,17 +29,19 @@ from dask_ipar.cost.model import (
     MemoryBreakdown,
     PhaseCost,
     batch_layer_phases,
+    dense_layer_phases,
+    layer_memory_bytes,
+    network_phases,
+    redistribute_phase,
+)
+from dask_ipar.cost.conv import (
     batch_model_crossover,
     conv_model_phases,
-    dense_layer_phases,
     domain_layer_phases,
     engine_halo_phases,
     window_halo_phases,
     halo_phases,
     exchange_phase,
-    layer_memory_bytes,
-    network_phases,
-    redistribute_phase,
 )
 from dask_ipar.cost.networks import NETWORKS, alexnet, count_params, from_units, get_network, mlp, resnet50, vgg16
 from dask_ipar.cost.simulate import SimResult, SimTask, simulate_step

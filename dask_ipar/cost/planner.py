@@ -2,7 +2,7 @@
 time per iteration (Gholami et al., SPAA 2018, Eqs. 3-9).
 
 For every factorization ``P = Pr * Pc`` the planner prices each layer with
-:mod:`dask_ipar.cost.model` and adds layout changes (Eq. 6) between layers.
+:mod:`dask_ipar.cost.model` and :mod:`dask_ipar.cost.conv` and adds layout changes (Eq. 6) between layers.
 Conv-layer modes:
 
 - ``"model"``: one grid for all layers; conv layers as matmuls (Eq. 8).
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from dask_ipar.cost.layers import Conv2d, Pool2d, as_layer_spec
 from dask_ipar.cost.machine import Machine
 from dask_ipar.layout.partition import grid_shapes
+from dask_ipar.cost.conv import domain_layer_phases
 from dask_ipar.cost.model import (
     CONVENTIONS,
     PhaseCost,
     _matmul_phases,
     batch_layer_phases,
-    domain_layer_phases,
     layer_memory_bytes,
     redistribute_phase,
 )

@@ -1,7 +1,8 @@
 """Local convolution and pooling kernels (NCHW), forward and backward.
 
-The per-block computations of the conv and pooling layers; the distributed
-graphs around them are in :mod:`dask_ipar.nn.domain` and :mod:`dask_ipar.nn.front`.
+The per-block computations of the conv and pooling layers (and, as ``conv_block`` and
+friends, a layer's whole local step with its weights held as one matrix); the distributed
+graphs around them are in :mod:`dask_ipar.nn.conv` and :mod:`dask_ipar.nn.front`.
 Written against the Python array API standard (strided slicing,
 ``reshape``, ``matmul``), so the same code runs on NumPy and CuPy: im2col is
 a loop over the ``k_h * k_w`` kernel offsets, each one strided slice of the
@@ -14,7 +15,8 @@ image can be padded on its outer edges only.
 
 from __future__ import annotations
 
-from dask_ipar.kernels.dense import xp_of
+from dask_ipar.kernels import dense as K
+from dask_ipar.kernels.blocks import xp_of
 
 __all__ = [
     "conv_out_size",
@@ -23,6 +25,10 @@ __all__ = [
     "conv2d_backward",
     "pool2d_forward",
     "pool2d_backward",
+    "conv_block",
+    "conv_block_backward",
+    "pool_block",
+    "pool_block_backward",
 ]
 
 
@@ -168,3 +174,47 @@ def pool2d_backward(x, dy, k, stride=None, pad=(0, 0, 0, 0), mode="max"):
         else:
             dxpad[:, :, rows, cols] += share
     return dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd]
+
+
+def _split_weights(wmat, wshape):
+    """Filters ``(O, C/g, kh, kw)`` and bias (or None) from a weight matrix ``(O, n [+ 1])``."""
+    xp = xp_of(wmat)
+    n = wshape[1] * wshape[2] * wshape[3]
+    w = xp.reshape(wmat[:, :n], wshape)
+    return w, (wmat[:, n] if wmat.shape[1] > n else None)
+
+
+
+def conv_block(x, wmat, wshape, stride, pad, groups, activation):
+    """``f(conv(x, W) + b)`` of a cell's assembled rows; weights as one matrix."""
+    w, b = _split_weights(wmat, wshape)
+    return K._activate(conv2d_forward(x, w, b, stride, pad, groups), activation)
+
+
+
+def conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups, activation, need_dx):
+    """``(dx_rows or None, dW matrix)`` of :func:`conv_block` for the output gradient ``dy``.
+
+    ``a`` is the block's forward output (the activation's derivative is taken from it);
+    the dW matrix has the weight matrix's layout (bias gradient as the last column).
+    """
+    w, b = _split_weights(wmat, wshape)
+    d = K.activation_grad(a, activation)
+    dz = dy if d is None else dy * d
+    dx, dw, db = conv2d_backward(x, w, dz, stride, pad, groups, bias=b is not None,
+                                    need_dx=need_dx)
+    xp = xp_of(dw)
+    dwm = xp.reshape(dw, (wshape[0], -1))
+    if db is not None:
+        dwm = xp.concat([dwm, xp.reshape(db, (-1, 1))], axis=1)
+    return dx, dwm
+
+
+
+def pool_block(x, k, stride, pad, mode):
+    return pool2d_forward(x, k, stride, pad, mode)
+
+
+
+def pool_block_backward(x, dy, k, stride, pad, mode):
+    return pool2d_backward(x, dy, k, stride, pad, mode)

@@ -1,4 +1,5 @@
-"""Local kernels run inside tasks on the workers.
+"""The dense layers' kernels: forward, loss, the pieces of dX and dW, momentum SGD, and the
+images-to-features joins of the first dense layer of a CNN.
 
 Every function here is module level (so it pickles by reference) and written
 against the Python array API standard: it takes the array namespace from its
@@ -10,22 +11,14 @@ are ``features x samples``.
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import numpy as np
-from dask.sizeof import sizeof
 
-try:  # the compat layer gives CuPy and older NumPy the standard names
-    from array_api_compat import array_namespace as _compat_namespace
-except ImportError:  # pragma: no cover - depends on the environment
-    _compat_namespace = None
+from dask_ipar.kernels.blocks import concat_rows, sum_pieces, xp_of
 
 __all__ = [
     "ACTIVATIONS",
-    "xp_of",
-    "concat_rows",
-    "concat_cols",
     "span",
     "dense_forward",
     "activation_grad",
@@ -40,20 +33,10 @@ __all__ = [
     "sgd_velocity",
     "sgd_weight",
     "sgd_update",
-    "DEVICE_MODULES",
-    "to_device",
-    "to_host",
-    "assemble_blocks",
     "grad_block",
     "block_reduce",
     "block_sgd_velocity",
     "block_sgd_weight",
-    "identity",
-    "concat_axis",
-    "slice_axis",
-    "sum_pieces",
-    "fetched",
-    "first_of",
     "dx_sample_piece",
     "dz_sample_from_pieces",
     "flatten_gather",
@@ -62,39 +45,6 @@ __all__ = [
 ]
 
 ACTIVATIONS = ("linear", "relu", "tanh")
-
-
-@sizeof.register_lazy("array_api_strict")
-def _register_array_api_strict():
-    """Byte sizes of ``array_api_strict`` blocks (dask's default ``sizeof`` says 64), so
-    transfer logs count them right when the tests run the engine on them."""
-    from array_api_strict._array_object import Array
-
-    @sizeof.register(Array)
-    def _sizeof_strict(x):
-        return int(np.from_dlpack(x).nbytes)
-
-
-def xp_of(x):
-    """The array namespace of ``x`` (NumPy, CuPy, or any array API library)."""
-    if _compat_namespace is not None:
-        return _compat_namespace(x)
-    ns = getattr(x, "__array_namespace__", None)
-    return ns() if ns is not None else np
-
-
-def concat_rows(*blocks):
-    """Stack blocks along the feature axis (an all-gather's local result)."""
-    if len(blocks) == 1:
-        return blocks[0]
-    return xp_of(blocks[0]).concat(list(blocks), axis=0)
-
-
-def concat_cols(*blocks):
-    """Join column slices of a weight block row (an all-gather's local result)."""
-    if len(blocks) == 1:
-        return blocks[0]
-    return xp_of(blocks[0]).concat(list(blocks), axis=1)
 
 
 def _ufuncs(x):
@@ -295,7 +245,7 @@ def sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *r
     On NumPy and CuPy blocks the new velocity is written into ``v``'s buffer, a slice of
     rows at a time (the local dW piece too, about 16 MiB of it at a time), so no array the
     size of a large block is allocated: ``v`` is the cell's long-lived momentum block,
-    which only this task reads (see :class:`dask_ipar.nn.engine.Engine`). Other array libraries, and blocks this process may
+    which only this task reads (see :class:`dask_ipar.nn.dense.Engine`). Other array libraries, and blocks this process may
     not overwrite, get a new array.
     """
     m = None if v is None else _ufuncs(v)
@@ -394,12 +344,6 @@ def sgd_weight(w, v, lr):
 
 
 # ------------------------------------------- replicated (conv) weight matrices
-def assemble_blocks(pr, pc, *blocks):
-    """The whole matrix from its ``pr x pc`` blocks, given row by row (an all-gather)."""
-    if len(blocks) == 1:
-        return blocks[0]
-    rows = [concat_cols(*blocks[i * pc:(i + 1) * pc]) for i in range(pr)]
-    return concat_rows(*rows)
 
 
 def grad_block(grad, r0, r1, c0, c1):
@@ -437,40 +381,6 @@ def block_sgd_weight(wfull, r0, r1, c0, c1, v, lr):
 
 
 # ------------------------------------------- images to features and back (Eq. 6)
-def identity(x):
-    """The block itself (a task whose key names the phase that moves it)."""
-    return x
-
-
-def concat_axis(axis, *blocks):
-    """Blocks joined along ``axis`` (an all-gather's local result)."""
-    if len(blocks) == 1:
-        return blocks[0]
-    return xp_of(blocks[0]).concat(list(blocks), axis=axis)
-
-
-def slice_axis(x, axis, a, b):
-    """A copy of ``x[..., a:b, ...]`` along ``axis`` (of ``x[0]`` when ``x`` is a tuple)."""
-    x = x[0] if isinstance(x, tuple) else x
-    index = tuple(slice(a, b) if k == axis else slice(None) for k in range(x.ndim))
-    return xp_of(x).asarray(x[index], copy=True)
-
-
-def sum_pieces(own, *remote):
-    """``own`` (this task's fresh array) plus the pieces sent by the other cells."""
-    for r in remote:
-        own += r
-    return own
-
-
-def fetched(*blocks):
-    """Nothing: a task whose only work is to bring its dependencies to its worker."""
-    return None
-
-
-def first_of(pair):
-    """The first item of a task's tuple result (a layer's input gradient)."""
-    return pair[0]
 
 
 def _as_images(cols, chw):
@@ -539,22 +449,3 @@ def dz_image_from_pieces(wrow, dz, chw, axis, a, b, *remote):
     return _plus_pieces(dx_image_piece(wrow, dz, chw, axis, a, b), remote)
 
 
-#: Array module of the blocks of each non-CPU device (imported on the workers).
-DEVICE_MODULES = {"cuda": "cupy"}
-
-
-def to_device(x, module: str = "cupy"):
-    """Copy a host (NumPy) block into device memory (``module``'s arrays: CuPy for
-    ``"cuda"``), on the worker that owns it."""
-    return importlib.import_module(module).asarray(x)
-
-
-def to_host(x):
-    """A NumPy copy of a block (CuPy blocks leave the GPU; NumPy blocks pass through;
-    other array API arrays go through DLPack)."""
-    if isinstance(x, np.ndarray):
-        return x
-    get = getattr(x, "get", None)  # CuPy: device to host
-    if callable(get):
-        return get()
-    return np.from_dlpack(x) if hasattr(x, "__dlpack__") else np.asarray(x)

@@ -2,7 +2,7 @@
 
 Pure functions, no dask: which input rows each grid row needs for the output
 rows it owns, and which cells own them. The exchange itself (the tasks that
-move the pieces) is in :mod:`dask_ipar.nn.domain`; see docs/conv.md.
+move the pieces) is in :mod:`dask_ipar.nn.conv`; see docs/conv.md.
 
 Each layer's output rows are split over ``Pr`` in balanced blocks (as every
 layout in dask-ipar), so a layer's input split is the previous layer's output
@@ -68,6 +68,8 @@ def halo_plan(h_in: int, pr: int, k: int, stride: int = 1, pad: tuple[int, int] 
         lo = o0 * stride - pad[0]
         hi = (o1 - 1) * stride - pad[0] + k
         r0, r1 = max(lo, 0), min(hi, h_in)
+        if r1 < r0:  # windows over padding only (padding of a window or more): no row
+            r0 = r1 = lo if lo >= h_in else hi
         pieces = tuple((owner, max(a, r0), min(b, r1)) for owner, (a, b) in enumerate(owners)
                        if max(a, r0) < min(b, r1))
         plan.append(RowNeed(cell, (o0, o1), (r0, r1), (r0 - lo, hi - r1), pieces))

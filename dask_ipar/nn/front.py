@@ -3,7 +3,7 @@ then the redistribution (Eq. 6) to the model-parallel dense layers.
 
 Layout on a ``Pr x Pc`` grid: cell ``(i, j)`` holds rows ``i`` (balanced over ``Pr``) of
 the images of sample block ``j`` (balanced over ``Pc``), for every conv and pool layer's
-input and output. The graphs of each layer come from :mod:`dask_ipar.nn.domain` (halo
+input and output. The graphs of each layer come from :mod:`dask_ipar.nn.conv` (halo
 exchange forward, ghost-row gradients back).
 
 Conv weights are one matrix per layer, ``O x (C/g*kh*kw [+ 1])`` (the last column the
@@ -30,115 +30,20 @@ the gradient of its rows, as an NCHW strip.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from dask._task_spec import TaskRef
 
-from dask_ipar.nn import domain as D
-from dask_ipar.kernels import dense as K
-from dask_ipar.kernels.conv import conv_out_size
-from dask_ipar.nn.engine import LayerLayout, StepGraph
 from dask_ipar.errors import IparError
-from dask_ipar.nn.layers import Conv2d, resolve_padding
+from dask_ipar.kernels import blocks as B
+from dask_ipar.kernels import conv as CK
+from dask_ipar.kernels import dense as K
 from dask_ipar.layout.partition import split_bounds
+from dask_ipar.nn import collectives as C
+from dask_ipar.nn import conv as D
+from dask_ipar.nn.graph import StepGraph
+from dask_ipar.nn.shapes import FrontLayout, front_layouts
 
 __all__ = ["FrontLayout", "Front", "front_layouts"]
-
-
-@dataclass(frozen=True)
-class FrontLayout:
-    """Shapes and grid geometry of one conv or pooling layer."""
-
-    index: int
-    name: str
-    kind: str  # "conv" or "pool"
-    in_shape: tuple[int, int, int]  # (C, H, W)
-    out_shape: tuple[int, int, int]
-    k: tuple[int, int]
-    stride: int
-    pad: tuple[int, int, int, int]
-    groups: int = 1
-    activation: str = "linear"
-    mode: str = "max"
-    wshape: tuple | None = None  # conv filters (O, C/g, kh, kw)
-    weights: LayerLayout | None = None  # the weight matrix's blocks (conv only)
-    layout: str = "domain"  # row strips over Pr; "model": channel blocks; "batch": samples
-
-
-def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
-    """Layouts of the conv/pool layers ``layers`` on a ``pr x pc`` grid; checks the shapes.
-
-    Raises :class:`IparError` naming the layer when a layer leaves no output rows or has
-    fewer output rows than ``pr`` (every grid row must own some).
-    """
-    shape = tuple(input_shape)
-    out = []
-    layout = "domain"
-    for off, layer in enumerate(layers):
-        index = first_index + off
-        c, h, w = shape
-        if isinstance(layer, Conv2d):
-            order = ("batch", "domain", "model")
-            if order.index(layer.parallel) < order.index(layout if off else "batch"):
-                raise IparError(
-                    f"layer {index} (Conv2d) is {layer.parallel}-parallel but follows a "
-                    f"{layout}-parallel layer; the conv layers run batch-parallel first, then "
-                    "domain-parallel, then model-parallel (samples -> strips -> channel "
-                    "blocks -> dense)."
-                )
-            layout = layer.parallel
-            if layout == "model" and layer.filters < pr:
-                raise IparError(
-                    f"layer {index} (Conv2d, parallel='model') has {layer.filters} filters, "
-                    f"fewer than the grid's Pr = {pr} rows that split them. Use a grid with "
-                    f"Pr <= {layer.filters} or parallel='domain'."
-                )
-        elif off == 0:
-            layout = "domain"  # a network that starts with pooling: strips
-        if isinstance(layer, Conv2d):
-            kh, kw = layer.kernel_size
-            stride = layer.stride
-            if c % layer.groups:
-                raise IparError(f"layer {index} (Conv2d): groups={layer.groups} must divide the "
-                                f"{c} input channels.")
-            kind, name = "conv", f"conv{index}"
-        else:
-            kh = kw = layer.kernel_size
-            stride = layer.stride
-            kind, name = "pool", f"pool{index}"
-        pad = resolve_padding(layer.padding, (h, w), (kh, kw), (stride, stride))
-        oh = conv_out_size(h, kh, stride, pad[0], pad[1])
-        ow = conv_out_size(w, kw, stride, pad[2], pad[3])
-        if oh < 1 or ow < 1:
-            raise IparError(
-                f"layer {index} ({type(layer).__name__}) gets {h}x{w} images, too small for a "
-                f"{kh}x{kw} window with padding {pad}: no output left. Use smaller windows or "
-                "strides, more padding, or larger images."
-            )
-        if oh < pr and layout == "domain":
-            raise IparError(
-                f"layer {index} ({type(layer).__name__}) has {oh} output rows, fewer than the "
-                f"grid's Pr = {pr} rows that split the images; every grid row needs at least "
-                f"one. Use a grid with Pr <= {oh}, or larger images."
-            )
-        if kind == "conv":
-            o = layer.filters
-            wshape = (o, c // layer.groups, kh, kw)
-            n_in = wshape[1] * kh * kw
-            # blocks may be empty (fewer filters than Pr): the matrix is only stored there
-            weights = LayerLayout(index=index, name=name, n_in=n_in, n_out=o, bias=layer.bias,
-                                  activation=layer.activation, rows=split_bounds(o, pr),
-                                  in_rows=split_bounds(n_in, pr),
-                                  wcols=split_bounds(n_in + int(layer.bias), pc))
-            out.append(FrontLayout(index, name, kind, shape, (o, oh, ow), (kh, kw), stride, pad,
-                                   layer.groups, layer.activation, wshape=wshape,
-                                   weights=weights, layout=layout))
-            shape = (o, oh, ow)
-        else:
-            out.append(FrontLayout(index, name, kind, shape, (c, oh, ow), (kh, kw), stride, pad,
-                                   mode=layer.mode, layout=layout))
-            shape = (c, oh, ow)
-    return out
 
 
 class Front:
@@ -199,18 +104,24 @@ class Front:
 
     # ---------------------------------------------------------------- forward
     def _weights(self, g, lay, w_name, step):
-        """The whole weight matrix on every cell (phase w_gather)."""
-        grid = self.binding.grid
-        if grid.size == 1:
-            return {(0, 0): (w_name, 0, 0)}
-        key = D._name(lay.name, "cw", self.token(step))
-        blocks = [TaskRef((w_name, i, j)) for i, j in grid.cells()]
-        out = {}
-        for cell in grid.cells():
-            g.add((key, *cell), self.binding.worker(*cell), K.assemble_blocks, grid.pr,
-                  grid.pc, *blocks)
-            out[cell] = (key, *cell)
-        return out
+        """The whole weight matrix on every cell: an all-gather over all P cells (phase
+        w_gather)."""
+        grid, wl = self.binding.grid, lay.weights
+        return C.all_gather(g, self.binding, "all", {c: (w_name, *c) for c in grid.cells()},
+                            layer=lay.name, phase="w_gather", join=B.assemble_blocks,
+                            lead=(grid.pr, grid.pc), name=D._name(lay.name, "cw", self.token(step)),
+                            words=lambda c: _width(wl.rows[c[0]]) * _width(wl.wcols[c[1]]))
+
+    def _block_words(self, shape, axis, batch):
+        """``words(cell)`` of the blocks of an NCHW activation of ``shape`` split over Pr
+        along ``axis`` (0 samples, 1 channels, 2 rows) and over Pc by samples."""
+        c, h, w = shape
+        samples = self.samples(batch)
+        if axis == 0:
+            return lambda cell: _width(samples[cell[1]][cell[0]]) * c * h * w
+        parts = split_bounds(shape[axis - 1], self.binding.grid.pr)
+        return lambda cell: (_width(parts[cell[0]]) * (c * h * w // shape[axis - 1])
+                             * sum(_width(s) for s in samples[cell[1]]))
 
     def forward(self, g: StepGraph, x_keys: dict, w_names: list, step: int, batch: int):
         """Forward of every front layer and the flatten all-gather.
@@ -228,7 +139,7 @@ class Front:
         for lay in self.layouts:
             c, h, w = lay.in_shape
             if lay.layout == "model":
-                cx = self._model_forward(g, lay, prev, x_keys, names, token)
+                cx = self._model_forward(g, lay, prev, x_keys, names, token, batch)
                 cx["batch"] = batch
                 ctx.append(cx)
                 x_keys, prev = cx["out"], lay
@@ -240,30 +151,35 @@ class Front:
                 continue
             from_batch = prev is not None and prev.layout == "batch"
             if from_batch:  # whole images of sample blocks -> strips of the column's samples
-                x_keys = self._to_strips(g, lay, x_keys, token)
+                x_keys = self._to_strips(g, lay, x_keys, token, batch)
+            rw = self._row_words(lay, batch)
             if lay.kind == "conv":
                 wk = self._weights(g, lay, next(names), step)
                 plan, out = D.conv_forward_graph(g, self.binding, lay.name, token, x_keys, wk,
                                                  h, lay.wshape, lay.stride, lay.pad, lay.groups,
-                                                 lay.activation)
+                                                 lay.activation, row_words=rw)
             else:
                 wk = None
                 plan, out = D.pool_forward_graph(g, self.binding, lay.name, token, x_keys, h,
-                                                 lay.k[0], lay.stride, lay.pad, lay.mode)
+                                                 lay.k[0], lay.stride, lay.pad, lay.mode,
+                                                 row_words=rw)
             ctx.append({"x": x_keys, "w": wk, "plan": plan, "out": out,
-                        "from_batch": from_batch, "samples": samples})
+                        "from_batch": from_batch, "samples": samples, "batch": batch})
             x_keys, prev = out, lay
-        grid = self.binding.grid
-        rd = D._name(self.flatten, "rd", token)
-        xg = D._name(self.flatten, "xg", token)
-        x_in = {}
-        for i, j in grid.cells():
-            g.add((rd, i, j), self.binding.worker(i, j), K.identity, TaskRef(x_keys[(i, j)]))
-        for i, j in grid.cells():
-            g.add((xg, i, j), self.binding.worker(i, j), K.flatten_gather, self.out_axis,
-                  *[TaskRef((rd, k, j)) for k in range(grid.pr)])
-            x_in[(i, j)] = TaskRef((xg, i, j))
-        return ctx, x_in
+        # the redistribution (Eq. 6): the strips (or channel or sample blocks) of the last
+        # layer's output all-gathered over the column, as (C*H*W, b_j) features
+        xg = C.all_gather(g, self.binding, "pr", x_keys, layer=self.flatten,
+                          phase="redistribute", join=K.flatten_gather, lead=(self.out_axis,),
+                          name=D._name(self.flatten, "xg", token),
+                          rename=D._name(self.flatten, "rd", token), always_join=True,
+                          words=self._block_words(self.out_shape, self.out_axis, batch))
+        return ctx, {c: TaskRef(k) for c, k in xg.items()}
+
+    def _row_words(self, lay, batch):
+        """``row_words(j)``: words of one input row of a strip of column ``j``."""
+        c, _, w = lay.in_shape
+        samples = self.samples(batch)
+        return lambda j: c * w * sum(_width(s) for s in samples[j])
 
     def _batch_forward(self, g, lay, x_keys, names, step):
         """A batch-layout layer: whole images of each cell's own samples, no exchange."""
@@ -271,7 +187,7 @@ class Front:
         if lay.kind == "pool":
             return {"x": x_keys, "out": self._local_pool(g, lay, x_keys, token)}
         wk = self._weights(g, lay, next(names), step)
-        out = self._per_cell(g, D._name(lay.name, "act", token), D.conv_block, lambda c: (
+        out = self._per_cell(g, D._name(lay.name, "act", token), CK.conv_block, lambda c: (
             TaskRef(x_keys[c]), TaskRef(wk[c]), lay.wshape, lay.stride, lay.pad, lay.groups,
             lay.activation))
         return {"x": x_keys, "w": wk, "out": out}
@@ -286,44 +202,38 @@ class Front:
 
     def _local_pool(self, g, lay, x_keys, token):
         """Pooling of whole images (batch or model layout): local to every cell."""
-        return self._per_cell(g, D._name(lay.name, "act", token), D.pool_block, lambda c: (
+        return self._per_cell(g, D._name(lay.name, "act", token), CK.pool_block, lambda c: (
             TaskRef(x_keys[c]), lay.k[0], lay.stride, lay.pad, lay.mode))
 
     def _local_pool_backward(self, g, lay, cx, dy_keys, need_dx, token):
         if not need_dx:
             return None
-        return self._per_cell(g, D._name(lay.name, "dx", token), D.pool_block_backward,
+        return self._per_cell(g, D._name(lay.name, "dx", token), CK.pool_block_backward,
                               lambda c: (TaskRef(cx["x"][c]), TaskRef(dy_keys[c]), lay.k[0],
                                          lay.stride, lay.pad, lay.mode))
 
-    def _column_all_to_all(self, g, keys, name, token, cut_axis, cut, join_axis):
-        """Re-split blocks within each grid column: cell (k, j) sends part ``cut(j, i)``
-        (along ``cut_axis``) of its block to cell (i, j), which joins the parts in ``k``
-        order along ``join_axis``. Parts that move are ``<name>`` keys, kept ones
-        ``<name>own``; returns the joined keys."""
-        grid = self.binding.grid
-        piece = D._name(name[0], name[1], token)
-        own = D._name(name[0], name[1] + "own", token)
-        for k, j in grid.cells():
-            for i in range(grid.pr):
-                g.add((own if i == k else piece, k, i, j), self.binding.worker(k, j),
-                      K.slice_axis, TaskRef(keys[(k, j)]), cut_axis, *cut(j, i))
-        return self._per_cell(g, D._name(name[0], name[1] + "j", token), K.concat_axis,
-                              lambda c: (join_axis, *[TaskRef((own if k == c[0] else piece, k,
-                                                               *c)) for k in range(grid.pr)]))
-
-    def _to_strips(self, g, lay, x_keys, token):
-        """Batch layout to strips (``<layer>.rd`` pieces, phase ``redistribute``)."""
+    def _to_strips(self, g, lay, x_keys, token, batch):
+        """Batch layout to strips: an all-to-all over Pr (``<layer>.rd``, phase
+        ``redistribute``)."""
         rows = split_bounds(lay.in_shape[1], self.binding.grid.pr)
-        return self._column_all_to_all(g, x_keys, (lay.name, "rd"), token, 2,
-                                       lambda j, i: rows[i], 0)
+        c, _, w = lay.in_shape
+        samples = self.samples(batch)
+        return C.all_to_all(g, self.binding, "pr", x_keys, lay.name, "rd", token, 2,
+                            lambda src, dst: rows[dst[0]], 0, phase="redistribute",
+                            words=lambda src, dst: (_width(samples[src[1]][src[0]]) * c * w
+                                                    * _width(rows[dst[0]])))
 
     def _to_samples(self, g, lay, dx_keys, samples, token):
-        """The strips' input gradients back to the batch layout (``<layer>.rdx``)."""
-        return self._column_all_to_all(g, dx_keys, (lay.name, "rdx"), token, 0,
-                                       lambda j, k: samples[j][k], 2)
+        """The strips' input gradients back to the batch layout: the adjoint all-to-all
+        (``<layer>.rdx``, phase ``dx_reduce``)."""
+        rows = split_bounds(lay.in_shape[1], self.binding.grid.pr)
+        c, _, w = lay.in_shape
+        return C.all_to_all(g, self.binding, "pr", dx_keys, lay.name, "rdx", token, 0,
+                            lambda src, dst: samples[dst[1]][dst[0]], 2, phase="dx_reduce",
+                            words=lambda src, dst: (_width(samples[dst[1]][dst[0]]) * c * w
+                                                    * _width(rows[src[0]])))
 
-    def _model_forward(self, g, lay, prev, x_keys, names, token):
+    def _model_forward(self, g, lay, prev, x_keys, names, token, batch):
         """A model-layout layer: conv with filters over Pr on whole images, or local pooling.
 
         A conv's input is gathered whole on every cell of the column first: strips of a
@@ -339,35 +249,24 @@ class Front:
             xs = dict(x_keys)
         else:
             axis = {"batch": 0, "model": 1, "domain": 2}[prev.layout]
-            src = x_keys
-            if prev.layout in ("domain", "batch"):
-                rd = D._name(lay.name, "rd", token)
-                for cell in cells:
-                    g.add((rd, *cell), bind.worker(*cell), K.identity, TaskRef(x_keys[cell]))
-                src = {cell: (rd, *cell) for cell in cells}
-            xs = {}
-            key = D._name(lay.name, "xs", token)
-            for i, j in cells:
-                g.add((key, i, j), bind.worker(i, j), K.concat_axis, axis,
-                      *[TaskRef(src[(k, j)]) for k in range(grid.pr)])
-                xs[(i, j)] = (key, i, j)
+            moved = prev.layout in ("domain", "batch")
+            xs = C.all_gather(g, bind, "pr", x_keys, layer=lay.name if moved else prev.name,
+                              phase="redistribute" if moved else "fwd_gather",
+                              join=B.concat_axis, lead=(axis,), always_join=True,
+                              name=D._name(lay.name, "xs", token),
+                              rename=D._name(lay.name, "rd", token) if moved else None,
+                              words=self._block_words(prev.out_shape, axis, batch))
         # the filters' weight rows, gathered over the grid row (phase w_gather)
-        w_name = next(names)
-        wl = lay.weights
-        if grid.pc == 1:
-            wrow = {(i, 0): (w_name, i, 0) for i in range(grid.pr)}
-        else:
-            key = D._name(lay.name, "wrow", token)
-            wrow = {}
-            for i, j in cells:
-                g.add((key, i, j), bind.worker(i, j), K.concat_cols,
-                      *[TaskRef((w_name, i, jj)) for jj in range(grid.pc)])
-                wrow[(i, j)] = (key, i, j)
+        wl, w_name = lay.weights, next(names)
+        wrow = C.all_gather(g, bind, "pc", {c: (w_name, *c) for c in cells},
+                            layer=lay.name, phase="w_gather", join=B.concat_cols,
+                            name=D._name(lay.name, "wrow", token),
+                            words=lambda c: _width(wl.rows[c[0]]) * _width(wl.wcols[c[1]]))
         out = {}
         key = D._name(lay.name, "act", token)
         for i, j in cells:
             r0, r1 = wl.rows[i]
-            g.add((key, i, j), bind.worker(i, j), D.conv_block, TaskRef(xs[(i, j)]),
+            g.add((key, i, j), bind.worker(i, j), CK.conv_block, TaskRef(xs[(i, j)]),
                   TaskRef(wrow[(i, j)]), (r1 - r0, *lay.wshape[1:]), lay.stride, lay.pad, 1,
                   lay.activation)
             out[(i, j)] = (key, i, j)
@@ -386,23 +285,19 @@ class Front:
         chw, axis = self.out_shape, self.out_axis
         if axis == 0:
             return self._sample_grad(g, wrow, dz, token, lay0, batch)
-        dxp = D._name(lay0.name, "dxp", token)
-        for i in range(grid.pr):
-            for k in range(grid.pr):
-                if k == i:
-                    continue
-                a, b = self.out_blocks[k]
-                for j in range(grid.pc):
-                    g.add((dxp, i, k, j), self.binding.worker(i, j), K.dx_image_piece,
-                          wrow[(i, j)], TaskRef((dz, i, j)), chw, axis, a, b)
+        pieces = C.reduce_scatter(
+            g, self.binding, "pr", D._name(lay0.name, "dxp", token),
+            lambda src, dst: (K.dx_image_piece, wrow[src], TaskRef((dz, *src)), chw, axis,
+                              *self.out_blocks[dst[0]]),
+            layer=lay0.name, phase="dx_reduce",
+            words=lambda src, dst, w=self._block_words(chw, axis, batch): w(dst))
         name = D._name(self.flatten, "dx", token)
         out = {}
         for k in range(grid.pr):
             a, b = self.out_blocks[k]
             for j in range(grid.pc):
                 g.add((name, k, j), self.binding.worker(k, j), K.dz_image_from_pieces,
-                      wrow[(k, j)], TaskRef((dz, k, j)), chw, axis, a, b,
-                      *[TaskRef((dxp, i, k, j)) for i in range(grid.pr) if i != k])
+                      wrow[(k, j)], TaskRef((dz, k, j)), chw, axis, a, b, *pieces[(k, j)])
                 out[(k, j)] = (name, k, j)
         return out
 
@@ -410,18 +305,19 @@ class Front:
         """The first dense layer's input gradient, reduce-scattered by samples."""
         grid = self.binding.grid
         samples = self.samples(batch)
-        dxp = D._name(lay0.name, "dxp", token)
-        for i, j in grid.cells():
-            for k in range(grid.pr):
-                if k != i:
-                    g.add((dxp, i, k, j), self.binding.worker(i, j), K.dx_sample_piece,
-                          wrow[(i, j)], TaskRef((dz, i, j)), self.out_shape, *samples[j][k])
+        c, h, w = self.out_shape
+        pieces = C.reduce_scatter(
+            g, self.binding, "pr", D._name(lay0.name, "dxp", token),
+            lambda src, dst: (K.dx_sample_piece, wrow[src], TaskRef((dz, *src)), self.out_shape,
+                              *samples[src[1]][dst[0]]),
+            layer=lay0.name, phase="dx_reduce",
+            words=lambda src, dst: _width(samples[dst[1]][dst[0]]) * c * h * w)
         name = D._name(self.flatten, "dx", token)
         out = {}
         for k, j in grid.cells():
             g.add((name, k, j), self.binding.worker(k, j), K.dz_sample_from_pieces,
                   wrow[(k, j)], TaskRef((dz, k, j)), self.out_shape, *samples[j][k],
-                  *[TaskRef((dxp, i, k, j)) for i in range(grid.pr) if i != k])
+                  *pieces[(k, j)])
             out[(k, j)] = (name, k, j)
         return out
 
@@ -457,7 +353,7 @@ class Front:
                 dx, grads = D.conv_backward_graph(
                     g, self.binding, lay.name, token, cx["plan"], cx["x"], cx["w"], cx["out"],
                     dy_keys, h, lay.wshape, lay.stride, lay.pad, lay.groups, lay.activation,
-                    need_dx)
+                    need_dx, row_words=self._row_words(lay, cx["batch"]))
                 pieces = self._grad_pieces(g, lay, grads, token)
                 reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces,
                           lambda i, wl=lay.weights: wl.rows[i])
@@ -466,7 +362,7 @@ class Front:
                     break
                 dx = D.pool_backward_graph(g, self.binding, lay.name, token, cx["plan"],
                                            cx["x"], dy_keys, h, lay.k[0], lay.stride, lay.pad,
-                                           lay.mode)
+                                           lay.mode, row_words=self._row_words(lay, cx["batch"]))
             if cx["from_batch"] and dx is not None:
                 dx = self._to_samples(g, lay, dx, cx["samples"], token)
             dy_keys = dx
@@ -475,7 +371,7 @@ class Front:
         """Backward of a batch-layout layer: local, but for the conv's weight all-reduce."""
         if lay.kind == "pool":
             return self._local_pool_backward(g, lay, cx, dy_keys, need_dx, token)
-        grads = self._per_cell(g, D._name(lay.name, "bwd", token), D.conv_block_backward,
+        grads = self._per_cell(g, D._name(lay.name, "bwd", token), CK.conv_block_backward,
                                lambda c: (TaskRef(cx["x"][c]), TaskRef(cx["w"][c]),
                                           TaskRef(cx["out"][c]), TaskRef(dy_keys[c]), lay.wshape,
                                           lay.stride, lay.pad, lay.groups, lay.activation,
@@ -484,7 +380,7 @@ class Front:
         reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces, lambda i, wl=lay.weights: wl.rows[i])
         if not need_dx:
             return None
-        return self._per_cell(g, D._name(lay.name, "dx", token), K.first_of,
+        return self._per_cell(g, D._name(lay.name, "dx", token), B.first_of,
                               lambda c: (TaskRef(grads[c]),))
 
     def _model_backward(self, g, lay, cx, dy_keys, need_dx, token, conv_pos, reduce_fn):
@@ -504,22 +400,21 @@ class Front:
         bwd = D._name(lay.name, "bwd", token)
         for i, j in cells:
             r0, r1 = wl.rows[i]
-            g.add((bwd, i, j), bind.worker(i, j), D.conv_block_backward, TaskRef(cx["x"][(i, j)]),
+            g.add((bwd, i, j), bind.worker(i, j), CK.conv_block_backward,
+                  TaskRef(cx["x"][(i, j)]),
                   TaskRef(cx["w"][(i, j)]), TaskRef(cx["out"][(i, j)]),
                   TaskRef(dy_keys[(i, j)]), (r1 - r0, *lay.wshape[1:]), lay.stride, lay.pad, 1,
                   lay.activation, need_dx)
         grads = {cell: (bwd, *cell) for cell in cells}
-        dwp = D._name(lay.name, "dwp", token)
-        for i, j in cells:
-            r0, r1 = wl.rows[i]
-            for jj in range(grid.pc):
-                if jj != j:
-                    c0, c1 = wl.wcols[jj]
-                    g.add((dwp, i, j, jj), bind.worker(i, j), K.grad_block,
-                          TaskRef(grads[(i, j)]), 0, r1 - r0, c0, c1)
+        dw = C.reduce_scatter(
+            g, bind, "pc", D._name(lay.name, "dwp", token),
+            lambda src, dst: (K.grad_block, TaskRef(grads[src]), 0, _width(wl.rows[src[0]]),
+                              *wl.wcols[dst[1]]),
+            layer=lay.name, phase="dw_reduce",
+            words=lambda src, dst: _width(wl.rows[dst[0]]) * _width(wl.wcols[dst[1]]))
 
         def pieces(i, jj):
-            return [TaskRef((dwp, i, j, jj)) for j in range(grid.pc) if j != jj]
+            return dw[(i, jj)]
 
         reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces,
                   lambda i: (0, wl.rows[i][1] - wl.rows[i][0]))
@@ -531,35 +426,32 @@ class Front:
             blocks = self.samples(cx["batch"])
         else:
             blocks = [split_bounds(lay.in_shape[axis - 1], grid.pr)] * grid.pc
-        dxp = D._name(lay.name, "dxp", token)
-        for i, j in cells:
-            for k in range(grid.pr):
-                if k != i:
-                    g.add((dxp, i, k, j), bind.worker(i, j), K.slice_axis,
-                          TaskRef(grads[(i, j)]), axis, *blocks[j][k])
+        dx = C.reduce_scatter(
+            g, bind, "pr", D._name(lay.name, "dxp", token),
+            lambda src, dst: (B.slice_axis, TaskRef(grads[src]), axis, *blocks[src[1]][dst[0]]),
+            layer=lay.name, phase="dx_reduce",
+            words=lambda src, dst, w=self._block_words(prev.out_shape, axis, cx["batch"]): w(dst))
         own = D._name(lay.name, "dxown", token)
         key = D._name(lay.name, "dx", token)
         for k, j in cells:
-            g.add((own, k, j), bind.worker(k, j), K.slice_axis, TaskRef(grads[(k, j)]), axis,
+            g.add((own, k, j), bind.worker(k, j), B.slice_axis, TaskRef(grads[(k, j)]), axis,
                   *blocks[j][k])
-            g.add((key, k, j), bind.worker(k, j), K.sum_pieces, TaskRef((own, k, j)),
-                  *[TaskRef((dxp, i, k, j)) for i in range(grid.pr) if i != k])
+            g.add((key, k, j), bind.worker(k, j), B.sum_pieces, TaskRef((own, k, j)),
+                  *dx[(k, j)])
         return {cell: (key, *cell) for cell in cells}
 
     def _grad_pieces(self, g, lay, grads, token):
-        """Blocks of every cell's partial dW sent to the blocks' owners (phase dw_reduce)."""
-        grid = self.binding.grid
+        """Blocks of every cell's partial dW sent to the blocks' owners: a reduce-scatter
+        over all P cells (phase dw_reduce); the owners' update tasks sum them."""
         wl = lay.weights
-        name = D._name(lay.name, "dwp", token)
-        for src in grid.cells():
-            for dst in grid.cells():
-                if dst == src:
-                    continue
-                (r0, r1), (c0, c1) = wl.rows[dst[0]], wl.wcols[dst[1]]
-                g.add((name, *src, *dst), self.binding.worker(*src), K.grad_block,
-                      TaskRef(grads[src]), r0, r1, c0, c1)
+        pieces = C.reduce_scatter(
+            g, self.binding, "all", D._name(lay.name, "dwp", token),
+            lambda src, dst: (K.grad_block, TaskRef(grads[src]), *wl.rows[dst[0]],
+                              *wl.wcols[dst[1]]),
+            layer=lay.name, phase="dw_reduce",
+            words=lambda src, dst: _width(wl.rows[dst[0]]) * _width(wl.wcols[dst[1]]))
+        return lambda i, j: pieces[(i, j)]
 
-        def pieces(i, j):
-            return [TaskRef((name, *src, i, j)) for src in grid.cells() if src != (i, j)]
 
-        return pieces
+def _width(bounds) -> int:
+    return bounds[1] - bounds[0]

@@ -1,7 +1,7 @@
 """Layer descriptions used to build models.
 
 A layer here is a small frozen value; the distributed forward and backward
-graphs live in :mod:`dask_ipar.nn.engine`, the local kernels in
+graphs live in :mod:`dask_ipar.nn.dense`, the local kernels in
 :mod:`dask_ipar.kernels.dense`, and the analytic cost in :mod:`dask_ipar.cost`.
 """
 

@@ -28,7 +28,7 @@ import numpy as np
 from dask._task_spec import TaskRef
 
 from dask_ipar.cost import Machine
-from dask_ipar.nn.engine import StepGraph
+from dask_ipar.nn.graph import StepGraph
 
 __all__ = ["calibrate"]
 

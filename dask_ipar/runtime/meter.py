@@ -2,10 +2,10 @@
 
 Every worker logs each dependency it fetched (``transfer_incoming_log``:
 sender, keys and their ``sizeof`` bytes, duration), and each block its worker programs
-pushed to another worker (:mod:`dask_ipar.runtime.programs`, the same fields). :class:`CommMeter`
+pushed to another worker (:mod:`dask_ipar.runtime.exchange`, the same fields). :class:`CommMeter`
 drains those logs on every step (after widening them so that nothing is
 dropped by the ``distributed.admin.low-level-log-length`` cap), attributes
-each key to its layer and phase by its name (:func:`dask_ipar.nn.engine.phase_of_key`),
+each key to its layer and phase by its name (:func:`dask_ipar.nn.graph.phase_of_key`),
 and compares the totals with :func:`dask_ipar.cost.dense_layer_phases` for
 the same model, grid and batches.
 
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from dask_ipar.cost import (FC, Machine, batch_layer_phases, dense_layer_phases, exchange_phase,
                             redistribute_phase, window_halo_phases)
-from dask_ipar.nn.engine import phase_of_key
+from dask_ipar.nn.graph import phase_of_key
 
 __all__ = ["CommMeter", "CommRow", "CommReport", "predict_step", "LOOPBACK_MACHINE"]
 
@@ -45,8 +45,8 @@ def _widen_logs(maxlen, dask_worker=None):
 def _drain_logs(dask_worker=None):
     """Pop every transfer entry as ``(sender, receiver, duration_s, [(key, nbytes), ...])``:
     what dask fetched to this worker, and what this worker's programs pushed to others
-    (:mod:`dask_ipar.runtime.programs`, logged by the sender)."""
-    from dask_ipar.runtime.programs import drain_exchange_log
+    (:mod:`dask_ipar.runtime.exchange`, logged by the sender)."""
+    from dask_ipar.runtime.exchange import drain_exchange_log
 
     out = []
     log = dask_worker.transfer_incoming_log

@@ -1,13 +1,13 @@
 """Worker programs: a step's task graph run as one dask task per worker and phase.
 
 With ``Model.executor = "programs"`` the engine builds the same step graph as always
-(:class:`~dask_ipar.nn.engine.StepGraph`: the same kernels, arguments and placement), and
+(:class:`~dask_ipar.nn.graph.StepGraph`: the same kernels, arguments and placement), and
 :func:`compile_programs` turns it into *programs*, dask tasks that run the tasks placed on
 their worker themselves: per worker one for the forward pass up to the loss statistics,
 and one for the rest of the step (backward and update), so that the loss arrives, and the
 client sends the next batch, while the backward runs. A block that a task on another worker reads is
 pushed to that worker as soon as it exists, once per worker, over a handler that
-:class:`ExchangePlugin` adds to every worker (the mechanism of dask's P2P shuffle):
+:class:`~dask_ipar.runtime.exchange.ExchangePlugin` adds to every worker (the mechanism of dask's P2P shuffle):
 the blocks that move and their senders are the ones dask moves in the task-graph
 executor, so the cost model's prediction holds unchanged, and each transfer is logged on
 its sender and read by :class:`dask_ipar.runtime.meter.CommMeter` like dask's own transfer logs.
@@ -34,7 +34,8 @@ arrived. Sends never wait for the receiver, so the
 first unfinished task of that global order can always run once its blocks arrive: the
 programs cannot deadlock. A program that fails tells the other workers, whose waiting
 programs then fail with its message instead of waiting; a waiting program also gives up
-after ``timeout_s`` without any new block, and :func:`abort_programs` stops the programs
+after ``timeout_s`` without any new block, and
+:func:`~dask_ipar.runtime.exchange.abort_programs` stops the programs
 of a model (the model calls it when a grid worker has left).
 
 In-place updates: a task that rewrites one of its inputs (:data:`MUTATES`: the fused SGD
@@ -44,28 +45,19 @@ written to the network, so no peer can receive a half-updated block.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from dask._task_spec import Task, TaskRef
-from distributed.diagnostics.plugin import WorkerPlugin
 
-from dask_ipar.nn.engine import StepGraph, span_of_name
+from dask_ipar.nn.graph import StepGraph, span_of_name
 from dask_ipar.errors import IparError
+from dask_ipar.runtime.exchange import _plugin, _Sender
 
-__all__ = ["Program", "compile_programs", "run_program", "pick", "ExchangePlugin",
-           "PLUGIN_NAME", "install_exchange", "abort_programs", "drain_exchange_log",
-           "MUTATES", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Program", "compile_programs", "run_program", "pick", "MUTATES", "DEFAULT_TIMEOUT_S"]
 
-#: Name of the worker plugin (one per worker, shared by every model).
-PLUGIN_NAME = "dask-ipar-exchange"
 #: Seconds a program waits without receiving any block before it gives up.
 DEFAULT_TIMEOUT_S = 300.0
-#: Entries a worker's transfer log of programs keeps (the oldest go first).
-LOG_LENGTH = 20_000
 #: Seconds of waiting after which a program leaves its worker's thread pool (``secede``),
 #: so that other tasks (a recovery's, another model's) can run meanwhile.
 SECEDE_AFTER_S = 2.0
@@ -73,9 +65,9 @@ SECEDE_AFTER_S = 2.0
 
 def _mutating_kernels() -> frozenset:
     from dask_ipar.kernels import dense as K
-    from dask_ipar.nn.domain import add_rows
+    from dask_ipar.kernels.blocks import add_rows, sum_pieces
 
-    return frozenset({K.sgd_update, K.sgd_velocity, K.sum_pieces, add_rows})
+    return frozenset({K.sgd_update, K.sgd_velocity, sum_pieces, add_rows})
 
 
 #: Kernels that may write into one of their input blocks.
@@ -228,182 +220,6 @@ def pick(result: dict, key):
 
 
 # ------------------------------------------------------------------ worker side
-def _tag_of(key):
-    """``"<uid>-s<step>"`` of a key ``("<layer>.<task>-<uid>-s<step>", ...)``, else None."""
-    name = key[0] if isinstance(key, tuple) else key
-    if not isinstance(name, str) or "-" not in name:
-        return None
-    return name.split("-", 1)[1]
-
-
-def _key(k):
-    """A key as msgpack delivers it (lists) back to a tuple."""
-    return tuple(_key(x) for x in k) if isinstance(k, list) else k
-
-
-class ExchangePlugin(WorkerPlugin):
-    """Worker plugin: the mailbox, the push handler and the transfer log of programs."""
-
-    name = PLUGIN_NAME
-    #: registered once per cluster: another model's registration must not replace (tear
-    #: down) the plugin while programs use its mailbox
-    idempotent = True
-
-    def setup(self, worker):
-        self.worker = worker
-        self.cond = threading.Condition()
-        self.box: dict = {}  # key -> value received and not yet taken
-        self.aborted: dict = {}  # tag -> reason (one step), uid -> (reason, when) (a model)
-        self.dropped: set = set()  # keys of failed programs: dropped on arrival
-        self.closing = False  # the worker is shutting down: waiting programs fail
-        # (sender, receiver, seconds, [(key, nbytes)]) of every block sent: bounded, as
-        # nothing drains it when no CommMeter runs (one drains every 32 steps)
-        self.log: deque = deque(maxlen=LOG_LENGTH)
-        worker.handlers["ipar_put"] = self.put
-        worker.handlers["ipar_abort"] = self.abort
-
-    def teardown(self, worker):
-        # a program waiting for blocks would otherwise hold the closing worker's process
-        # until its timeout (its thread must end before the process can)
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
-        worker.handlers.pop("ipar_put", None)
-        worker.handlers.pop("ipar_abort", None)
-
-    # event-loop side
-    def put(self, key=None, data=None, sender=None):
-        key = _key(key)
-        with self.cond:
-            if key in self.dropped:
-                self.dropped.discard(key)
-            elif _tag_of(key) in self.aborted:  # a late block of a stopped step
-                pass
-            else:
-                self.box[key] = data
-            self.cond.notify_all()
-        return "OK"
-
-    def abort(self, tag=None, reason=None, model=False):
-        """Stop the programs of step ``tag`` (or, with ``model``, every program of model
-        ``tag`` running now)."""
-        with self.cond:
-            self.aborted[tag] = (reason or "aborted", time.monotonic()) if model \
-                else reason or "aborted"
-            if model:
-                gone = [k for k in self.box if (_tag_of(k) or "").rsplit("-s", 1)[0] == tag]
-            else:
-                gone = [k for k in self.box if _tag_of(k) == tag]
-            for k in gone:
-                del self.box[k]
-            self.cond.notify_all()
-        return "OK"
-
-    # program side (a worker thread)
-    def _stopped(self, tag, started):
-        if tag in self.aborted:
-            return self.aborted[tag]
-        reason, when = self.aborted.get(tag.rsplit("-s", 1)[0], (None, 0.0))
-        return reason if when >= started else None
-
-    def take_ready(self, keys):
-        """Values of those of ``keys`` that have arrived (removed from the mailbox)."""
-        with self.cond:
-            return {k: self.box.pop(k) for k in keys if k in self.box}
-
-    def wait(self, prog, due, started, last_progress, patience=None):
-        """Wait until one of the keys ``due`` arrives (True), or ``patience`` seconds have
-        passed (False); raise if the step was aborted or nothing came for ``prog.timeout_s``."""
-        give_up = None if patience is None else time.monotonic() + patience
-        with self.cond:
-            while True:
-                reason = self._stopped(prog.tag, started) or (
-                    "the worker is shutting down" if self.closing else None)
-                if reason:
-                    raise IparError(f"step {prog.tag} stopped on worker {prog.worker}: {reason}")
-                if any(k in self.box for k in due):
-                    return True
-                if give_up is not None and time.monotonic() >= give_up:
-                    return False
-                left = prog.timeout_s - (time.monotonic() - last_progress)
-                if left <= 0:
-                    raise IparError(
-                        f"step {prog.tag}: worker {prog.worker} waited {prog.timeout_s:g} s "
-                        f"without receiving a block (still due: {len(due)}, e.g. "
-                        f"{min(map(str, due))} from {prog.remote[min(due, key=str)]}); a peer "
-                        "program is stuck or its worker is gone."
-                    )
-                self.cond.wait(min(left, 1.0))
-
-    def drop(self, keys):
-        """Forget ``keys``: those here now and those arriving later (a failed program)."""
-        missing = object()
-        with self.cond:
-            for k in keys:
-                if self.box.pop(k, missing) is missing:
-                    self.dropped.add(k)
-
-    def drain(self) -> list:
-        out = []
-        while self.log:
-            out.append(self.log.popleft())
-        return out
-
-
-class _Sender:
-    """Pushes blocks to other workers from a program's thread, without waiting."""
-
-    def __init__(self, plugin, worker):
-        from distributed.protocol import to_serialize
-        from distributed.sizeof import sizeof
-
-        self.plugin, self.worker = plugin, worker
-        self.loop = worker.loop.asyncio_loop
-        self._ser, self._sizeof = to_serialize, sizeof
-        self.pending: dict = {}  # key -> [concurrent futures]
-
-    async def _send(self, dest, key, value, nbytes):
-        t0 = time.perf_counter()
-        await self.worker.rpc(dest).ipar_put(key=key, data=self._ser(value),
-                                             sender=self.worker.address)
-        self.plugin.log.append((self.worker.address, dest, time.perf_counter() - t0,
-                                [(key, nbytes)]))
-
-    def push(self, key, value, dests):
-        nbytes = self._sizeof(value)
-        futs = self.pending.setdefault(key, [])
-        for d in dests:
-            futs.append(asyncio.run_coroutine_threadsafe(self._send(d, key, value, nbytes),
-                                                         self.loop))
-
-    def flush(self, keys=None):
-        """Wait until the sends of ``keys`` (all when None) are written; raise their errors."""
-        for k in list(self.pending) if keys is None else [k for k in keys if k in self.pending]:
-            for f in self.pending.pop(k):
-                f.result()
-
-    def abort_peers(self, prog, reason):
-        for p in prog.peers:
-            if p != self.worker.address:
-                asyncio.run_coroutine_threadsafe(self._abort(p, prog.tag, reason), self.loop)
-
-    async def _abort(self, dest, tag, reason):
-        try:
-            await self.worker.rpc(dest).ipar_abort(tag=tag, reason=reason)
-        except Exception:  # noqa: BLE001 - best effort: the peer may be gone
-            pass
-
-
-def _plugin(worker):
-    plugin = worker.plugins.get(PLUGIN_NAME)
-    if plugin is None:
-        raise IparError(
-            f"worker {worker.address} has no {PLUGIN_NAME} plugin; programs need it on every "
-            "worker (Model.distribute installs it; a worker that joined later gets it too)."
-        )
-    return plugin
-
-
 def run_program(prog: Program, *values):
     """Run ``prog`` on this worker: its tasks in order, blocks pushed and received.
 
@@ -481,31 +297,3 @@ def run_program(prog: Program, *values):
             rejoin()
 
 
-# ------------------------------------------------------------------ client side
-def install_exchange(client) -> None:
-    """Add :class:`ExchangePlugin` to every worker of ``client`` (and to later ones)."""
-    client.register_plugin(ExchangePlugin(), name=PLUGIN_NAME)
-
-
-def _abort_here(uid, reason, dask_worker=None):
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
-    if plugin is not None:
-        plugin.abort(tag=uid, reason=reason, model=True)
-
-
-def abort_programs(client, uid: str, reason: str, workers=None) -> None:
-    """Make the waiting programs of model ``uid`` fail with ``reason`` (best effort)."""
-    try:
-        if workers is None:  # a dead worker still listed would cost a connect timeout
-            from dask_ipar.runtime.workers import scheduler_workers
-
-            workers = list(scheduler_workers(client))
-        client.run(_abort_here, uid, reason, workers=workers, on_error="ignore")
-    except Exception:  # noqa: BLE001 - the cluster may be going away
-        pass
-
-
-def drain_exchange_log(dask_worker=None) -> list:
-    """Pop this worker's program transfer log: ``(sender, receiver, seconds, [(key, n)])``."""
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
-    return [] if plugin is None else plugin.drain()

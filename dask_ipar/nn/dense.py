@@ -10,16 +10,21 @@ Layout of layer ``l`` with ``n`` inputs and ``m`` outputs on a ``Pr x Pc`` grid:
 
 One training step, read as "communicate, compute locally, communicate":
 
-=========== ================================================ =====================
-phase       tasks on cell (i, j)                             collective
-=========== ================================================ =====================
-w_gather    ``W(i, j')`` fetched from the row's owners       all-gather over Pc
-forward     ``A(i, j) = f(W(i, :) X(:, j))``                 local
-fwd_gather  ``X_next(:, j)`` = the column's ``A(i', j)``     all-gather over Pr
-dx_reduce   pieces ``W(i, k)^T dZ(i, j)`` go to cell (k, j)  reduce-scatter over Pr
-dw_reduce   pieces ``dZ(i, j) X(j', j)^T`` go to (i, j')     reduce-scatter over Pc
-update      momentum SGD on the owned slice ``W(i, j')``     local
-=========== ================================================ =====================
+=========== ================================================ ==============================
+phase       tasks on cell (i, j)                             collective (nn.collectives)
+=========== ================================================ ==============================
+w_gather    ``W(i, j')`` fetched from the row's owners       ``all_gather`` over Pc
+forward     ``A(i, j) = f(W(i, :) X(:, j))``                 local (kernels.dense)
+fwd_gather  ``X_next(:, j)`` = the column's ``A(i', j)``     ``all_gather`` over Pr
+dx_reduce   pieces ``W(i, k)^T dZ(i, j)`` go to cell (k, j)  ``reduce_scatter`` over Pr
+dw_reduce   pieces ``dZ(i, j) X(j', j)^T`` go to (i, j')     ``reduce_scatter`` over Pc
+update      momentum SGD on the owned slice ``W(i, j')``     local (kernels.dense)
+=========== ================================================ ==============================
+
+Each phase's cost formula is :func:`dask_ipar.cost.model.dense_layer_phases` (the planner
+and the run's comm table both price it there); each collective records the words it routes
+on the graph (:meth:`dask_ipar.nn.graph.StepGraph.routed_words`), and the tests hold the
+two equal on every grid.
 
 The gathers have no tasks of their own: the forward task of cell (i, j) takes the
 weight slices of its grid row and the previous layer's blocks of its grid column as
@@ -54,105 +59,23 @@ weight and momentum futures hold a step's values only until the next step is sub
 
 Every key is ``("<layer>.<task>-<uid>-s<step>", *cell)``, so the dashboard
 groups tasks by layer and phase, and transfer logs attribute bytes to them
-(:func:`phase_of_key`).
+(:func:`dask_ipar.nn.graph.phase_of_key`).
 """
 
 from __future__ import annotations
 
-import functools
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from dask._task_spec import DataNode, Task, TaskRef
-from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from dask._task_spec import TaskRef
 
+from dask_ipar.kernels import blocks as B
 from dask_ipar.kernels import dense as K
+from dask_ipar.nn import collectives as C
+from dask_ipar.nn.graph import StepGraph
 from dask_ipar.layout.grid import GridBinding
 from dask_ipar.layout.partition import split_bounds
 
-__all__ = ["LayerLayout", "StepGraph", "Engine", "phase_of_key", "span_of_name", "sim_tasks",
-           "TASK_PHASE", "TASK_SPAN"]
-
-#: Which collective moves the blocks of each task name between workers.
-TASK_PHASE = {
-    "act": "fwd_gather",
-    "dxp": "dx_reduce",
-    "dwp": "dw_reduce",
-    "w": "w_gather",
-    "dws": "w_gather",  # owned slices of an all-reduce, gathered by every cell
-    "xhalo": "halo_fwd",
-    "dxhalo": "halo_bwd",
-    "rd": "redistribute",
-    "rdx": "dx_reduce",
-}
-
-
-def phase_of_key(key) -> tuple[str, str] | None:
-    """``(layer, phase)`` of a transferred key, or None for keys not of a layer phase.
-
-    >>> phase_of_key(("dense1.dwp-0a1b2c3d-s7", 0, 1, 0))
-    ('dense1', 'dw_reduce')
-    """
-    name = key[0] if isinstance(key, tuple) else key
-    if not isinstance(name, str) or "." not in name:
-        return None
-    layer, _, rest = name.partition(".")
-    task = rest.split("-", 1)[0]
-    phase = TASK_PHASE.get(task)
-    return None if phase is None else (layer, phase)
-
-
-#: Dashboard span (per layer) of each task name: what the task does in the step.
-TASK_SPAN = {
-    "wrow": "w_gather",
-    "wpre": "w_gather",
-    "act": "forward",
-    "xgather": "fwd_gather",
-    "dxp": "dx_reduce",
-    "dz": "backward",
-    "dwp": "dw_reduce",
-    "v": "update",
-    "w": "update",
-    "grad": "dw_reduce",
-    "stats": "loss",
-    "x": "input",
-    "y": "input",
-    "fetch": "to_host",
-    "cw": "w_gather",
-    "xhalo": "halo_fwd",
-    "xin": "halo_fwd",
-    "bwd": "backward",
-    "dxhalo": "halo_bwd",
-    "dx": "halo_bwd",
-    "dxzero": "halo_bwd",
-    "rd": "redistribute",
-    "rdown": "redistribute",
-    "rdj": "redistribute",
-    "xg": "redistribute",
-    "xs": "forward",
-    "dxown": "dx_reduce",
-    "rdx": "dx_reduce",
-    "rdxown": "dx_reduce",
-    "rdxj": "dx_reduce",
-}
-
-
-@functools.lru_cache(maxsize=4096)
-def span_of_name(name: str):
-    """The ``distributed.span`` annotation of a key name: ``("dask-ipar", layer, phase)``.
-
-    Span ids derive from the names, so every step's tasks join the same spans and the
-    dashboard shows one span per layer and phase.
-
-    >>> span_of_name("dense1.act-0a1b2c3d-s7")["name"]
-    ('dask-ipar', 'dense1', 'forward')
-    """
-    layer, _, rest = name.partition(".")
-    task = rest.split("-", 1)[0]
-    tags = ("dask-ipar", layer, TASK_SPAN.get(task, task))
-    ids = tuple(str(uuid.uuid5(uuid.NAMESPACE_URL, "/".join(tags[: k + 1])))
-                for k in range(len(tags)))
-    return {"name": tags, "ids": ids}
+__all__ = ["LayerLayout", "Engine"]
 
 
 @dataclass(frozen=True)
@@ -192,43 +115,6 @@ class LayerLayout:
             in_rows=split_bounds(n_in, pr),
             wcols=split_bounds(n_cols, pc),
         )
-
-
-@dataclass
-class StepGraph:
-    """A graph under construction: tasks and the worker each one is pinned to."""
-
-    dsk: dict = field(default_factory=dict)
-    place: dict = field(default_factory=dict)
-    #: keys to compute although no key asked for depends on them (prefetches)
-    roots: list = field(default_factory=list)
-
-    def add(self, key, worker, func, *args):
-        """Add task ``key = func(*args)`` pinned to ``worker``; dependencies are ``TaskRef``."""
-        self.dsk[key] = Task(key, func, *args)
-        self.place[key] = worker
-
-    def add_data(self, key, worker, value):
-        """Embed ``value`` (a small input block) as key ``key`` on ``worker``; returns its ref."""
-        self.dsk[key] = DataNode(key, value)
-        self.place[key] = worker
-        return TaskRef(key)
-
-    def to_hlg(self, name: str) -> HighLevelGraph:
-        """One graph layer whose annotation pins every task (``allow_other_workers=False``).
-
-        The annotations are ``dict.get`` of plain dicts, so the scheduler needs no
-        dask-ipar code to evaluate them: total over the layer's keys (keys it does
-        not know, none here, would get no restriction). Each task also joins the
-        dashboard span of its layer and phase (:func:`span_of_name`).
-        """
-        spans = {k: span_of_name(k[0]) for k in self.dsk}
-        layer = MaterializedLayer(
-            self.dsk,
-            annotations={"workers": self.place.get, "allow_other_workers": False,
-                         "span": spans.get},
-        )
-        return HighLevelGraph({name: layer}, {name: set()})
 
 
 class Engine:
@@ -284,20 +170,45 @@ class Engine:
 
     # ---------------------------------------------------------------- phases
     def _weight_rows(self, g: StepGraph, lay: LayerLayout, w_name: str, step: int):
-        """All-gather of the weight slices over each grid row (phase w_gather)."""
-        pr, pc = self.grid.pr, self.grid.pc
-        if pc == 1:
-            return {(i, 0): TaskRef((w_name, i, 0)) for i in range(pr)}
-        wg = self.name(lay.name, "wrow", step)
-        out = {}
-        for i in range(pr):
-            for j in range(pc):
-                g.add((wg, i, j), self.binding.worker(i, j), K.concat_cols,
-                      *[TaskRef((w_name, i, jj)) for jj in range(pc)])
-                out[(i, j)] = TaskRef((wg, i, j))
-        return out
+        """The weight slices of each grid row joined on its cells (phase w_gather).
 
-    def _forward(self, g: StepGraph, x_in: dict, w_names: list[str], step: int):
+        The slices were fetched by the step's first tasks (:meth:`_forward`), so this
+        all-gather routes nothing new.
+        """
+        out = C.all_gather(g, self.binding, "pc", {c: (w_name, *c) for c in self.grid.cells()},
+                           layer=lay.name, phase="w_gather", join=B.concat_cols,
+                           name=self.name(lay.name, "wrow", step))
+        return {c: TaskRef(k) for c, k in out.items()}
+
+    # ----------------------------------------------------------- block sizes
+    def _columns(self, batch):
+        """Samples of each grid column (None when the batch is not known)."""
+        if batch is None:
+            return None
+        return [b - a for a, b in split_bounds(batch, self.grid.pc)]
+
+    @staticmethod
+    def _slice_words(lay):
+        """Words of weight slice ``(i, jj)``."""
+        return lambda c: (lay.rows[c[0]][1] - lay.rows[c[0]][0]) * (lay.wcols[c[1]][1]
+                                                                     - lay.wcols[c[1]][0])
+
+    @staticmethod
+    def _act_words(lay, cols):
+        """Words of activation block ``(k, j)`` of ``lay``'s output (None: not recorded)."""
+        if cols is None:
+            return None
+        return lambda c: (lay.rows[c[0]][1] - lay.rows[c[0]][0]) * cols[c[1]]
+
+    def _gather_acts(self, g, lay, act, cols, dests=None):
+        """All-gather of a layer's output blocks over each grid column (phase fwd_gather);
+        returns per cell the refs of its column's blocks, joined by the task that reads
+        them."""
+        return C.all_gather(g, self.binding, "pr", {c: (act, *c) for c in self.grid.cells()},
+                            layer=lay.name, phase="fwd_gather",
+                            words=self._act_words(lay, cols), dests=dests)
+
+    def _forward(self, g: StepGraph, x_in: dict, w_names: list[str], step: int, batch=None):
         """Forward of every layer: one task per cell and layer.
 
         The task on cell (i, j) reads the weight slices ``W(i, j')`` of its grid row (the
@@ -305,8 +216,8 @@ class Engine:
         (the fwd_gather over Pr) straight from their owners; the gathers end inside it, so
         a layer costs one task and one dependent hop per cell. Returns per layer the input
         parts of every cell (``(row ranges, refs)``) and the weight-slice refs of every grid
-        row, and the logits of every cell: refs of its column's last-layer row pieces
-        (the loss tasks read them; the fwd_gather of the last layer ends there).
+        row, and the key name of the last layer's output blocks (the logits; the loss
+        tasks gather them, :meth:`_gather_acts`).
         """
         pr, pc = self.grid.pr, self.grid.pc
         cells = self.grid.cells()
@@ -321,13 +232,16 @@ class Engine:
             # could be served by another cell's replica, which unbalances the senders.
             pre = self.name("weights", "wpre", step)
             for i, j in cells:
-                g.add((pre, i, j), self.binding.worker(i, j), K.fetched,
+                g.add((pre, i, j), self.binding.worker(i, j), B.fetched,
                       *[TaskRef((w, i, jj)) for w in w_names for jj in range(pc)])
                 g.roots.append((pre, i, j))
         inputs, wparts = [], []
         act = None
-        for lay, w_name in zip(self.layouts, w_names):
-            wp = {i: [TaskRef((w_name, i, jj)) for jj in range(pc)] for i in range(pr)}
+        cols = self._columns(batch)
+        for l, (lay, w_name) in enumerate(zip(self.layouts, w_names)):
+            wg = C.all_gather(g, self.binding, "pc", {c: (w_name, *c) for c in cells},
+                              layer=lay.name, phase="w_gather", words=self._slice_words(lay))
+            wp = {i: wg[(i, 0)] for i in range(pr)}
             act = self.name(lay.name, "act", step)
             for i, j in cells:
                 xb, xr = parts[(i, j)]
@@ -335,12 +249,10 @@ class Engine:
                       lay.wcols, xb, lay.n_in, lay.activation, *wp[i], *xr)
             inputs.append(parts)
             wparts.append(wp)
-            parts = {(i, j): (lay.rows, [TaskRef((act, k, j)) for k in range(pr)])
-                     for i, j in cells}
-        # the logits: the last layer's row pieces of every cell's column (its fwd_gather
-        # ends in the loss tasks that read them)
-        logits = {(i, j): [TaskRef((act, k, j)) for k in range(pr)] for i, j in cells}
-        return inputs, wparts, logits
+            if l + 1 < len(self.layouts):
+                xg = self._gather_acts(g, lay, act, cols)
+                parts = {c: (lay.rows, xg[c]) for c in cells}
+        return inputs, wparts, act
 
     def _loss(self, g: StepGraph, logits: dict, y_keys: dict, batch: int, step: int):
         """Loss gradient rows on every cell and per-column loss statistics on row 0."""
@@ -371,25 +283,23 @@ class Engine:
         in place must follow them), or None when they are not known (no update in place).
         """
         pr, pc = self.grid.pr, self.grid.pc
+        cols = self._columns(batch)
         for l in range(len(self.layouts) - 1, -1, -1):
             lay = self.layouts[l]
             # dW pieces, reduce-scattered over the row onto the slice owners; the
             # piece a cell keeps for itself is computed by the reducing task
-            dwp = self.name(lay.name, "dwp", step)
-            for i in range(pr):
-                for j in range(pc):
-                    xb, xr = inputs[l][(i, j)]
-                    for jj in range(pc):
-                        if jj != j:
-                            c0, c1 = lay.wcols[jj]
-                            g.add((dwp, i, j, jj), self.binding.worker(i, j), K.dw_piece,
-                                  TaskRef((dz, i, j)), xb, c0, c1, lay.n_in, *xr)
+            def dw_piece(src, dst, lay=lay, l=l, dz=dz):
+                xb, xr = inputs[l][src]
+                return (K.dw_piece, TaskRef((dz, *src)), xb, *lay.wcols[dst[1]], lay.n_in, *xr)
 
-            def dw_args(i, jj, lay=lay, l=l, dz=dz, dwp=dwp):
+            dwr = C.reduce_scatter(g, self.binding, "pc", self.name(lay.name, "dwp", step),
+                                   dw_piece, layer=lay.name, phase="dw_reduce",
+                                   words=lambda src, dst, w=self._slice_words(lay): w(dst))
+
+            def dw_args(i, jj, lay=lay, l=l, dz=dz, dwr=dwr):
                 c0, c1 = lay.wcols[jj]
                 xb, xr = inputs[l][(i, jj)]
-                return (TaskRef((dz, i, jj)), xb, c0, c1, lay.n_in, *xr,
-                        *[TaskRef((dwp, i, j, jj)) for j in range(pc) if j != jj])
+                return (TaskRef((dz, i, jj)), xb, c0, c1, lay.n_in, *xr, *dwr[(i, jj)])
 
             if l == 0:
                 # the owner's readers of its weight slice: the forward only (ordered before
@@ -403,13 +313,15 @@ class Engine:
             # dX pieces, reduce-scattered over the column onto the row owners
             prev = self.layouts[l - 1]
             dxp = self.name(lay.name, "dxp", step)
-            for i in range(pr):
-                for k in range(pr):
-                    if k != i:
-                        c0, c1 = lay.in_rows[k]
-                        for j in range(pc):
-                            g.add((dxp, i, k, j), self.binding.worker(i, j), K.dx_piece,
-                                  lay.wcols, c0, c1, TaskRef((dz, i, j)), *wparts[l][i])
+            dxr = C.reduce_scatter(
+                g, self.binding, "pr", dxp,
+                lambda src, dst, lay=lay, l=l, dz=dz: (
+                    K.dx_piece, lay.wcols, *lay.in_rows[dst[0]], TaskRef((dz, *src)),
+                    *wparts[l][src[0]]),
+                layer=lay.name, phase="dx_reduce",
+                words=None if cols is None else (
+                    lambda src, dst, lay=lay: (lay.in_rows[dst[0]][1] - lay.in_rows[dst[0]][0])
+                    * cols[src[1]]))
             dz_prev = self.name(prev.name, "dz", step)
             for k in range(pr):
                 c0, c1 = lay.in_rows[k]
@@ -417,8 +329,7 @@ class Engine:
                     own = inputs[l][(k, j)][1][k]  # this cell's block of the layer's input
                     g.add((dz_prev, k, j), self.binding.worker(k, j), K.dz_from_pieces,
                           own, prev.activation, lay.wcols, c0, c1, TaskRef((dz, k, j)),
-                          *wparts[l][k],
-                          *[TaskRef((dxp, i, k, j)) for i in range(pr) if i != k])
+                          *wparts[l][k], *dxr[(k, j)])
 
             def readers(i, jj, dxp=dxp, dz_prev=dz_prev):
                 """The tasks of cell (i, jj) that read its weight slice after the forward."""
@@ -435,7 +346,8 @@ class Engine:
         g = StepGraph() if g is None else g
         ctx, x_in = self._inputs(g, x_keys, w_names, step, batch)
         (_, w_names), (front_v, v_names) = self._split(w_names), self._split(v_names)
-        inputs, wparts, logits = self._forward(g, x_in, w_names, step)
+        inputs, wparts, act = self._forward(g, x_in, w_names, step, batch)
+        logits = self._gather_acts(g, self.layouts[-1], act, self._columns(batch))
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         new_w, new_v = [], []
@@ -508,7 +420,8 @@ class Engine:
         g = StepGraph() if g is None else g
         ctx, x_in = self._inputs(g, x_keys, w_names, step, batch)
         _, w_names = self._split(w_names)
-        inputs, wparts, logits = self._forward(g, x_in, w_names, step)
+        inputs, wparts, act = self._forward(g, x_in, w_names, step, batch)
+        logits = self._gather_acts(g, self.layouts[-1], act, self._columns(batch))
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         names = []
@@ -542,7 +455,9 @@ class Engine:
         """
         g = StepGraph() if g is None else g
         _, x_in = self._inputs(g, x_keys, w_names, step, batch)
-        _, _, logits = self._forward(g, x_in, self._split(w_names)[1], step)
+        _, _, act = self._forward(g, x_in, self._split(w_names)[1], step, batch)
+        logits = self._gather_acts(g, self.layouts[-1], act, self._columns(batch),
+                                   dests={(0, j) for j in range(self.grid.pc)})
         stats = [] if y_keys is None else self._stats(g, logits, y_keys, step)
         pieces = [logits[(0, j)] for j in range(self.grid.pc)]
         if self.grid.pr == 1:
@@ -555,110 +470,5 @@ class Engine:
 
 
 # ------------------------------------------------------------ step-time model
-def _shape_cost(func, args, shape, itemsize):
-    """``(out_shape, flops, mem_bytes)`` of one kernel call, from its argument shapes.
-
-    ``shape(arg)`` gives the shape of a dependency (or None for a literal).
-    """
-    name = func.__name__
-    if name in ("concat_rows", "concat_cols"):
-        shapes = [shape(a) for a in args]
-        if name == "concat_rows":
-            out = (sum(s[0] for s in shapes), shapes[0][1])
-        else:
-            out = (shapes[0][0], sum(s[1] for s in shapes))
-        return out, 0.0, 2 * out[0] * out[1] * itemsize
-    # mem_bytes: passes over the output of the allocating elementwise work (a fresh
-    # array written is one pass, ``a += b`` three, ``a = s * b`` two)
-    if name == "dense_forward":
-        wb, xb, n_in, act = args[:4]
-        blocks = args[4:]
-        w, x = shape(blocks[0]), shape(blocks[len(wb)])
-        out = (w[0], x[1])
-        n_cols = wb[-1][1] - wb[0][0]
-        # the gathers end here: joining slices (pieces) copies them, two passes each
-        copies = (2 * w[0] * n_cols if len(wb) > 1 else 0) + (2 * n_in * x[1] if len(xb) > 1
-                                                                 else 0)
-        passes = 1 + (3 if n_cols > n_in else 0) + (2 if act != "linear" else 0)
-        return out, 2.0 * w[0] * n_in * x[1], (passes * out[0] * out[1] + copies) * itemsize
-    if name in ("softmax_xent_grad", "softmax_xent_stats"):  # logits pieces joined first
-        parts = [shape(a) for a in args[4 if name == "softmax_xent_grad" else 1:]]
-        lg = (sum(p[0] for p in parts), parts[0][1])
-        mem = (6 + (2 if len(parts) > 1 else 0)) * lg[0] * lg[1] * itemsize
-        out = (args[2] - args[1], lg[1]) if name == "softmax_xent_grad" else (2,)
-        return out, 0.0, mem
-    if name == "dx_piece":
-        c0, c1, dz = args[1], args[2], shape(args[3])
-        out = (c1 - c0, dz[1])
-        return out, 2.0 * dz[0] * out[0] * out[1], out[0] * out[1] * itemsize
-    if name == "dz_from_pieces":
-        act, wb, c0, c1, dz = args[1], args[2], args[3], args[4], shape(args[5])
-        out = (c1 - c0, dz[1])
-        nrem = len(args) - 6 - len(wb)
-        passes = 1 + 3 * nrem + {"relu": 4, "tanh": 6}.get(act, 0)
-        return (out, 2.0 * dz[0] * out[0] * out[1], passes * out[0] * out[1] * itemsize)
-    if name in ("dw_piece", "dw_reduce", "sgd_velocity"):
-        off = 5 if name == "sgd_velocity" else 0
-        dz, xb, (c0, c1, n_in) = shape(args[off]), args[off + 1], args[off + 2:off + 5]
-        out = (dz[0], c1 - c0)
-        nrem = len(args) - off - 5 - len(xb)
-        passes = 1 + 3 * nrem
-        if name == "sgd_velocity":  # in-place scale-and-adds: read two, write one
-            passes += (3 if args[2] and args[3] else 0) + (3 if args[4] is not None else 0)
-        return (out, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1],
-                passes * out[0] * out[1] * itemsize)
-    if name == "sgd_weight":
-        out = shape(args[0])
-        return out, 0.0, 5 * out[0] * out[1] * itemsize
-    if name == "sgd_update":  # sgd_velocity in place, then the weights (in place or new)
-        w, dz, xb, (c0, c1, n_in) = shape(args[0]), shape(args[8]), args[9], args[10:13]
-        nrem = len(args) - 13 - len(xb) - args[7]
-        if args[6]:  # fused in place: dW written and read, v and w read and written once,
-            # the remote pieces and the decayed weights read (v stays in cache meanwhile)
-            passes = 6 + nrem + (1 if args[4] and args[5] else 0)
-        else:
-            passes = 3 + 3 * nrem + (3 if args[4] and args[5] else 0) + 5
-        return (w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1],
-                passes * w[0] * w[1] * itemsize)
-    if name == "fetched":
-        return (), 0.0, 0.0
-    if name in ("to_device", "to_host"):
-        s = shape(args[0])
-        return s, 0.0, 2 * _numel(s) * itemsize
-    raise ValueError(f"no cost model for kernel {name}")
 
 
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def sim_tasks(g: StepGraph, external: dict, itemsize: int):
-    """The tasks of a step graph as :class:`dask_ipar.cost.SimTask` values.
-
-    ``external`` maps keys the graph uses but does not compute (the previous step's
-    weight and momentum slices) to ``(worker, shape)``.
-    """
-    from dask_ipar.cost import SimTask
-
-    shapes = {k: s for k, (_, s) in external.items()}
-
-    def shape(arg):
-        return shapes[arg.key] if isinstance(arg, TaskRef) else None
-
-    out = []
-    for key, node in g.dsk.items():  # insertion order is a topological order
-        if isinstance(node, DataNode):
-            shapes[key] = tuple(node.value.shape)
-            continue
-        oshape, flops, mem = _shape_cost(node.func, node.args, shape, itemsize)
-        shapes[key] = oshape
-        deps = tuple(a.key for a in node.args if isinstance(a, TaskRef))
-        out.append(SimTask(key, g.place[key], deps, flops, mem, _numel(oshape) * itemsize))
-    available = {k: (w, _numel(s) * itemsize) for k, (w, s) in external.items()}
-    for key, node in g.dsk.items():
-        if isinstance(node, DataNode):
-            available[key] = (g.place[key], node.value.nbytes)
-    return out, available

@@ -1,0 +1,109 @@
+"""Worker faults during checkpointed work: :class:`WorkerLost`, raised when a grid worker
+left the cluster, and waiting for futures while watching that every grid worker is
+still connected.
+
+Part of :mod:`dask_ipar.io.checkpoint` (which re-exports :class:`WorkerLost`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from dask_ipar.io.checkpoint_format import CheckpointCorrupt, CheckpointStorageError
+from dask_ipar.runtime.workers import scheduler_workers
+from dask_ipar.errors import IparError
+
+__all__ = ["WorkerLost"]
+
+
+class WorkerLost(RuntimeError):
+    """A worker holding model blocks left the cluster; the blocks it held are gone.
+
+    Attributes
+    ----------
+    workers : list of str
+        Addresses of the grid workers that are gone.
+    """
+
+    def __init__(self, workers, what):
+        self.workers = list(workers)
+        super().__init__(
+            f"worker(s) {', '.join(self.workers)} left the cluster during {what}; the model "
+            "blocks they held are lost. Resume from the last checkpoint: "
+            "checkpoint.recover(model, directory) (or dask-ipar train --resume)."
+        )
+
+
+def _alive(client) -> set:
+    """Addresses of the workers connected now (asked from the scheduler directly)."""
+    return set(scheduler_workers(client))
+
+
+def _gone_soon(client, workers, grace_s=20.0):
+    """Grid workers missing from the scheduler, allowing it ``grace_s`` to notice a death."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        gone = [w for w in workers if w not in _alive(client)]
+        if gone or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.1)
+
+
+def _wait_alive(client, futures, workers, what, timeout_s=None, poll_s=0.5):
+    """Wait for ``futures`` while checking that every grid worker is still there.
+
+    Raises :class:`WorkerLost` when one left (its pinned tasks would wait forever),
+    IparError on timeout, and re-raises a task's own error.
+    """
+    from distributed import wait
+
+    futures = list(futures)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        try:
+            wait(futures, timeout=poll_s)
+            break
+        except TimeoutError:
+            pass
+        except Exception:  # cancelled: lost dependencies, forgotten keys
+            gone = _gone_soon(client, workers)
+            if gone:
+                raise WorkerLost(gone, what) from None
+            raise
+        gone = [w for w in workers if w not in _alive(client)]
+        if gone:
+            raise WorkerLost(gone, what)
+        if deadline is not None and time.monotonic() > deadline:
+            raise IparError(f"{what} did not finish within {timeout_s:.0f} s.")
+    bad = [f for f in futures if f.status != "finished"]
+    errored = [f for f in bad if f.status == "error"]
+    if errored and not [w for w in workers if w not in _alive(client)]:
+        errored[0].result()  # the task's own error (e.g. a damaged chunk), raised at once
+    if bad:
+        gone = _gone_soon(client, workers)
+        if gone:
+            raise WorkerLost(gone, what)
+        bad[0].result()  # raises the task's error
+        raise WorkerLost([], what)  # pragma: no cover - cancelled without a visible cause
+    return futures
+
+
+@contextlib.contextmanager
+def _faults_as_worker_lost(model, what):
+    """Turn any cluster error raised while a grid worker is gone into :class:`WorkerLost`.
+
+    A dead worker shows up in many ways (cancelled futures, lost dependencies, closed
+    comms), depending on the moment it died; the test is whether a grid worker left.
+    """
+    workers = model.binding.workers
+    try:
+        yield
+    except (WorkerLost, KeyboardInterrupt, CheckpointStorageError, CheckpointCorrupt):
+        raise  # storage and data faults end the run at once: no worker to wait for
+    except Exception as exc:  # IparError too: a lineage cut that found a grid worker gone
+        gone = _gone_soon(model.client, workers)
+        if gone:
+            raise WorkerLost(gone, what) from exc
+        raise
+

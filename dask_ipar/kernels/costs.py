@@ -1,0 +1,142 @@
+"""The step-time model of every kernel: output shape, flops and memory traffic of one call.
+
+:func:`kernel_cost` looks a task's kernel up by name in :data:`KERNEL_COSTS` and calls its
+cost function with the task's arguments, array arguments replaced by their shapes; each
+cost function takes the kernel's own parameters, by the kernel's names. The discrete-event
+simulator of :mod:`dask_ipar.cost.simulate` turns these into step times
+(:func:`dask_ipar.nn.graph.sim_tasks`).
+
+``mem_bytes`` counts passes over the output of the allocating elementwise work (a fresh
+array written is one pass, ``a += b`` three, ``a = s * b`` two).
+"""
+
+from __future__ import annotations
+
+__all__ = ["KERNEL_COSTS", "kernel_cost", "numel"]
+
+
+def numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _concat_rows(*blocks):
+    out = (sum(s[0] for s in blocks), blocks[0][1])
+    return out, 0.0, 2 * out[0] * out[1]
+
+
+def _concat_cols(*blocks):
+    out = (blocks[0][0], sum(s[1] for s in blocks))
+    return out, 0.0, 2 * out[0] * out[1]
+
+
+def _dense_forward(wb, xb, n_in, activation, *blocks):
+    w, x = blocks[0], blocks[len(wb)]
+    out = (w[0], x[1])
+    n_cols = wb[-1][1] - wb[0][0]
+    # the gathers end here: joining slices (pieces) copies them, two passes each
+    copies = (2 * w[0] * n_cols if len(wb) > 1 else 0) + (2 * n_in * x[1] if len(xb) > 1 else 0)
+    passes = 1 + (3 if n_cols > n_in else 0) + (2 if activation != "linear" else 0)
+    return out, 2.0 * w[0] * n_in * x[1], passes * out[0] * out[1] + copies
+
+
+def _logits(parts):  # the logits pieces are joined first
+    lg = (sum(p[0] for p in parts), parts[0][1])
+    return lg, (6 + (2 if len(parts) > 1 else 0)) * lg[0] * lg[1]
+
+
+def _softmax_xent_grad(labels, row_start, row_stop, batch_total, *logits):
+    lg, mem = _logits(logits)
+    return (row_stop - row_start, lg[1]), 0.0, mem
+
+
+def _softmax_xent_stats(labels, *logits):
+    return (2,), 0.0, _logits(logits)[1]
+
+
+def _dx_piece(wb, c0, c1, dz, *w):
+    out = (c1 - c0, dz[1])
+    return out, 2.0 * dz[0] * out[0] * out[1], out[0] * out[1]
+
+
+def _dz_from_pieces(a, activation, wb, c0, c1, dz, *rest):
+    out = (c1 - c0, dz[1])
+    passes = 1 + 3 * (len(rest) - len(wb)) + {"relu": 4, "tanh": 6}.get(activation, 0)
+    return out, 2.0 * dz[0] * out[0] * out[1], passes * out[0] * out[1]
+
+
+def _dw(dz, c0, c1, n_in, passes):
+    out = (dz[0], c1 - c0)
+    return out, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1], passes * out[0] * out[1]
+
+
+def _dw_piece(dz, xb, c0, c1, n_in, *x):
+    return _dw(dz, c0, c1, n_in, 1 + 3 * (len(x) - len(xb)))
+
+
+def _sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *rest):
+    passes = 1 + 3 * (len(rest) - len(xb))
+    # in-place scale-and-adds: read two, write one
+    passes += (3 if weight_decay and n_decay else 0) + (3 if v is not None else 0)
+    return _dw(dz, c0, c1, n_in, passes)
+
+
+def _sgd_weight(w, v, lr):
+    return w, 0.0, 5 * w[0] * w[1]
+
+
+def _sgd_update(w, v, lr, momentum, weight_decay, n_decay, in_place, n_after, dz, xb, c0, c1,
+                n_in, *rest):
+    """sgd_velocity in place, then the weights (in place or new)."""
+    nrem = len(rest) - len(xb) - n_after
+    if in_place:  # fused in place: dW written and read, v and w read and written once,
+        # the remote pieces and the decayed weights read (v stays in cache meanwhile)
+        passes = 6 + nrem + (1 if weight_decay and n_decay else 0)
+    else:
+        passes = 3 + 3 * nrem + (3 if weight_decay and n_decay else 0) + 5
+    return w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1], passes * w[0] * w[1]
+
+
+def _fetched(*blocks):
+    return (), 0.0, 0.0
+
+
+def _copy(x, *_):
+    return x, 0.0, 2 * numel(x)
+
+
+#: Cost function of each kernel, by the kernel's name; each takes the kernel's parameters
+#: (array arguments as shapes) and returns ``(out_shape, flops, mem_words)``.
+KERNEL_COSTS = {
+    "concat_rows": _concat_rows,
+    "concat_cols": _concat_cols,
+    "dense_forward": _dense_forward,
+    "softmax_xent_grad": _softmax_xent_grad,
+    "softmax_xent_stats": _softmax_xent_stats,
+    "dx_piece": _dx_piece,
+    "dz_from_pieces": _dz_from_pieces,
+    "dw_piece": _dw_piece,
+    "dw_reduce": _dw_piece,  # the same products and passes as a piece
+    "sgd_velocity": _sgd_velocity,
+    "sgd_weight": _sgd_weight,
+    "sgd_update": _sgd_update,
+    "fetched": _fetched,
+    "to_device": _copy,
+    "to_host": _copy,
+}
+
+
+def kernel_cost(func, args, shape, itemsize):
+    """``(out_shape, flops, mem_bytes)`` of one call ``func(*args)``.
+
+    ``shape(arg)`` gives the shape of a dependency, or None for a literal argument (passed
+    to the cost function as it is).
+    """
+    cost = KERNEL_COSTS.get(func.__name__)
+    if cost is None:
+        raise ValueError(f"no cost model for kernel {func.__name__}")
+    values = [a if s is None else s for a, s in ((a, shape(a)) for a in args)]
+    out, flops, mem = cost(*values)
+    return out, flops, mem * itemsize

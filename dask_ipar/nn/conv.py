@@ -1,0 +1,126 @@
+"""Domain-parallel conv and pooling on a bound grid: height over ``Pr``, samples over ``Pc``.
+
+The first pieces of the integrated CNN (Eqs. 7 and 9 of the paper), as pinned task graphs
+with the halo geometry of :mod:`dask_ipar.layout.halo`:
+
+* forward: a halo exchange (:func:`dask_ipar.nn.collectives.halo_exchange`: only the halo
+  rows travel, as ``<layer>.xhalo`` pieces; each cell assembles its rows in one local key,
+  ``<layer>.xin``, read by forward and backward), then the local kernel (``<layer>.act``);
+* backward: the local kernel on the rows each cell read, then its adjoint, the ghost-row
+  accumulate (:func:`dask_ipar.nn.collectives.ghost_accumulate`: rows owned by a neighbour
+  go home as ``<layer>.dxhalo`` pieces and are added there, ``<layer>.dx``);
+* conv weight gradients: each cell returns its partial ``dW``; :mod:`dask_ipar.nn.front`
+  sums them over all P cells with a balanced all-reduce (reduce-scatter onto the owners
+  of the weight blocks, update there, all-gather before the next forward).
+
+Keys are ``("<layer>.<task>-<token>", *cell)``, as in :mod:`dask_ipar.nn.graph`, so the
+workers' transfer logs attribute bytes to ``halo_fwd``, ``halo_bwd``, ``dw_reduce`` and
+``w_gather``. :mod:`dask_ipar.nn.front` strings these layers together for
+:class:`~dask_ipar.model.Sequential`.
+"""
+
+from __future__ import annotations
+
+from dask._task_spec import TaskRef
+
+from dask_ipar.kernels import conv as CK
+from dask_ipar.layout.halo import halo_plan
+from dask_ipar.layout.partition import split_bounds
+from dask_ipar.nn import collectives as C
+from dask_ipar.nn.graph import StepGraph
+
+__all__ = [
+    "conv_forward_graph",
+    "conv_backward_graph",
+    "pool_forward_graph",
+    "pool_backward_graph",
+]
+
+
+def _name(layer, task, token):
+    return f"{layer}.{task}-{token}"
+
+
+def _plan(h_in, pr, k, stride, pad):
+    return halo_plan(h_in, pr, k, stride, (pad[0], pad[1])), split_bounds(h_in, pr)
+
+
+def _each_cell(g, binding, layer, token, plan, task, func, args_of):
+    """One ``task`` per cell of the plan: ``func(*args_of(cell, pad))`` pinned to the cell.
+
+    ``pad`` is the cell's own ``(top, bottom)`` padding (outer image edges only).
+    """
+    out = {}
+    for need in plan:
+        for j in range(binding.grid.pc):
+            cell = (need.cell, j)
+            key = (_name(layer, task, token), *cell)
+            g.add(key, binding.worker(*cell), func, *args_of(cell, need.pad))
+            out[cell] = key
+    return out
+
+
+# -------------------------------------------------------------------- layers
+def conv_forward_graph(g: StepGraph, binding, layer, token, x_keys, w_keys, h_in, wshape,
+                       stride, pad, groups=1, activation="linear", row_words=None):
+    """Add a conv layer's forward to ``g``; returns ``(plan, output keys per cell)``.
+
+    ``x_keys[(i, j)]``: input rows ``i`` (balanced over Pr) of sample block ``j`` on cell
+    (i, j); ``w_keys[(i, j)]``: the whole weight matrix ``(O, C/g*kh*kw [+ bias])`` on
+    every cell; ``wshape`` the filters' shape; ``pad`` is ``(top, bottom, left, right)``
+    of the whole image; ``row_words(j)`` the words of one input row of column ``j``
+    (``C * W * b_j``; the halo exchange's route, not recorded when None).
+    """
+    plan, owners = _plan(h_in, binding.grid.pr, wshape[2], stride, pad)
+    xin = C.halo_exchange(g, binding, layer, token, plan, owners, x_keys, row_words=row_words)
+    out = _each_cell(g, binding, layer, token, plan, "act", CK.conv_block, lambda cell, p: (
+        TaskRef(xin[cell]), TaskRef(w_keys[cell]), wshape, stride,
+        (p[0], p[1], pad[2], pad[3]), groups, activation))
+    return plan, out
+
+
+def conv_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, w_keys, a_keys,
+                        dy_keys, h_in, wshape, stride, pad, groups=1, activation="linear",
+                        need_dx=True, row_words=None):
+    """Add a conv layer's backward; returns ``(dx keys per cell or None, grad keys per cell)``.
+
+    ``a_keys`` are the forward outputs (:func:`conv_forward_graph`), ``dy_keys`` the
+    gradients of the cell's output rows. ``grad[(i, j)]`` holds ``(dx_rows, dW)``: the
+    cell's partial weight gradient, to be summed over all cells by the caller. Reads
+    the assembled rows that the forward added to the same graph.
+    """
+    owners = split_bounds(h_in, binding.grid.pr)
+    grads = _each_cell(g, binding, layer, token, plan, "bwd", CK.conv_block_backward,
+                       lambda cell, p: (TaskRef((_name(layer, "xin", token), *cell)),
+                                        TaskRef(w_keys[cell]), TaskRef(a_keys[cell]),
+                                        TaskRef(dy_keys[cell]), wshape, stride,
+                                        (p[0], p[1], pad[2], pad[3]), groups, activation,
+                                        need_dx))
+    if not need_dx:
+        return None, grads
+    return C.ghost_accumulate(g, binding, layer, token, plan, owners, grads, x_keys,
+                              row_words=row_words), grads
+
+
+def pool_forward_graph(g: StepGraph, binding, layer, token, x_keys, h_in, k, stride=None,
+                       pad=(0, 0, 0, 0), mode="max", row_words=None):
+    """Add a pooling layer's forward (windows straddling blocks use halo rows)."""
+    stride = stride or k
+    plan, owners = _plan(h_in, binding.grid.pr, k, stride, pad)
+    xin = C.halo_exchange(g, binding, layer, token, plan, owners, x_keys, row_words=row_words)
+    out = _each_cell(g, binding, layer, token, plan, "act", CK.pool_block, lambda cell, p: (
+        TaskRef(xin[cell]), k, stride, (p[0], p[1], pad[2], pad[3]), mode))
+    return plan, out
+
+
+def pool_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, dy_keys, h_in, k,
+                        stride=None, pad=(0, 0, 0, 0), mode="max", row_words=None):
+    """Add a pooling layer's backward; returns the input-gradient keys per cell."""
+    stride = stride or k
+    owners = split_bounds(h_in, binding.grid.pr)
+    grads = _each_cell(g, binding, layer, token, plan, "bwd", CK.pool_block_backward,
+                       lambda cell, p: (TaskRef((_name(layer, "xin", token), *cell)),
+                                        TaskRef(dy_keys[cell]), k, stride,
+                                        (p[0], p[1], pad[2], pad[3]), mode))
+    return C.ghost_accumulate(g, binding, layer, token, plan, owners, grads, x_keys,
+                              row_words=row_words)

@@ -1,0 +1,238 @@
+"""The block exchange of worker programs: mailboxes, the push handler and transfer logs.
+
+Its one job: move blocks between the worker programs of
+:mod:`dask_ipar.runtime.programs`. :class:`ExchangePlugin` (one per worker, shared by every
+model) adds the ``ipar_put`` handler, through which a program pushes a block to another
+worker as soon as it exists (the mechanism of dask's P2P shuffle), and the ``ipar_abort``
+handler, through which a failed program stops its peers; received blocks wait in the
+plugin's mailbox until a program takes them. Each transfer is logged on its sender
+(:func:`drain_exchange_log`, read by :class:`dask_ipar.runtime.meter.CommMeter` like dask's
+own transfer logs). Client side: :func:`install_exchange` registers the plugin and
+:func:`abort_programs` stops the programs of a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from dask_ipar.errors import IparError
+
+__all__ = ["ExchangePlugin", "PLUGIN_NAME", "LOG_LENGTH", "install_exchange", "abort_programs",
+           "drain_exchange_log"]
+
+#: Name of the worker plugin (one per worker, shared by every model).
+PLUGIN_NAME = "dask-ipar-exchange"
+#: Entries a worker's transfer log of programs keeps (the oldest go first).
+LOG_LENGTH = 20_000
+
+
+# ------------------------------------------------------------------ worker side
+def _tag_of(key):
+    """``"<uid>-s<step>"`` of a key ``("<layer>.<task>-<uid>-s<step>", ...)``, else None."""
+    name = key[0] if isinstance(key, tuple) else key
+    if not isinstance(name, str) or "-" not in name:
+        return None
+    return name.split("-", 1)[1]
+
+
+def _key(k):
+    """A key as msgpack delivers it (lists) back to a tuple."""
+    return tuple(_key(x) for x in k) if isinstance(k, list) else k
+
+
+class ExchangePlugin(WorkerPlugin):
+    """Worker plugin: the mailbox, the push handler and the transfer log of programs."""
+
+    name = PLUGIN_NAME
+    #: registered once per cluster: another model's registration must not replace (tear
+    #: down) the plugin while programs use its mailbox
+    idempotent = True
+
+    def setup(self, worker):
+        self.worker = worker
+        self.cond = threading.Condition()
+        self.box: dict = {}  # key -> value received and not yet taken
+        self.aborted: dict = {}  # tag -> reason (one step), uid -> (reason, when) (a model)
+        self.dropped: set = set()  # keys of failed programs: dropped on arrival
+        self.closing = False  # the worker is shutting down: waiting programs fail
+        # (sender, receiver, seconds, [(key, nbytes)]) of every block sent: bounded, as
+        # nothing drains it when no CommMeter runs (one drains every 32 steps)
+        self.log: deque = deque(maxlen=LOG_LENGTH)
+        worker.handlers["ipar_put"] = self.put
+        worker.handlers["ipar_abort"] = self.abort
+
+    def teardown(self, worker):
+        # a program waiting for blocks would otherwise hold the closing worker's process
+        # until its timeout (its thread must end before the process can)
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        worker.handlers.pop("ipar_put", None)
+        worker.handlers.pop("ipar_abort", None)
+
+    # event-loop side
+    def put(self, key=None, data=None, sender=None):
+        key = _key(key)
+        with self.cond:
+            if key in self.dropped:
+                self.dropped.discard(key)
+            elif _tag_of(key) in self.aborted:  # a late block of a stopped step
+                pass
+            else:
+                self.box[key] = data
+            self.cond.notify_all()
+        return "OK"
+
+    def abort(self, tag=None, reason=None, model=False):
+        """Stop the programs of step ``tag`` (or, with ``model``, every program of model
+        ``tag`` running now)."""
+        with self.cond:
+            self.aborted[tag] = (reason or "aborted", time.monotonic()) if model \
+                else reason or "aborted"
+            if model:
+                gone = [k for k in self.box if (_tag_of(k) or "").rsplit("-s", 1)[0] == tag]
+            else:
+                gone = [k for k in self.box if _tag_of(k) == tag]
+            for k in gone:
+                del self.box[k]
+            self.cond.notify_all()
+        return "OK"
+
+    # program side (a worker thread)
+    def _stopped(self, tag, started):
+        if tag in self.aborted:
+            return self.aborted[tag]
+        reason, when = self.aborted.get(tag.rsplit("-s", 1)[0], (None, 0.0))
+        return reason if when >= started else None
+
+    def take_ready(self, keys):
+        """Values of those of ``keys`` that have arrived (removed from the mailbox)."""
+        with self.cond:
+            return {k: self.box.pop(k) for k in keys if k in self.box}
+
+    def wait(self, prog, due, started, last_progress, patience=None):
+        """Wait until one of the keys ``due`` arrives (True), or ``patience`` seconds have
+        passed (False); raise if the step was aborted or nothing came for ``prog.timeout_s``."""
+        give_up = None if patience is None else time.monotonic() + patience
+        with self.cond:
+            while True:
+                reason = self._stopped(prog.tag, started) or (
+                    "the worker is shutting down" if self.closing else None)
+                if reason:
+                    raise IparError(f"step {prog.tag} stopped on worker {prog.worker}: {reason}")
+                if any(k in self.box for k in due):
+                    return True
+                if give_up is not None and time.monotonic() >= give_up:
+                    return False
+                left = prog.timeout_s - (time.monotonic() - last_progress)
+                if left <= 0:
+                    raise IparError(
+                        f"step {prog.tag}: worker {prog.worker} waited {prog.timeout_s:g} s "
+                        f"without receiving a block (still due: {len(due)}, e.g. "
+                        f"{min(map(str, due))} from {prog.remote[min(due, key=str)]}); a peer "
+                        "program is stuck or its worker is gone."
+                    )
+                self.cond.wait(min(left, 1.0))
+
+    def drop(self, keys):
+        """Forget ``keys``: those here now and those arriving later (a failed program)."""
+        missing = object()
+        with self.cond:
+            for k in keys:
+                if self.box.pop(k, missing) is missing:
+                    self.dropped.add(k)
+
+    def drain(self) -> list:
+        out = []
+        while self.log:
+            out.append(self.log.popleft())
+        return out
+
+
+class _Sender:
+    """Pushes blocks to other workers from a program's thread, without waiting."""
+
+    def __init__(self, plugin, worker):
+        from distributed.protocol import to_serialize
+        from distributed.sizeof import sizeof
+
+        self.plugin, self.worker = plugin, worker
+        self.loop = worker.loop.asyncio_loop
+        self._ser, self._sizeof = to_serialize, sizeof
+        self.pending: dict = {}  # key -> [concurrent futures]
+
+    async def _send(self, dest, key, value, nbytes):
+        t0 = time.perf_counter()
+        await self.worker.rpc(dest).ipar_put(key=key, data=self._ser(value),
+                                             sender=self.worker.address)
+        self.plugin.log.append((self.worker.address, dest, time.perf_counter() - t0,
+                                [(key, nbytes)]))
+
+    def push(self, key, value, dests):
+        nbytes = self._sizeof(value)
+        futs = self.pending.setdefault(key, [])
+        for d in dests:
+            futs.append(asyncio.run_coroutine_threadsafe(self._send(d, key, value, nbytes),
+                                                         self.loop))
+
+    def flush(self, keys=None):
+        """Wait until the sends of ``keys`` (all when None) are written; raise their errors."""
+        for k in list(self.pending) if keys is None else [k for k in keys if k in self.pending]:
+            for f in self.pending.pop(k):
+                f.result()
+
+    def abort_peers(self, prog, reason):
+        for p in prog.peers:
+            if p != self.worker.address:
+                asyncio.run_coroutine_threadsafe(self._abort(p, prog.tag, reason), self.loop)
+
+    async def _abort(self, dest, tag, reason):
+        try:
+            await self.worker.rpc(dest).ipar_abort(tag=tag, reason=reason)
+        except Exception:  # noqa: BLE001 - best effort: the peer may be gone
+            pass
+
+
+def _plugin(worker):
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        raise IparError(
+            f"worker {worker.address} has no {PLUGIN_NAME} plugin; programs need it on every "
+            "worker (Model.distribute installs it; a worker that joined later gets it too)."
+        )
+    return plugin
+
+
+# ------------------------------------------------------------------ client side
+def install_exchange(client) -> None:
+    """Add :class:`ExchangePlugin` to every worker of ``client`` (and to later ones)."""
+    client.register_plugin(ExchangePlugin(), name=PLUGIN_NAME)
+
+
+def _abort_here(uid, reason, dask_worker=None):
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if plugin is not None:
+        plugin.abort(tag=uid, reason=reason, model=True)
+
+
+def abort_programs(client, uid: str, reason: str, workers=None) -> None:
+    """Make the waiting programs of model ``uid`` fail with ``reason`` (best effort)."""
+    try:
+        if workers is None:  # a dead worker still listed would cost a connect timeout
+            from dask_ipar.runtime.workers import scheduler_workers
+
+            workers = list(scheduler_workers(client))
+        client.run(_abort_here, uid, reason, workers=workers, on_error="ignore")
+    except Exception:  # noqa: BLE001 - the cluster may be going away
+        pass
+
+
+def drain_exchange_log(dask_worker=None) -> list:
+    """Pop this worker's program transfer log: ``(sender, receiver, seconds, [(key, n)])``."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return [] if plugin is None else plugin.drain()

@@ -1,0 +1,97 @@
+"""How a model's graphs reach the cluster: every kernel a dask task of its own, or a training
+step compiled into one program per worker and phase.
+
+A :class:`~dask_ipar.model.Sequential` holds one executor, made from its ``executor`` setting
+(``"programs"`` or ``"graph"``) on first use after :meth:`~dask_ipar.model.Sequential.distribute`
+and again whenever the setting changes. Both run the same step graph (same kernels, same
+placement, the same floats and bytes); they differ in what the scheduler sees:
+
+* :class:`GraphExecutor`: the graph as it is, each task pinned to its cell (the
+  dashboard's task stream shows every layer and phase, dask moves the blocks);
+* :class:`ProgramExecutor`: a training step as two tasks per worker
+  (:func:`dask_ipar.runtime.programs.compile_programs`) that push blocks to each other over
+  the exchange plugin (:mod:`dask_ipar.runtime.exchange`); graphs that are not training
+  steps (inference, gradients, device copies) run as with :class:`GraphExecutor`.
+
+Tasks that nothing requested but that must run (prefetches, programs that only send) have
+their futures held for the next four submissions, by then they have run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dask_ipar.errors import IparError
+
+__all__ = ["EXECUTORS", "GraphExecutor", "ProgramExecutor", "make_executor"]
+
+
+class GraphExecutor:
+    """Submits step graphs as they are: one pinned dask task per kernel."""
+
+    name = "graph"
+
+    def __init__(self, client, uid: str, locate, program_timeout_s: float = 300.0):
+        self.client = client
+        self.uid = uid
+        self.locate = locate
+        self.program_timeout_s = program_timeout_s
+        self._roots: deque = deque(maxlen=4)
+
+    def submit(self, graph, name: str, keys, step=None, first=()):
+        """Submit ``graph``; futures of ``keys``. The graph's roots (prefetch tasks) are
+        computed too, their futures held until four submissions later."""
+        futs = self.client.get(graph.to_hlg(name), list(keys) + graph.roots, sync=False)
+        if graph.roots:
+            self._roots.append(futs[len(keys):])
+        return futs[:len(keys)]
+
+    def abort(self, reason: str) -> None:
+        """Nothing waits on other tasks' pushes here: dask's own tasks fail by themselves."""
+
+    def clear(self) -> None:
+        self._roots.clear()
+
+
+class ProgramExecutor(GraphExecutor):
+    """Runs training steps (``step`` given) as worker programs; the rest as graphs."""
+
+    name = "programs"
+
+    def __init__(self, client, uid: str, locate, program_timeout_s: float = 300.0):
+        from dask_ipar.runtime.exchange import install_exchange
+
+        super().__init__(client, uid, locate, program_timeout_s)
+        install_exchange(client)
+
+    def submit(self, graph, name: str, keys, step=None, first=()):
+        """With ``step``: per worker one program for what ``first`` needs (the forward pass
+        and the loss statistics) and one for the rest of the step (the prefetches happen
+        inside them); otherwise as :meth:`GraphExecutor.submit`."""
+        if step is None:
+            return super().submit(graph, name, keys)
+        from dask_ipar.runtime.programs import compile_programs
+
+        hlg, _, orphans = compile_programs(graph, list(keys), self.locate, name,
+                                           f"{self.uid}-s{step}", self.program_timeout_s, first)
+        futs = self.client.get(hlg, list(keys) + orphans, sync=False)
+        if orphans:  # programs that only send: held like the prefetches
+            self._roots.append(futs[len(keys):])
+        return futs[:len(keys)]
+
+    def abort(self, reason: str) -> None:
+        """Make the model's programs that wait for blocks fail now with ``reason``."""
+        from dask_ipar.runtime.exchange import abort_programs
+
+        abort_programs(self.client, self.uid, reason)
+
+
+#: The executors by the name of the ``executor`` setting.
+EXECUTORS = {"graph": GraphExecutor, "programs": ProgramExecutor}
+
+
+def make_executor(kind, client, uid: str, locate, program_timeout_s: float):
+    """The executor named ``kind`` (``"programs"`` or ``"graph"``) for a model."""
+    if kind not in EXECUTORS:
+        raise IparError(f"executor is {kind!r}, expected 'graph' or 'programs'.")
+    return EXECUTORS[kind](client, uid, locate, program_timeout_s)

@@ -1,0 +1,288 @@
+"""A model's training state on the cluster: the weight and momentum blocks, where they are,
+and whether they are still there.
+
+:class:`BlockStore` holds the futures of every block a model keeps (weight and momentum
+slice ``(i, j)`` of each layer lives on the worker of grid cell ``(i, j)``), scatters
+initial weights onto their owners, fetches blocks back to the client (through host memory
+on GPUs), cuts the task history behind them (:mod:`dask_ipar.runtime.lineage`), and turns a
+lost block or a departed grid worker into one clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+from dask._task_spec import TaskRef
+
+from dask_ipar.errors import IparError
+from dask_ipar.kernels import blocks as B
+from dask_ipar.nn.graph import StepGraph
+from dask_ipar.runtime.lineage import fold_finished_groups, missing_blocks, rekey_blocks
+from dask_ipar.runtime.workers import scheduler_workers
+
+__all__ = ["BlockStore"]
+
+
+class BlockStore:
+    """The blocks of one model on one grid binding.
+
+    ``w`` and ``v`` are the key names of the current weight and momentum blocks, one per
+    layer with weights (``v[l]`` is None before the layer's first update); block ``(i, j)``
+    of name ``n`` is ``futures[(n, i, j)]``. ``submit(graph, name, keys)`` runs a graph
+    (the model's executor); ``abort(reason)`` stops its waiting worker programs.
+    """
+
+    def __init__(self, client, binding, uid: str, block_module, submit, abort):
+        self.client = client
+        self.binding = binding
+        self.uid = uid
+        self.block_module = block_module
+        self.submit = submit
+        self.abort = abort
+        self.futures: dict = {}
+        self.w: list[str] | None = None
+        self.v: list[str | None] | None = None
+        #: seconds between checks that every grid worker is alive while waiting
+        self.liveness_check_s = 5.0
+        self.cuts = 0  # lineage cuts so far: new names end in -c<cut>
+
+    # ---------------------------------------------------------------- keys
+    def keep(self, keys, futures):
+        for k, f in zip(keys, futures):
+            self.futures[k] = f
+
+    def release(self, names):
+        if not names:
+            return
+        names = set(n for n in names if n is not None)
+        for k in [k for k in self.futures if k[0] in names]:
+            del self.futures[k]
+
+    def locate(self, key):
+        """The worker of an existing block ``(name, i, j, ...)``: that of cell (i, j)."""
+        try:
+            return self.binding.worker(key[1], key[2])
+        except (TypeError, IndexError, KeyError) as exc:
+            raise IparError(f"no grid cell for key {key!r}; keys of existing blocks are "
+                            "(name, i, j, ...).") from exc
+
+    def state(self, names):
+        """Futures of every block of the layers named ``names`` (None names skipped)."""
+        cells = self.binding.grid.cells()
+        return [self.futures[(n, *c)] for n in names if n is not None for c in cells]
+
+    def clear(self):
+        self.futures.clear()
+        self.w = self.v = None
+
+    # ------------------------------------------------------------- placing
+    def scatter(self, layouts, params, dtype, names, step):
+        """Place weight block (i, j) of every layer on cell (i, j) under ``names``; reset
+        momentum. ``params`` are ``[(W, b), ...]`` with ``W`` of ``n_out x n_in`` values."""
+        per_worker: dict[str, dict] = {}
+        for lay, (W, b), name in zip(layouts, params, names):
+            Wa = np.asarray(W, dtype=dtype).reshape(lay.n_out, lay.n_in)
+            if b is not None:
+                Wa = np.concatenate([Wa, np.asarray(b, dtype=dtype)[:, None]], axis=1)
+            for i, (r0, r1) in enumerate(lay.rows):
+                for j, (c0, c1) in enumerate(lay.wcols):
+                    per_worker.setdefault(self.binding.worker(i, j), {})[(name, i, j)] = (
+                        np.ascontiguousarray(Wa[r0:r1, c0:c1])
+                    )
+        old = (self.w or []) + (self.v or [])
+        if self.block_module:  # host blocks go up, then each owner copies its own to the GPU
+            per_worker = {w: {(f"{k[0]}-host", *k[1:]): v for k, v in blocks.items()}
+                          for w, blocks in per_worker.items()}
+        scattered = {}
+        for worker, blocks in per_worker.items():
+            scattered.update(self.client.scatter(blocks, workers=[worker], hash=False,
+                                                 direct=True))
+        if self.block_module:
+            g = StepGraph()
+            keys = []
+            for hkey in scattered:
+                key = (hkey[0][: -len("-host")], *hkey[1:])
+                g.add(key, self.binding.worker(*hkey[1:]), B.to_device, TaskRef(hkey),
+                      self.block_module)
+                keys.append(key)
+            futs = self.submit(g, f"to-device-{self.uid}-s{step}", keys)
+            scattered = dict(zip(keys, futs))
+        self.futures.update(scattered)
+        self.release(old)
+        self.w = list(names)
+        self.v = [None] * len(names)
+
+    def adopt(self, w_names, v_names, futures: dict):
+        """Make the blocks in ``futures`` (keyed ``(name, i, j)``) the state."""
+        cells = self.binding.grid.cells()
+        need = {(n, *c) for n in list(w_names) + list(v_names) if n is not None for c in cells}
+        missing = need - set(futures)
+        if missing:
+            raise IparError(f"state blocks missing for {len(missing)} keys, e.g. {min(missing)}.")
+        old = (self.w or []) + (self.v or [])
+        self.futures.update({k: futures[k] for k in need})
+        self.release([n for n in old if n not in set(w_names) | set(v_names)])
+        self.w, self.v = list(w_names), list(v_names)
+
+    # ------------------------------------------------------------- reading
+    def fetch(self, keys, futures, name: str) -> list:
+        """Results of ``futures`` (keys ``(name, i, j, ...)`` on cell (i, j)) as NumPy arrays.
+
+        On GPUs each owner first copies its block to host memory (graph ``name``), so the
+        client never needs CuPy or a GPU to receive results.
+        """
+        if not self.block_module:
+            return self.gather(list(futures))
+        g = StepGraph()
+        out = []
+        for n, key in enumerate(keys):
+            hkey = (f"host.fetch-{name}", n)
+            g.add(hkey, self.binding.worker(*key[1:3]), B.to_host, TaskRef(key))
+            out.append(hkey)
+        return self.gather(self.submit(g, f"to-host-{name}", out))
+
+    def gather(self, futures):
+        """``client.gather`` that turns blocks cancelled under it (a worker died, the
+        workers were restarted) into the one clear error of a lost state."""
+        from distributed.client import FutureCancelledError
+
+        try:
+            return self.client.gather(futures)
+        except (FutureCancelledError, asyncio.CancelledError):
+            self.raise_lost("its blocks were cancelled on the cluster", grace_s=10.0)
+
+    # ------------------------------------------------------------ liveness
+    def _gone(self):
+        alive = set(scheduler_workers(self.client))
+        return [(c, w) for c in self.binding.grid.cells()
+                if (w := self.binding.worker(*c)) not in alive]
+
+    def check_alive(self, step):
+        """Raise a clear error if a worker of the grid has left the cluster."""
+        gone = self._gone()
+        if gone:
+            cell, w = gone[0]
+            self.abort(f"worker {w} of grid cell {cell} left the cluster")
+            raise IparError(
+                f"worker {w} of grid cell {cell} left the cluster during step {step}; the blocks "
+                "it held are lost, so training stops here. Save checkpoints "
+                "(dask_ipar.io.checkpoint or `dask-ipar train --checkpoint-dir DIR`) and resume "
+                "from the last one (`--resume`) on the restarted cluster."
+            )
+
+    def wait_alive(self, futs, step):
+        """Wait for ``futs``, checking every few seconds that the grid is intact."""
+        from distributed import wait
+
+        while True:
+            try:
+                wait(futs, timeout=self.liveness_check_s)
+                return
+            except TimeoutError:
+                self.check_alive(step)
+
+    def gather_step(self, futs, step):
+        """Wait for a step's results, checking every few seconds that the grid is intact.
+
+        Tasks are pinned to their cells, so a step whose worker died would otherwise wait
+        forever; one whose data was lost fails with dask's cancellation error.
+        """
+        try:
+            self.wait_alive(futs, step)
+            return self.client.gather(futs)
+        except IparError:
+            raise
+        except Exception:  # e.g. futures cancelled because their inputs were lost
+            self.check_alive(step)
+            raise
+
+    def require_intact(self):
+        """Raise the lost-state error unless every block is pending or finished."""
+        if self.w is None:
+            return
+        cells = self.binding.grid.cells()
+        for name in self.w + self.v:
+            if name is None:
+                continue
+            for c in cells:
+                f = self.futures.get((name, *c))
+                status = "missing" if f is None else f.status
+                if status not in ("pending", "finished"):
+                    self.raise_lost(f"its block {name} of grid cell {c} is {status}", f)
+
+    def raise_lost(self, what: str, future=None, grace_s: float = 0.0):
+        """Raise the error of a model whose blocks are gone: the grid worker that left,
+        if one did (waiting up to ``grace_s`` for the scheduler to notice), else the
+        failed task's own error, else ``what``."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            gone = self._gone()
+            if gone or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        if gone:
+            c, w = gone[0]
+            self.abort(f"worker {w} of grid cell {c} left the cluster")
+            what = f"worker {w} of grid cell {c} left the cluster (restarted or died)"
+        elif future is not None and future.status == "error":
+            raise future.exception()  # a failed step: its own error, not a guess
+        raise IparError(f"the model's state on the cluster is lost: {what}. Restore it from a "
+                        "checkpoint: checkpoint.recover(model, directory) or "
+                        "`dask-ipar train --resume`.")
+
+    # ------------------------------------------------------------- lineage
+    def cut_lineage(self, step):
+        """Give the weight and momentum blocks new keys that have no task history.
+
+        Waits until the current blocks exist (the steps before have finished), then each
+        worker stores its blocks under new keys as scattered data
+        (:func:`~dask_ipar.runtime.lineage.rekey_blocks`: the same arrays, no copy, no
+        transfer, no task), the scheduler learns of them as it does of scattered data, and
+        the old keys are released. With no finished task feeding any data they still hold,
+        the workers and the scheduler forget the records of all past steps; the model's
+        finished task groups are folded
+        (:func:`~dask_ipar.runtime.lineage.fold_finished_groups`).
+        """
+        from distributed import Future, wait
+
+        cells = self.binding.grid.cells()
+        old = [n for n in self.w + self.v if n is not None]
+        self.wait_alive(self.state(old), step)
+        self.cuts += 1  # new names end in -c<cut>: step numbers stay those of the steps
+        rename, renames = {}, {}
+        for n in old:
+            owner, task = n.split("-", 1)[0].split(".", 1)
+            rename[n] = new = f"{owner}.{task}-{self.uid}-c{self.cuts}"
+            for i, j in cells:
+                renames.setdefault(self.binding.worker(i, j), []).append(((n, i, j), (new, i, j)))
+        # every worker must hold its blocks before any stores a new key: a worker that
+        # stored some while another failed would keep keys the scheduler never frees
+        missing = self.client.run(missing_blocks, renames, workers=list(renames))
+        gone = [k for keys in missing.values() for k in keys]
+        if gone:
+            self.check_alive(step)
+            raise IparError(f"weight blocks {gone[:3]} are no longer on their workers; "
+                            "the model's state is lost (restore from a checkpoint).")
+        # futures first: the scheduler reports the keys to the client as soon as it knows them
+        futures = {new: Future(new, self.client) for pairs in renames.values() for _, new in pairs}
+        nbytes = self.client.run(rekey_blocks, renames, workers=list(renames))
+        self.client.sync(
+            self.client.scheduler.update_data,
+            who_has={k: [w] for w, blocks in nbytes.items() for k in blocks},
+            nbytes={k: b for blocks in nbytes.values() for k, b in blocks.items()},
+            client=self.client.id,
+        )
+        try:
+            wait(list(futures.values()), timeout=120)
+        except TimeoutError:
+            raise IparError(
+                "the scheduler did not confirm the re-keyed weight blocks within 120 s; "
+                "check that every grid worker is alive (the dashboard's Workers page)."
+            ) from None
+        self.keep(list(futures), list(futures.values()))
+        self.release(old)
+        self.w = [rename[n] for n in self.w]
+        self.v = [None if n is None else rename[n] for n in self.v]
+        self.client.run_on_scheduler(fold_finished_groups, self.uid)
