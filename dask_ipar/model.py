@@ -2,43 +2,31 @@
 
 from __future__ import annotations
 
-import importlib
-import math
 import uuid
 
 import numpy as np
 
-from dask_ipar.io.data import as_features, as_labels
+from dask_ipar.io.data import as_inputs, as_labels
 from dask_ipar.kernels import blocks as B
-from dask_ipar.nn.dense import Engine, LayerLayout
+from dask_ipar.nn.dense import Engine, LayerLayout, check_dense_grid
 from dask_ipar.nn.front import Front, front_layouts
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.errors import IparError
+from dask_ipar.runtime import inference
 from dask_ipar.runtime.executors import GraphExecutor, make_executor
 from dask_ipar.runtime.placement import batches, check_batch, min_samples, place_batch
 from dask_ipar.runtime.state import BlockStore
-from dask_ipar.runtime.training import History, StepStats, run_epochs
+from dask_ipar.runtime.stepmodel import predict_step_s
+from dask_ipar.runtime.training import History, StepStats, run_epochs, submit_step
+from dask_ipar.runtime.weights import (assemble, check_params, initial_params, weight_arrays,
+                                       weight_shape)
 from dask_ipar.layout.grid import Grid, GridBinding, parse_grid
 from dask_ipar.runtime.workers import bind_grid
-from dask_ipar.nn.layers import AvgPool2d, Conv2d, Dense, Flatten, MaxPool2d
+from dask_ipar.nn.layers import AvgPool2d, Conv2d, Dense, Flatten, MaxPool2d  # noqa: F401 (doctests)
+from dask_ipar.nn.layers import check_network
 from dask_ipar.optim import SGD
-from dask_ipar.layout.partition import split_bounds
 
 __all__ = ["Sequential", "History", "StepStats"]
-
-
-def _glorot(rng, n_out, n_in, dtype):
-    lim = math.sqrt(6.0 / (n_in + n_out))
-    return rng.uniform(-lim, lim, size=(n_out, n_in)).astype(dtype)
-
-
-def _glorot_conv(rng, wshape, dtype):
-    o, cg, kh, kw = wshape
-    lim = math.sqrt(6.0 / (cg * kh * kw + o * kh * kw))
-    return rng.uniform(-lim, lim, size=wshape).astype(dtype)
-
-
-_FRONT = (Conv2d, MaxPool2d, AvgPool2d)
 
 
 class Sequential:
@@ -83,67 +71,8 @@ class Sequential:
     def __init__(self, layers, input_dim: int | None = None, *, input_shape=None,
                  dtype="float32", seed: int = 0, device: str = "cpu"):
         layers = list(layers)
-        if not layers:
-            raise IparError("Sequential needs at least one layer, got an empty list.")
-        n_front = 0
-        while n_front < len(layers) and isinstance(layers[n_front], _FRONT):
-            n_front += 1
-        if n_front:
-            if n_front == len(layers) or not isinstance(layers[n_front], Flatten):
-                raise IparError(
-                    f"layer {n_front} must be Flatten(): conv and pooling layers (layers "
-                    f"0-{n_front - 1}) are followed by Flatten() and then Dense layers."
-                )
-            if input_shape is None:
-                raise IparError("a CNN needs input_shape=(channels, height, width).")
-        elif layers and isinstance(layers[0], Flatten):
-            raise IparError("Flatten() comes after conv or pooling layers, not first.")
-        for k, lay in enumerate(layers[n_front + bool(n_front):], start=n_front + bool(n_front)):
-            if not isinstance(lay, Dense):
-                what = ("conv and pooling layers come before Flatten()"
-                        if isinstance(lay, _FRONT + (Flatten,)) else
-                        "Sequential takes dask_ipar Dense, Conv2d, MaxPool2d, AvgPool2d and "
-                        "Flatten layers")
-                raise IparError(f"layer {k} is {type(lay).__name__}; {what}.")
-        if input_shape is not None:
-            if (not isinstance(input_shape, (tuple, list)) or len(input_shape) != 3
-                    or not all(isinstance(v, int) and v >= 1 for v in input_shape)):
-                raise IparError(
-                    f"input_shape must be (channels, height, width) of positive integers, got "
-                    f"{input_shape!r}."
-                )
-            if not n_front:
-                raise IparError("input_shape is for CNNs; an MLP takes input_dim=.")
-            input_shape = tuple(int(v) for v in input_shape)
-            dim = input_shape[0] * input_shape[1] * input_shape[2]
-            if input_dim is not None and input_dim != dim:
-                raise IparError(f"input_dim={input_dim} contradicts input_shape={input_shape} "
-                                f"({dim} features); give input_shape only.")
-            input_dim = dim
-        if not isinstance(layers[-1], Dense):
-            raise IparError(f"the last layer must be Dense (the logits), got "
-                            f"{type(layers[-1]).__name__}.")
-        if layers[-1].activation != "linear":
-            raise IparError(
-                f"the last layer must be linear (it produces the logits; softmax is part of the "
-                f"loss), got activation {layers[-1].activation!r}. Use Dense({layers[-1].units})."
-            )
-        if input_dim is not None and (not isinstance(input_dim, int) or input_dim < 1):
-            raise IparError(f"input_dim must be a positive integer, got {input_dim!r}.")
-        dt = np.dtype(dtype)
-        if dt not in (np.float32, np.float64):
-            raise IparError(f"dtype must be float32 or float64, got {dtype!r}.")
-        if device != "cpu" and device not in B.DEVICE_MODULES:
-            names = " or ".join(repr(d) for d in ("cpu", *B.DEVICE_MODULES))
-            raise IparError(f"device must be {names}, got {device!r}.")
-        if device == "cuda":
-            try:
-                import cupy  # noqa: F401
-            except ImportError as exc:
-                raise IparError(
-                    "device='cuda' needs CuPy on the client and the workers: "
-                    "pip install 'dask-ipar[gpu]'."
-                ) from exc
+        n_front, input_dim, input_shape = check_network(layers, input_dim, input_shape)
+        dt = B.check_device(device, dtype)
         self.device = device
         self.layers = tuple(layers)
         self.input_shape = input_shape
@@ -225,6 +154,11 @@ class Sequential:
         return 0 if self._store is None else self._store.cuts
 
     @property
+    def _first_dense(self) -> int:
+        """Index of the first Dense layer in :attr:`layers`."""
+        return len(self.layers) - len(self.dense_layers)
+
+    @property
     def is_cnn(self) -> bool:
         return bool(self._n_front)
 
@@ -250,14 +184,7 @@ class Sequential:
         if self._closed:
             self._require_bound()  # raises: a closed model does not start afresh silently
         grid = parse_grid(grid)
-        first = len(self.layers) - len(self.dense_layers)
-        for k, lay in enumerate(self.dense_layers, start=first):
-            if lay.units < grid.pr:
-                raise IparError(
-                    f"layer {k} has {lay.units} outputs, fewer than the grid's Pr = {grid.pr} rows; "
-                    "each grid row must own at least one output row. Use a grid with "
-                    f"Pr <= {min(l.units for l in self.dense_layers)}."
-                )
+        check_dense_grid(self.dense_layers, self._first_dense, grid)
         if self._n_front:
             front_layouts(self.layers[:self._n_front], self.input_shape, grid.pr, grid.pc)
         binding = bind_grid(grid, client, workers)
@@ -276,38 +203,18 @@ class Sequential:
         return self
 
     def _build(self):
-        grid = self.binding.grid
-        sizes = self.sizes
-        first = len(self.layers) - len(self.dense_layers)
-        for k, lay in enumerate(self.dense_layers, start=first):
-            cols = sizes[k] + int(lay.bias)
-            if cols < grid.pc:
-                raise IparError(
-                    f"layer {k} has {cols} weight columns (inputs + bias), fewer than the grid's "
-                    f"Pc = {grid.pc} columns that share its weights. Use a grid with Pc <= {cols}."
-                )
+        check_dense_grid(self.dense_layers, self._first_dense, self.binding.grid, self.sizes)
         self.engine = self._make_engine(self.binding)
-        front = self.engine.front
         if self._init_params is None:
-            rng = np.random.default_rng(self.seed)
-            self._init_params = [
-                (_glorot_conv(rng, f.wshape, self.dtype),
-                 np.zeros(f.wshape[0], self.dtype) if f.weights.bias else None)
-                for f in ([] if front is None else front.convs)
-            ] + [
-                (_glorot(rng, lay.units, sizes[k], self.dtype),
-                 np.zeros(lay.units, self.dtype) if lay.bias else None)
-                for k, lay in enumerate(self.dense_layers, start=first)
-            ]
+            self._init_params = initial_params(self, self.engine)
         self._scatter_weights(self._init_params)
         self._init_params = None
 
     def _make_engine(self, binding) -> Engine:
         """The graph builder of this network on ``binding`` (any addresses: graphs only)."""
         grid = binding.grid
-        first = len(self.layers) - len(self.dense_layers)
         layouts = [LayerLayout.build(k, self.sizes[k], lay, grid.pr, grid.pc)
-                   for k, lay in enumerate(self.dense_layers, start=first)]
+                   for k, lay in enumerate(self.dense_layers, start=self._first_dense)]
         front = None
         if self._n_front:
             flayouts = front_layouts(self.layers[:self._n_front], self.input_shape, grid.pr,
@@ -326,18 +233,8 @@ class Sequential:
 
     def _as_inputs(self, X):
         """Checked inputs: ``(n, features)``, or ``(n, C, H, W)`` images for a CNN."""
-        if not self._n_front:
-            return as_features(X, self.input_dim, self.dtype)
-        shape = getattr(X, "shape", None)
-        if shape is not None and len(shape) == 4:
-            if tuple(shape[1:]) != self.input_shape:
-                raise IparError(
-                    f"images have shape {tuple(shape[1:])} (C, H, W), the model expects "
-                    f"{self.input_shape} (input_shape)."
-                )
-            X = X.reshape(shape[0], -1)
-        X = as_features(X, self.input_dim, self.dtype)
-        return X.reshape(X.shape[0], *self.input_shape)
+        return as_inputs(X, self.input_dim, self.input_shape if self._n_front else None,
+                         self.dtype)
 
     def _next_step(self) -> int:
         self._step += 1
@@ -397,28 +294,7 @@ class Sequential:
     def train_step(self, Xb, yb, optimizer: SGD):
         """Submit one SGD step on a prepared batch; returns the loss-statistics futures."""
         self._require()
-        if self.lineage_steps is not None and self._since_cut >= self.lineage_steps:
-            self._since_cut = 0
-            self._store.cut_lineage(self._step)
-        self._since_cut += 1
-        step = self._next_step()
-        g = StepGraph()
-        x_keys, y_keys, data = self._place_batch(Xb, yb, step, g)
-        g, new_w, new_v, stats = self.engine.train_step(
-            x_keys, y_keys, Xb.shape[0], self._w, self._v, step,
-            optimizer.lr, optimizer.momentum, optimizer.weight_decay, g=g,
-        )
-        # momentum blocks updated in place keep their names (and futures)
-        fresh = [n for n in new_w + new_v if n not in self._v]
-        keys = [(n, i, j) for n in fresh for i, j in self.binding.grid.cells()]
-        futs = self._submit(g, f"step-{self.uid}-s{step}", keys + stats, step=step,
-                            first=stats)
-        store = self._store
-        store.keep(keys, futs[: len(keys)])
-        store.release([n for n in store.w + store.v if n not in new_v])
-        store.w, store.v = new_w, new_v
-        del data  # the graph holds the batch now
-        return futs[len(keys):]
+        return submit_step(self, Xb, yb, optimizer)
 
     def fit(self, X, y, *, epochs: int = 1, batch_size: int = 32, optimizer: SGD | None = None,
             shuffle: bool = True, seed: int | None = None, progress=False,
@@ -488,25 +364,9 @@ class Sequential:
     def _batches(self, X, y, batch_size):
         return batches(self.engine, self.binding.grid, X, y, batch_size)
 
-    def _forward_batch(self, Xb, yb):
-        step = self._next_step()
-        g = StepGraph()
-        x_keys, y_keys, data = self._place_batch(Xb, yb, step, g)
-        g, logit_keys, stats = self.engine.forward(x_keys, self._w, step, y_keys, g=g,
-                                                   batch=Xb.shape[0])
-        futs = self._submit(g, f"fwd-{self.uid}-s{step}", logit_keys + stats)
-        return futs, logit_keys
-
     def forward(self, X, batch_size: int | None = 4096) -> np.ndarray:
         """Logits ``(n_samples, classes)``, computed on the grid batch by batch."""
-        self._require_bound()
-        X = self._as_inputs(X)
-        self._require(X.shape[1])
-        out = []
-        for Xb, _ in self._batches(X, None, batch_size):
-            futs, keys = self._forward_batch(Xb, None)
-            out.extend(self._fetch(keys, futs))
-        return np.concatenate([np.asarray(o).T for o in out], axis=0)
+        return inference.forward(self, X, batch_size)
 
     def predict(self, X, batch_size: int | None = 4096) -> np.ndarray:
         """Predicted class of every sample."""
@@ -514,76 +374,32 @@ class Sequential:
 
     def evaluate(self, X, y, batch_size: int | None = 4096) -> dict:
         """Mean cross-entropy ``loss`` and ``accuracy`` on ``(X, y)``."""
-        self._require_bound()
-        X = self._as_inputs(X)
-        y = as_labels(y, X.shape[0], self.n_classes)
-        self._require(X.shape[1])
-        totals = np.zeros(2)
-        for Xb, yb in self._batches(X, y, batch_size):
-            futs, keys = self._forward_batch(Xb, yb)
-            totals += np.sum(self._gather(futs[len(keys):]), axis=0)
-        return {"loss": totals[0] / len(y), "accuracy": totals[1] / len(y)}
+        return inference.evaluate(self, X, y, batch_size)
 
     def gradients(self, X, y):
         """Loss, accuracy and gradients ``[(dW, db), ...]`` of the mean loss over all of ``X``.
 
         Computed on the grid exactly as a training step does, without the update.
         """
-        self._require_bound()
-        X = self._as_inputs(X)
-        y = as_labels(y, X.shape[0], self.n_classes)
-        self._require(X.shape[1])
-        self._check_batch(X.shape[0], X.shape[0])
-        step = self._next_step()
-        g = StepGraph()
-        x_keys, y_keys, data = self._place_batch(X, y, step, g)
-        g, names, stats = self.engine.gradient(x_keys, y_keys, X.shape[0], self._w, step, g=g)
-        keys = [(n, i, j) for n in names for i, j in self.binding.grid.cells()]
-        futs = self._submit(g, f"grad-{self.uid}-s{step}", keys + stats)
-        blocks = dict(zip(keys, self._fetch(keys, futs[: len(keys)])))
-        loss_sum, correct = np.sum(self._gather(futs[len(keys):]), axis=0)
-        grads = [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.param_layouts, names)]
-        return loss_sum / len(y), correct / len(y), grads
+        return inference.gradients(self, X, y)
 
     # -------------------------------------------------------------- weights
     def _assemble(self, lay, name, blocks):
-        grid = self.binding.grid
-        full = np.concatenate([
-            np.concatenate([np.asarray(blocks[(name, i, j)]) for j in range(grid.pc)], axis=1)
-            for i in range(grid.pr)
-        ], axis=0)
-        W = full[:, : lay.n_in]
-        if lay.name.startswith("conv"):
-            W = W.reshape(self._wshape(lay))
-        return (W, full[:, lay.n_in] if lay.bias else None)
+        return assemble(lay, name, blocks, self.binding.grid, weight_shape(self.engine, lay))
 
     def _wshape(self, lay):
         """Shape of a layer's ``W`` as users see it (filters for a conv)."""
-        if self.engine is not None and self.engine.front is not None:
-            for f in self.engine.front.convs:
-                if f.weights.name == lay.name:
-                    return f.wshape
-        return (lay.n_out, lay.n_in)
+        return weight_shape(self.engine, lay)
 
     def weight_arrays(self):
-        """The master weights as dask arrays (``d_out x (d_in + bias)``), block (i, j) on cell (i, j).
+        """The master weights as dask arrays (``d_out x (d_in + bias)``), block (i, j) on
+        cell (i, j).
 
         Computing one gathers it to the client. The next training step rewrites the
         weight blocks in place: compute (or copy) the arrays before submitting it.
         """
-        import dask.array as da
-
         self._require()
-        out = []
-        for lay, name in zip(self.engine.param_layouts, self._w):
-            dsk = {(name, i, j): self._futures[(name, i, j)] for i, j in self.binding.grid.cells()}
-            chunks = (tuple(b - a for a, b in lay.rows), tuple(b - a for a, b in lay.wcols))
-            meta = np.empty((0, 0), dtype=self.dtype)
-            if self.block_module:
-                xp = importlib.import_module(self.block_module)
-                meta = xp.empty((0, 0), dtype=getattr(xp, self.dtype.name))
-            out.append(da.Array(dsk, name, chunks, meta=meta))
-        return out
+        return weight_arrays(self.engine, self._w, self._futures, self.dtype, self.block_module)
 
     def get_weights(self):
         """``[(W, b), ...]`` as NumPy arrays (``W`` is ``d_out x d_in``), gathered to the client."""
@@ -600,75 +416,15 @@ class Sequential:
     def set_weights(self, params):
         """Replace all weights (``[(W, b), ...]``, ``W`` is ``d_out x d_in``); resets momentum."""
         self._require()
-        params = list(params)
-        layouts = self.engine.param_layouts
-        if len(params) != len(layouts):
-            raise IparError(f"expected {len(layouts)} (W, b) pairs (one per layer with weights), "
-                            f"got {len(params)}.")
-        checked = []
-        for k, (lay, (W, b)) in enumerate(zip(layouts, params)):
-            W = np.asarray(W)
-            if W.shape != self._wshape(lay):
-                raise IparError(
-                    f"layer {lay.index} ({lay.name}): W has shape {W.shape}, expected "
-                    f"{self._wshape(lay)} "
-                    + ("(filters, channels / groups, kh, kw)." if lay.name.startswith("conv")
-                       else "(d_out x d_in).")
-                )
-            if lay.bias:
-                if b is None or np.shape(b) != (lay.n_out,):
-                    raise IparError(
-                        f"layer {k}: bias has shape {np.shape(b)}, expected ({lay.n_out},)."
-                    )
-            checked.append((W, b))
-        self._scatter_weights(checked)
+        self._scatter_weights(check_params(self.engine, params))
 
     # ----------------------------------------------------- step-time model
     def predict_step_s(self, batch: int, machine, *, cores: int | None = None,
                        optimizer: SGD | None = None):
-        """Predicted seconds of one training step on this grid, by simulating its task graph.
-
-        ``machine`` is a :class:`dask_ipar.cost.Machine` from ``dask-ipar calibrate``
-        (``alpha_s`` = seconds per dependent hop, ``bandwidth_Bps``, ``flops_per_s``);
-        ``cores`` shared by the workers (default: one per worker). Returns a
-        :class:`dask_ipar.cost.SimResult`. Nothing is submitted.
-        """
-        from dask_ipar.cost import simulate_step
-        from dask_ipar.nn.graph import sim_tasks
-
+        """Predicted seconds of one training step on this grid, by simulating its task
+        graph (:func:`dask_ipar.runtime.stepmodel.predict_step_s`). Nothing is submitted."""
         self._require()
-        if self._n_front:
-            raise IparError("step-time prediction covers dense networks only, not conv layers "
-                            "yet.")
-        if not machine.flops_per_s:
-            raise IparError("the machine needs flops_per_s (run `dask-ipar calibrate`).")
-        grid = self.binding.grid
-        g = StepGraph()
-        bounds = split_bounds(batch, grid.pc)
-        x_keys, y_keys = {}, {}
-        for i, j in grid.cells():
-            b = bounds[j][1] - bounds[j][0]
-            w = self.binding.worker(i, j)
-            x_keys[(i, j)] = g.add_data(("sim.x", i, j), w, np.zeros((self.input_dim, b),
-                                                                     self.dtype))
-            y_keys[(i, j)] = g.add_data(("sim.y", i, j), w, np.zeros(b, np.int64))
-        v_names = [f"sim.v{k}" for k in range(len(self.layers))]
-        opt = optimizer or SGD()
-        g, _, _, _ = self.engine.train_step(x_keys, y_keys, batch, self._w, v_names, 0,
-                                            opt.lr, opt.momentum, opt.weight_decay, g=g)
-        external = {}
-        for lay, wn, vn in zip(self.engine.param_layouts, self._w, v_names):
-            for i, (r0, r1) in enumerate(lay.rows):
-                for j, (c0, c1) in enumerate(lay.wcols):
-                    for name in (wn, vn):
-                        external[(name, i, j)] = (self.binding.worker(i, j), (r1 - r0, c1 - c0))
-        tasks, available = sim_tasks(g, external, self.dtype.itemsize)
-        return simulate_step(tasks, flops_per_s=machine.flops_per_s,
-                             bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
-                             cores=cores, available=available, task_s=machine.task_s or 0.0,
-                             cluster_flops_per_s=machine.cluster_flops_per_s,
-                             cluster_mem_Bps=machine.mem_Bps,
-                             cluster_bandwidth_Bps=machine.cluster_bandwidth_Bps)
+        return predict_step_s(self, batch, machine, cores=cores, optimizer=optimizer or SGD())
 
     # ------------------------------------------------------- state blocks
     def state_blocks(self) -> dict:
@@ -685,18 +441,7 @@ class Sequential:
         the momentum, and read both before submitting another step.
         """
         self._require()
-        cells = self.binding.grid.cells()
-        layers = []
-        for lay, wn, vn in zip(self.engine.param_layouts, self._w, self._v):
-            layers.append({
-                "name": lay.name, "n_in": lay.n_in, "n_out": lay.n_out, "bias": lay.bias,
-                "activation": lay.activation, "rows": lay.rows, "wcols": lay.wcols,
-                "w": {c: self._futures[(wn, *c)] for c in cells},
-                "v": None if vn is None else {c: self._futures[(vn, *c)] for c in cells},
-                "workers": {c: self.binding.worker(*c) for c in cells},
-            })
-        return {"step": self._step, "grid": (self.binding.grid.pr, self.binding.grid.pc),
-                "dtype": str(self.dtype), "layers": layers}
+        return self._store.state_blocks(self.engine.param_layouts, self._step, self.dtype)
 
     def reserve_state_keys(self, with_velocity: bool):
         """Key names for a new full set of state blocks: ``(w_names, v_names)``.

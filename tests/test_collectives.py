@@ -22,6 +22,8 @@ from dask_ipar.layout.partition import grid_shapes, split_bounds
 from dask_ipar.nn import collectives as C
 from dask_ipar.nn.graph import StepGraph
 
+pytestmark = pytest.mark.fast  # no cluster: graphs, kernels and formulas only
+
 GRIDS = [(pr, pc) for p in range(1, 9) for pr, pc in grid_shapes(p)]
 
 

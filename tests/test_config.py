@@ -12,6 +12,8 @@ import yaml
 from dask_ipar.config import DEFAULTS, apply_overrides, load_config, to_yaml, validate
 from dask_ipar.errors import IparError
 
+pytestmark = pytest.mark.fast  # no cluster: graphs, kernels and formulas only
+
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):

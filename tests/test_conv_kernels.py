@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from dask_ipar.kernels import conv as C
+
+pytestmark = pytest.mark.fast  # no cluster: graphs, kernels and formulas only
 rng = np.random.default_rng(0)
 
 

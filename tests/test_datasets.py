@@ -8,6 +8,8 @@ import pytest
 from dask_ipar.io.data import load_dataset, train_test_split
 from dask_ipar.errors import IparError
 
+pytestmark = pytest.mark.fast  # no cluster: graphs, kernels and formulas only
+
 
 @pytest.fixture
 def arrays():

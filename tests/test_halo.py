@@ -8,6 +8,8 @@ import pytest
 from dask_ipar.kernels import conv as C
 from dask_ipar.layout.halo import halo_plan, halo_rows
 
+pytestmark = pytest.mark.fast  # no cluster: graphs, kernels and formulas only
+
 
 @pytest.mark.parametrize("h,pr,k,s,pad", [
     (13, 1, 3, 1, (1, 1)), (13, 2, 3, 1, (1, 1)), (13, 3, 5, 1, (2, 2)), (27, 4, 11, 4, (0, 0)),

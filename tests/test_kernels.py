@@ -11,6 +11,8 @@ import pytest
 
 from dask_ipar.kernels import blocks as B
 from dask_ipar.kernels import dense as K
+
+pytestmark = pytest.mark.fast  # no cluster: graphs, kernels and formulas only
 xps = pytest.importorskip("array_api_strict")
 
 

@@ -8,10 +8,14 @@ depends on ``P.Q``.
 
 from __future__ import annotations
 
+import pytest
+
 import ast
 import pathlib
 
 import dask_ipar
+
+pytestmark = pytest.mark.fast  # no cluster: graphs, kernels and formulas only
 
 ROOT = pathlib.Path(dask_ipar.__file__).parent
 MAX_LINES = 500

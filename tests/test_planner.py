@@ -25,6 +25,8 @@ from dask_ipar.cost import (
     plan,
 )
 
+pytestmark = pytest.mark.fast  # no cluster: graphs, kernels and formulas only
+
 N_IMAGENET = 1_200_000
 
 

@@ -18,6 +18,8 @@ from dask_ipar.runtime.meter import predict_step
 from dask_ipar.testing import awkward_cnn, step_graph
 from test_cnn import ALL_THREE, MIXED, PLANNED
 
+pytestmark = pytest.mark.fast  # no cluster: graphs, kernels and formulas only
+
 NETWORKS = {
     "mlp": ([Dense(29, "relu"), Dense(13, "tanh"), Dense(10)], 37),
     "mlp-deep": ([Dense(9, "relu")] * 4 + [Dense(5)], 11),

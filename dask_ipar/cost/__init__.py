@@ -42,10 +42,14 @@ from dask_ipar.cost.conv import (
     window_halo_phases,
     halo_phases,
     exchange_phase,
+    engine_alltoall_phases,
+    engine_model_conv_phases,
 )
 from dask_ipar.cost.networks import NETWORKS, alexnet, count_params, from_units, get_network, mlp, resnet50, vgg16
 from dask_ipar.cost.simulate import SimResult, SimTask, simulate_step
-from dask_ipar.cost.planner import MODES, GridPlan, PlanResult, evaluate_grid, factorizations, network_flops, plan
+from dask_ipar.cost.planner import (MODES, GridPlan, PlanResult, evaluate_grid, factorizations, network_flops, plan,
+                                    price_assignment)
+from dask_ipar.cost.engine import ENGINE_ORDER, engine_layer_phases, engine_layout, engine_refusal
 
 __all__ = [
     # step-time simulation of the engine's task graph
@@ -93,6 +97,8 @@ __all__ = [
     "window_halo_phases",
     "halo_phases",
     "exchange_phase",
+    "engine_alltoall_phases",
+    "engine_model_conv_phases",
     "batch_layer_phases",
     "batch_model_crossover",
     "redistribute_phase",
@@ -105,6 +111,12 @@ __all__ = [
     "PlanResult",
     "factorizations",
     "evaluate_grid",
+    "price_assignment",
     "plan",
     "network_flops",
+    # the engine's layer-by-layer rules (what the planner's engine mode prices)
+    "ENGINE_ORDER",
+    "engine_layout",
+    "engine_refusal",
+    "engine_layer_phases",
 ]

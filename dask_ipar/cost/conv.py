@@ -9,14 +9,19 @@ paper's):
 - domain parallelism, height split over Pr and samples over Pc (Eqs. 7, 9):
   :func:`domain_layer_phases`, with the engine's exact halo exchanges
   (:func:`engine_halo_phases`, :func:`window_halo_phases`, :func:`halo_phases`)
-  and phases from exact byte counts (:func:`exchange_phase`).
+  and phases from exact byte counts (:func:`exchange_phase`);
+- the engine's layout changes and model-parallel convs, from plain shapes (the run's comm
+  table and the planner both price them here): batch-layout samples to strips and back
+  (:func:`engine_alltoall_phases`), and a conv with its filters over Pr on whole images
+  (:func:`engine_model_conv_phases`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from dask_ipar.cost.layers import Conv2d, Pool2d
+from dask_ipar.cost.layers import FC, Conv2d, Pool2d
 from dask_ipar.cost.machine import Machine
 from dask_ipar.cost.model import (
     PhaseCost,
@@ -26,8 +31,11 @@ from dask_ipar.cost.model import (
     _matmul_phases,
     _phase,
     _weight_allreduce_all,
+    dense_layer_phases,
+    redistribute_phase,
 )
 from dask_ipar.layout.halo import halo_plan
+from dask_ipar.layout.partition import split_bounds
 
 __all__ = [
     "conv_model_phases",
@@ -37,6 +45,8 @@ __all__ = [
     "window_halo_phases",
     "halo_phases",
     "exchange_phase",
+    "engine_alltoall_phases",
+    "engine_model_conv_phases",
 ]
 
 
@@ -183,3 +193,67 @@ def halo_phases(
     mx = mrows * row_words * _ceil_div(batch, pc) * w
     neighbours = min(2, pr - 1)
     return [_phase(name, p, pr, total, mx, neighbours, machine) for p in ("halo_fwd", "halo_bwd")]
+
+
+# --------------------------------------------------------------------------- the engine's layout changes
+
+
+def engine_alltoall_phases(
+    name: str, h_in: int, row_words: int, pr: int, pc: int, batch: int, machine: Machine
+) -> list[PhaseCost]:
+    """The engine's change from the batch layout to strips in front of the domain-parallel
+    layer ``name``, and its adjoint, exactly: ``redistribute`` and ``dx_reduce``.
+
+    In the batch layout cell ``(k, j)`` holds whole images of its share ``k`` of column
+    ``j``'s samples (balanced over Pc, then over Pr); on strips it holds rows ``k`` of the
+    ``h_in`` input rows (balanced over Pr) of all of column ``j``'s samples. Each cell
+    sends every other cell of its grid column its samples' rows of that cell's strip
+    (an all-to-all over Pr); backward returns the gradient of the same rows (the same
+    bytes). ``row_words`` = ``C_in * W_in``.
+    """
+    _check_grid(pr, pc, batch)
+    rows = [b - a for a, b in split_bounds(h_in, pr)]
+    total, most = 0, 0
+    for b0, b1 in split_bounds(batch, pc):
+        for k, (s0, s1) in enumerate(split_bounds(b1 - b0, pr)):
+            sent = (s1 - s0) * (h_in - rows[k]) * row_words * machine.word_bytes
+            total += sent
+            most = max(most, sent)
+    return [exchange_phase(name, p, pr, total, most, pr - 1, machine)
+            for p in ("redistribute", "dx_reduce")]
+
+
+def engine_model_conv_phases(
+    name: str, d_in: int, n_in: int, n_out: int, bias: bool, pr: int, pc: int, batch: int,
+    machine: Machine, *, prev_name: str | None = None, prev_layout: str | None = None,
+) -> list[PhaseCost]:
+    """The engine's phases of a model-parallel conv: filters over Pr, whole images.
+
+    ``d_in`` = ``C_in * H_in * W_in`` (one input image), the weight matrix ``n_out x n_in``
+    (``n_out`` filters, ``n_in = C_in * k_h * k_w`` weights each, plus a bias column with
+    ``bias``). ``prev_name``/``prev_layout`` name the layer in front and its layout
+    (``"batch"``, ``"domain"`` or ``"model"``); both None for the network's first layer,
+    whose whole images the client places and whose input needs no gradient. Phases:
+
+    - the whole input images on every cell of each grid column, an all-gather over Pr
+      (Eq. 6): ``redistribute`` of this layer from strips or sample blocks, the
+      previous layer's ``fwd_gather`` from its channel blocks (a model-parallel layer's
+      output stays split until its consumer gathers it);
+    - ``dw_reduce`` and ``w_gather`` of the filters' weight rows over the grid row, as a
+      dense layer's (Eq. 8);
+    - ``dx_reduce``: the partial input gradients reduce-scattered over the grid column
+      back to the input's owners (not for the first layer).
+    """
+    out = []
+    if prev_layout is not None:
+        gather = redistribute_phase(d_in, pr, pc, batch, machine, name=name)
+        if prev_layout == "model":
+            gather = replace(gather, layer=str(prev_name), phase="fwd_gather")
+        out.append(gather)
+    out.extend(p for p in dense_layer_phases(FC(n_in, n_out, bias=bias), pr, pc, batch, machine,
+                                             first_layer=True, convention="engine", name=name)
+               if p.phase in ("dw_reduce", "w_gather"))
+    if prev_layout is not None:
+        dx = redistribute_phase(d_in, pr, pc, batch, machine, name=name)
+        out.append(replace(dx, phase="dx_reduce"))
+    return out

@@ -24,13 +24,17 @@ class FC:
     """Fully connected layer ``Y = W X (+ b)``, W of shape ``d_out x d_in``.
 
     With ``bias=True`` the bias is stored as an extra weight column, so
-    |W| = d_out * (d_in + 1).
+    |W| = d_out * (d_in + 1). ``flatten``: the name of the flatten layer in front of a
+    CNN's first dense layer (the engine's ``flatten<k>``); the redistribution of the conv
+    layers' output to this layer's layout (Eq. 6) is priced under that name (under
+    ``name`` when empty).
     """
 
     d_in: int
     d_out: int
     bias: bool = True
     name: str = ""
+    flatten: str = ""
 
     def __post_init__(self):
         _positive("d_in", self.d_in)

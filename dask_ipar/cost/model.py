@@ -224,6 +224,11 @@ def dense_layer_phases(
 ) -> list[PhaseCost]:
     """Communication phases of one dense layer on a ``Pr x Pc`` grid (Eq. 8).
 
+    The engine builds these phases in :class:`dask_ipar.nn.dense.Engine` (``_forward``:
+    w_gather and fwd_gather; ``_backward``: dx_reduce and dw_reduce), each from one
+    collective of :mod:`dask_ipar.nn.collectives`; the grid is
+    :class:`dask_ipar.layout.grid.Grid`.
+
     Engine convention (n = d_in, m = d_out, |W| = m*(n+1) with bias, w bytes
     per word; totals summed over all processes):
 

@@ -15,6 +15,11 @@ Conv-layer modes:
   of that and the three fixed modes, so it is never worse than any of them.
 
 FC layers always use the grid (Eq. 8); with ``Pr = 1`` that is pure batch.
+
+With ``schemes`` (the per-layer schemes ``dask_ipar.Sequential`` runs) in the engine
+convention every layer is priced as the engine runs it (:mod:`dask_ipar.cost.engine`:
+the run's comm table's formulas, byte for byte) and the grids the engine refuses are
+infeasible; :func:`price_assignment` prices one given per-layer assignment that way.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dask_ipar.cost.layers import Conv2d, Pool2d, as_layer_spec
+from dask_ipar.cost.layers import FC, Conv2d, Pool2d, as_layer_spec
 from dask_ipar.cost.machine import Machine
 from dask_ipar.layout.partition import grid_shapes
 from dask_ipar.cost.conv import domain_layer_phases
+from dask_ipar.cost.engine import ENGINE_ORDER, engine_layer_phases, engine_layout, engine_refusal
 from dask_ipar.cost.model import (
     CONVENTIONS,
     PhaseCost,
@@ -35,7 +41,8 @@ from dask_ipar.cost.model import (
     redistribute_phase,
 )
 
-__all__ = ["MODES", "GridPlan", "PlanResult", "factorizations", "evaluate_grid", "plan", "network_flops"]
+__all__ = ["MODES", "GridPlan", "PlanResult", "factorizations", "evaluate_grid", "plan", "network_flops",
+           "price_assignment"]
 
 MODES = ("batch", "model", "domain", "auto")
 _LAYOUT = {"model": "rep", "batch": "batch", "domain": "domain"}
@@ -130,9 +137,16 @@ class PlanResult:
         return {"unit": self.unit, "grids": [g.to_dict() for g in self.feasible], "best": best}
 
 
+def _wanted(layer, mode: str, schemes=None) -> list:
+    """The schemes ``mode`` lets a layer try (conv layers; others: ``[None]``)."""
+    if isinstance(layer, Conv2d):
+        return list((schemes or ("model", "domain", "batch")) if mode == "auto" else (mode,))
+    return [None]
+
+
 def _options(layer, mode: str, pr: int, pc: int, batch: int, schemes=None) -> list[str]:
     if isinstance(layer, Conv2d):
-        wanted = (schemes or ("model", "domain", "batch")) if mode == "auto" else (mode,)
+        wanted = _wanted(layer, mode, schemes)
         ok = []
         for s in wanted:
             if s == "batch" and pr * pc > batch:
@@ -175,7 +189,8 @@ def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size, domain
     for idx, layer in enumerate(layers):
         name = layer.name or str(idx)
         if isinstance(layer, Pool2d):  # keeps the layout; on strips the engine exchanges halos
-            # (a pool with fewer output rows than Pr is not priced: the engine refuses it)
+            # (the paper's layouts: a pool with fewer output rows than Pr is not priced; the
+            # engine refuses it, and so does the engine mode, _engine_search)
             if convention == "engine" and "domain" in frontier and 1 < pr <= layer.out_h:
                 c, schemes, phases = frontier["domain"]
                 extra = domain_layer_phases(layer, pr, pc, batch, machine, name=name, first_layer=first)
@@ -183,12 +198,13 @@ def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size, domain
             first = False
             continue
         new = {}
+        tname = (layer.flatten if isinstance(layer, FC) else "") or name
         for state, (cost, schemes, phases) in frontier.items():
             for s in allowed[idx]:
                 need = _LAYOUT[s]
                 if not domain_after_model and rank[need] < rank[state]:
                     continue
-                extra = _transition(state, need, layer.d_in, pr, pc, batch, machine, convention, name)
+                extra = _transition(state, need, layer.d_in, pr, pc, batch, machine, convention, tname)
                 extra += _layer_phases(layer, s, name, pr, pc, batch, machine, first, convention, dx_size)
                 c = cost + sum(p.seconds for p in extra)
                 if need not in new or c < new[need][0]:
@@ -198,6 +214,37 @@ def _search(layers, allowed, pr, pc, batch, machine, convention, dx_size, domain
         frontier = new
         first = False
     return min(frontier.values(), key=lambda v: v[0])
+
+
+def _engine_search(layers, allowed, pr, pc, batch, machine):
+    """Dynamic programme over the engine's layouts (:mod:`dask_ipar.cost.engine`): every
+    layer priced as the engine runs it, the layers the engine refuses left out. Returns
+    ``((comm_seconds, schemes, phases), "")``, or ``(None, why)``."""
+    frontier = {"input": (0.0, (), ())}
+    why = {}
+    prev_name = None
+    for idx, layer in enumerate(layers):
+        name = layer.name or str(idx)
+        new = {}
+        for state, (cost, schemes, phases) in frontier.items():
+            for s in allowed[idx]:
+                layout = engine_layout(layer, s, state)
+                reason = engine_refusal(layer, layout, state, pr, pc, batch)
+                if reason:
+                    why[reason] = None
+                    continue
+                extra = engine_layer_phases(layer, layout, state, pr, pc, batch, machine, name=name,
+                                            prev_name=prev_name, first_layer=idx == 0)
+                c = cost + sum(p.seconds for p in extra)
+                if layout not in new or c < new[layout][0]:
+                    chosen = schemes if isinstance(layer, Pool2d) else \
+                        schemes + ((name, s or "model"),)  # dense layers: the grid (Eq. 8)
+                    new[layout] = (c, chosen, phases + tuple(extra))
+        if not new:
+            return None, "; ".join(why)
+        frontier = new
+        prev_name = name
+    return min(frontier.values(), key=lambda v: v[0]), ""
 
 
 def _memory(layers, schemes, pr, pc, batch, machine, convention) -> int:
@@ -239,8 +286,10 @@ def evaluate_grid(
     cannot run the requested mode: ``Pc > B``, conv layers pure batch with
     ``P > B``, a domain split finer than the image height, or every candidate
     over ``mem_limit_bytes``. ``schemes`` restricts the per-layer choices of
-    ``conv="auto"`` (for example ``("domain", "model")``, the schemes
-    ``dask_ipar.Sequential`` runs, in its order: domain layers first).
+    ``conv="auto"`` to the schemes ``dask_ipar.Sequential`` runs (for example
+    ``("domain", "model")``), in its order (batch, then domain, then model); in the
+    engine convention every layer is then priced as the engine runs it and a grid
+    the engine refuses is infeasible (see :mod:`dask_ipar.cost.engine`).
     """
     if conv not in MODES:
         raise ValueError(f"conv: got {conv!r}; expected one of {', '.join(MODES)}")
@@ -254,14 +303,20 @@ def evaluate_grid(
         if not schemes or set(schemes) - {"batch", "model", "domain"}:
             raise ValueError(f"schemes: got {schemes!r}; expected some of batch, model, domain")
         modes = tuple(m for m in modes if m == "auto" or m in schemes)
+    engine = convention == "engine" and schemes is not None
     candidates, reasons = [], []
     for mode in modes:
-        allowed = [_options(x, mode, pr, pc, batch, schemes) for x in layers]
-        found = _search(layers, allowed, pr, pc, batch, machine, convention, dx_size,
-                        domain_after_model=schemes is None)
+        if engine:
+            found, why = _engine_search(layers, [_wanted(x, mode, schemes) for x in layers], pr, pc,
+                                        batch, machine)
+        else:
+            allowed = [_options(x, mode, pr, pc, batch, schemes) for x in layers]
+            found = _search(layers, allowed, pr, pc, batch, machine, convention, dx_size,
+                            domain_after_model=schemes is None)
+            why = ("conv layers pure batch need P <= B" if mode == "batch" else
+                   f"{mode}: Pr={pr} exceeds a conv layer's height")
         if found is None:
-            reasons.append("conv layers pure batch need P <= B" if mode == "batch" else
-                           f"{mode}: Pr={pr} exceeds a conv layer's height")
+            reasons.append(why)
             continue
         plan_ = _finish(layers, pr, pc, batch, machine, found, overlap, convention)
         if mem_limit_bytes is not None and plan_.mem_bytes > mem_limit_bytes:
@@ -271,6 +326,42 @@ def evaluate_grid(
     if not candidates:
         return GridPlan(pr, pc, False, "; ".join(dict.fromkeys(reasons)))
     return min(candidates, key=lambda g: g.total_s)
+
+
+def price_assignment(
+    layers, schemes_by_layer, pr: int, pc: int, batch: int, machine: Machine, *,
+    overlap: bool = False,
+) -> GridPlan:
+    """Price one given per-layer scheme assignment as the engine runs it (engine convention).
+
+    ``schemes_by_layer``: conv layer name -> ``"batch"``, ``"domain"`` or ``"model"``
+    (a mapping, or ``(name, scheme)`` pairs such as :attr:`GridPlan.schemes`); conv layers
+    it does not name are domain-parallel, the engine's default. Pooling layers keep the
+    layout in front of them, dense layers use the grid. Every layer is priced with
+    :func:`dask_ipar.cost.engine.engine_layer_phases`, the formulas of the run's comm
+    table (``dask_ipar.runtime.meter.predict_step``), so ``.phases`` are the bytes per
+    layer and phase the engine moves. Returns an infeasible :class:`GridPlan` (with
+    ``reason``) for a grid the engine refuses (:func:`dask_ipar.cost.engine.engine_refusal`,
+    or ``Pc > batch``).
+    """
+    layers = [as_layer_spec(x) for x in layers]
+    fixed = dict(schemes_by_layer or {})
+    convs = {x.name or str(k) for k, x in enumerate(layers) if isinstance(x, Conv2d)}
+    unknown = sorted(set(fixed) - convs)
+    if unknown:
+        raise ValueError(f"schemes_by_layer: {', '.join(map(repr, unknown))} name no conv layer; "
+                         f"the conv layers are {', '.join(sorted(convs)) or 'none'}")
+    bad = {k: v for k, v in fixed.items() if v not in ENGINE_ORDER}
+    if bad:
+        raise ValueError(f"schemes_by_layer: got {bad!r}; expected schemes among {', '.join(ENGINE_ORDER)}")
+    if pc > batch:
+        return GridPlan(pr, pc, False, f"Pc={pc} > batch {batch}: a grid column would get no samples")
+    allowed = [[fixed.get(x.name or str(k), "domain")] if isinstance(x, Conv2d) else [None]
+               for k, x in enumerate(layers)]
+    found, why = _engine_search(layers, allowed, pr, pc, batch, machine)
+    if found is None:
+        return GridPlan(pr, pc, False, why)
+    return _finish(layers, pr, pc, batch, machine, found, overlap, "engine")
 
 
 def plan(

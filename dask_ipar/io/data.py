@@ -32,7 +32,7 @@ import numpy as np
 
 from dask_ipar.errors import IparError
 
-__all__ = ["as_features", "as_labels", "load_digits_split", "load_digits_images", "load_dataset",
+__all__ = ["as_features", "as_inputs", "as_labels", "load_digits_split", "load_digits_images", "load_dataset",
            "train_test_split", "FORMATS"]
 
 
@@ -75,6 +75,23 @@ def as_features(X, n_features: int | None, dtype) -> np.ndarray:
             "Impute or drop those values before training."
         )
     return X
+
+
+def as_inputs(X, input_dim, input_shape, dtype) -> np.ndarray:
+    """Checked model inputs: ``(n, features)``, or ``(n, C, H, W)`` images when
+    ``input_shape`` (C, H, W) is given (images may come flattened)."""
+    if input_shape is None:
+        return as_features(X, input_dim, dtype)
+    shape = getattr(X, "shape", None)
+    if shape is not None and len(shape) == 4:
+        if tuple(shape[1:]) != input_shape:
+            raise IparError(
+                f"images have shape {tuple(shape[1:])} (C, H, W), the model expects "
+                f"{input_shape} (input_shape)."
+            )
+        X = X.reshape(shape[0], -1)
+    X = as_features(X, input_dim, dtype)
+    return X.reshape(X.shape[0], *input_shape)
 
 
 def as_labels(y, n_samples: int, n_classes: int) -> np.ndarray:

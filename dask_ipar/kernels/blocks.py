@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = ["xp_of", "concat_rows", "concat_cols", "concat_axis", "assemble_blocks", "slice_axis",
            "identity", "sum_pieces", "fetched", "first_of", "take_rows", "assemble", "rows_slice",
-           "add_rows", "zeros_like", "DEVICE_MODULES", "to_device", "to_host"]
+           "add_rows", "zeros_like", "DEVICE_MODULES", "to_device", "to_host", "check_device"]
 
 
 @sizeof.register_lazy("array_api_strict")
@@ -169,3 +169,25 @@ def add_rows(own, *offsets_and_pieces):
 
 def zeros_like(x):
     return xp_of(x).zeros_like(x)
+
+
+def check_device(device: str, dtype):
+    """The block dtype (float32 or float64) for a model on ``device``, or a clear error
+    (an unknown device, CuPy missing for ``"cuda"``)."""
+    from dask_ipar.errors import IparError
+
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float64):
+        raise IparError(f"dtype must be float32 or float64, got {dtype!r}.")
+    if device != "cpu" and device not in DEVICE_MODULES:
+        names = " or ".join(repr(d) for d in ("cpu", *DEVICE_MODULES))
+        raise IparError(f"device must be {names}, got {device!r}.")
+    if device == "cuda":
+        try:
+            import cupy  # noqa: F401
+        except ImportError as exc:
+            raise IparError(
+                "device='cuda' needs CuPy on the client and the workers: "
+                "pip install 'dask-ipar[gpu]'."
+            ) from exc
+    return dt

@@ -1,10 +1,15 @@
-"""The process grid and its binding to dask workers.
+"""The process grid.
 
 A :class:`Grid` is an abstract ``Pr x Pc`` mesh: it knows nothing of workers.
 A :class:`GridBinding` maps each cell ``(i, j)`` to one worker address of a
-running cluster. Row ``i`` of the grid shares block row ``i`` of every weight
-(model parallelism over ``Pr``); column ``j`` shares sample block ``j`` of
-every activation (batch parallelism over ``Pc``).
+running cluster (made by :func:`dask_ipar.runtime.workers.bind_grid`). Row ``i`` of
+the grid shares block row ``i`` of every weight (model parallelism over ``Pr``);
+column ``j`` shares sample block ``j`` of every activation (batch parallelism over
+``Pc``).
+
+Next hops: a dense layer's phases on the grid are built in :mod:`dask_ipar.nn.dense`
+from the collectives of :mod:`dask_ipar.nn.collectives`; each phase's cost formula is
+in :mod:`dask_ipar.cost.model` (:func:`~dask_ipar.cost.model.dense_layer_phases`).
 """
 
 from __future__ import annotations

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 
 from dask._task_spec import TaskRef
 
+from dask_ipar.errors import IparError
 from dask_ipar.kernels import blocks as B
 from dask_ipar.kernels import dense as K
 from dask_ipar.nn import collectives as C
@@ -75,7 +76,7 @@ from dask_ipar.nn.graph import StepGraph
 from dask_ipar.layout.grid import GridBinding
 from dask_ipar.layout.partition import split_bounds
 
-__all__ = ["LayerLayout", "Engine"]
+__all__ = ["LayerLayout", "Engine", "check_dense_grid"]
 
 
 @dataclass(frozen=True)
@@ -472,3 +473,23 @@ class Engine:
 # ------------------------------------------------------------ step-time model
 
 
+def check_dense_grid(dense_layers, first: int, grid, sizes=None):
+    """Refuse a grid the dense layers cannot be split over: every grid row must own an
+    output row of every layer and, once the input sizes are known (``sizes``, the widths
+    ``[d_0, ..., d_L]`` of the whole network), every grid column a weight column.
+    ``first`` is the index of the first dense layer in the network (for the messages)."""
+    for k, lay in enumerate(dense_layers, start=first):
+        if lay.units < grid.pr:
+            raise IparError(
+                f"layer {k} has {lay.units} outputs, fewer than the grid's Pr = {grid.pr} rows; "
+                "each grid row must own at least one output row. Use a grid with "
+                f"Pr <= {min(l.units for l in dense_layers)}."
+            )
+        if sizes is not None:
+            cols = sizes[k] + int(lay.bias)
+            if cols < grid.pc:
+                raise IparError(
+                    f"layer {k} has {cols} weight columns (inputs + bias), fewer than the "
+                    f"grid's Pc = {grid.pc} columns that share its weights. Use a grid with "
+                    f"Pc <= {cols}."
+                )

@@ -35,12 +35,13 @@ from dask._task_spec import TaskRef
 
 from dask_ipar.errors import IparError
 from dask_ipar.kernels import blocks as B
-from dask_ipar.kernels import conv as CK
 from dask_ipar.kernels import dense as K
 from dask_ipar.layout.partition import split_bounds
 from dask_ipar.nn import collectives as C
 from dask_ipar.nn import conv as D
 from dask_ipar.nn.graph import StepGraph
+from dask_ipar.layout.placement import SAMPLES_RC
+from dask_ipar.nn.schemes import SCHEMES
 from dask_ipar.nn.shapes import FrontLayout, front_layouts
 
 __all__ = ["FrontLayout", "Front", "front_layouts"]
@@ -69,10 +70,10 @@ class Front:
         last = self.layouts[-1]
         #: how the last layer's output is split over Pr: samples (axis 0, per column and
         #: step), channels (axis 1) or rows (axis 2)
-        self.out_axis = {"batch": 0, "model": 1, "domain": 2}[last.layout]
+        self.out_axis = last.leaves.pr_axis
         self.out_blocks = (None if self.out_axis == 0 else
                            split_bounds(last.out_shape[self.out_axis - 1], grid.pr))
-        self.has_batch = any(f.layout == "batch" for f in self.layouts)
+        self.has_batch = any(f.leaves == SAMPLES_RC for f in self.layouts)
 
     def samples(self, batch: int):
         """``[column j][grid row i] -> (s0, s1)``: samples of each cell within its column."""
@@ -90,10 +91,10 @@ class Front:
             )
 
     @property
-    def input_layout(self) -> str:
-        """"strips" (rows i of the images on cell (i, j)), "full" (whole images) or
-        "samples" (whole images of sample block i of column j)."""
-        return {"model": "full", "batch": "samples", "domain": "strips"}[self.layouts[0].layout]
+    def input_placement(self):
+        """Where the network's input goes: a :class:`~dask_ipar.layout.placement.Placement`
+        (``STRIPS``, ``WHOLE`` or ``SAMPLES_RC``), what the first layer reads."""
+        return self.layouts[0].reads
 
     @property
     def out_shape(self):
@@ -135,37 +136,10 @@ class Front:
         ctx = []
         names = iter(w_names)
         prev = None
-        samples = self.samples(batch)
         for lay in self.layouts:
-            c, h, w = lay.in_shape
-            if lay.layout == "model":
-                cx = self._model_forward(g, lay, prev, x_keys, names, token, batch)
-                cx["batch"] = batch
-                ctx.append(cx)
-                x_keys, prev = cx["out"], lay
-                continue
-            if lay.layout == "batch":
-                cx = self._batch_forward(g, lay, x_keys, names, step)
-                ctx.append(cx)
-                x_keys, prev = cx["out"], lay
-                continue
-            from_batch = prev is not None and prev.layout == "batch"
-            if from_batch:  # whole images of sample blocks -> strips of the column's samples
-                x_keys = self._to_strips(g, lay, x_keys, token, batch)
-            rw = self._row_words(lay, batch)
-            if lay.kind == "conv":
-                wk = self._weights(g, lay, next(names), step)
-                plan, out = D.conv_forward_graph(g, self.binding, lay.name, token, x_keys, wk,
-                                                 h, lay.wshape, lay.stride, lay.pad, lay.groups,
-                                                 lay.activation, row_words=rw)
-            else:
-                wk = None
-                plan, out = D.pool_forward_graph(g, self.binding, lay.name, token, x_keys, h,
-                                                 lay.k[0], lay.stride, lay.pad, lay.mode,
-                                                 row_words=rw)
-            ctx.append({"x": x_keys, "w": wk, "plan": plan, "out": out,
-                        "from_batch": from_batch, "samples": samples, "batch": batch})
-            x_keys, prev = out, lay
+            cx = SCHEMES[lay.layout].forward(self, g, lay, prev, x_keys, names, step, batch)
+            ctx.append(cx)
+            x_keys, prev = cx["out"], lay
         # the redistribution (Eq. 6): the strips (or channel or sample blocks) of the last
         # layer's output all-gathered over the column, as (C*H*W, b_j) features
         xg = C.all_gather(g, self.binding, "pr", x_keys, layer=self.flatten,
@@ -181,17 +155,6 @@ class Front:
         samples = self.samples(batch)
         return lambda j: c * w * sum(_width(s) for s in samples[j])
 
-    def _batch_forward(self, g, lay, x_keys, names, step):
-        """A batch-layout layer: whole images of each cell's own samples, no exchange."""
-        token = self.token(step)
-        if lay.kind == "pool":
-            return {"x": x_keys, "out": self._local_pool(g, lay, x_keys, token)}
-        wk = self._weights(g, lay, next(names), step)
-        out = self._per_cell(g, D._name(lay.name, "act", token), CK.conv_block, lambda c: (
-            TaskRef(x_keys[c]), TaskRef(wk[c]), lay.wshape, lay.stride, lay.pad, lay.groups,
-            lay.activation))
-        return {"x": x_keys, "w": wk, "out": out}
-
     def _per_cell(self, g, name, func, args_of):
         """One task ``(name, i, j) = func(*args_of((i, j)))`` per cell; returns the keys."""
         out = {}
@@ -199,78 +162,6 @@ class Front:
             g.add((name, *cell), self.binding.worker(*cell), func, *args_of(cell))
             out[cell] = (name, *cell)
         return out
-
-    def _local_pool(self, g, lay, x_keys, token):
-        """Pooling of whole images (batch or model layout): local to every cell."""
-        return self._per_cell(g, D._name(lay.name, "act", token), CK.pool_block, lambda c: (
-            TaskRef(x_keys[c]), lay.k[0], lay.stride, lay.pad, lay.mode))
-
-    def _local_pool_backward(self, g, lay, cx, dy_keys, need_dx, token):
-        if not need_dx:
-            return None
-        return self._per_cell(g, D._name(lay.name, "dx", token), CK.pool_block_backward,
-                              lambda c: (TaskRef(cx["x"][c]), TaskRef(dy_keys[c]), lay.k[0],
-                                         lay.stride, lay.pad, lay.mode))
-
-    def _to_strips(self, g, lay, x_keys, token, batch):
-        """Batch layout to strips: an all-to-all over Pr (``<layer>.rd``, phase
-        ``redistribute``)."""
-        rows = split_bounds(lay.in_shape[1], self.binding.grid.pr)
-        c, _, w = lay.in_shape
-        samples = self.samples(batch)
-        return C.all_to_all(g, self.binding, "pr", x_keys, lay.name, "rd", token, 2,
-                            lambda src, dst: rows[dst[0]], 0, phase="redistribute",
-                            words=lambda src, dst: (_width(samples[src[1]][src[0]]) * c * w
-                                                    * _width(rows[dst[0]])))
-
-    def _to_samples(self, g, lay, dx_keys, samples, token):
-        """The strips' input gradients back to the batch layout: the adjoint all-to-all
-        (``<layer>.rdx``, phase ``dx_reduce``)."""
-        rows = split_bounds(lay.in_shape[1], self.binding.grid.pr)
-        c, _, w = lay.in_shape
-        return C.all_to_all(g, self.binding, "pr", dx_keys, lay.name, "rdx", token, 0,
-                            lambda src, dst: samples[dst[1]][dst[0]], 2, phase="dx_reduce",
-                            words=lambda src, dst: (_width(samples[dst[1]][dst[0]]) * c * w
-                                                    * _width(rows[src[0]])))
-
-    def _model_forward(self, g, lay, prev, x_keys, names, token, batch):
-        """A model-layout layer: conv with filters over Pr on whole images, or local pooling.
-
-        A conv's input is gathered whole on every cell of the column first: strips of a
-        domain-parallel layer through ``<layer>.rd`` keys (phase ``redistribute``), channel
-        blocks of a model-parallel layer through its own output keys (its ``fwd_gather``).
-        """
-        grid, bind = self.binding.grid, self.binding
-        cells = grid.cells()
-        if lay.kind == "pool":
-            return {"x": x_keys, "out": self._local_pool(g, lay, x_keys, token)}
-        # the whole input images on every cell of the column
-        if prev is None:  # the network's input, placed whole by the client
-            xs = dict(x_keys)
-        else:
-            axis = {"batch": 0, "model": 1, "domain": 2}[prev.layout]
-            moved = prev.layout in ("domain", "batch")
-            xs = C.all_gather(g, bind, "pr", x_keys, layer=lay.name if moved else prev.name,
-                              phase="redistribute" if moved else "fwd_gather",
-                              join=B.concat_axis, lead=(axis,), always_join=True,
-                              name=D._name(lay.name, "xs", token),
-                              rename=D._name(lay.name, "rd", token) if moved else None,
-                              words=self._block_words(prev.out_shape, axis, batch))
-        # the filters' weight rows, gathered over the grid row (phase w_gather)
-        wl, w_name = lay.weights, next(names)
-        wrow = C.all_gather(g, bind, "pc", {c: (w_name, *c) for c in cells},
-                            layer=lay.name, phase="w_gather", join=B.concat_cols,
-                            name=D._name(lay.name, "wrow", token),
-                            words=lambda c: _width(wl.rows[c[0]]) * _width(wl.wcols[c[1]]))
-        out = {}
-        key = D._name(lay.name, "act", token)
-        for i, j in cells:
-            r0, r1 = wl.rows[i]
-            g.add((key, i, j), bind.worker(i, j), CK.conv_block, TaskRef(xs[(i, j)]),
-                  TaskRef(wrow[(i, j)]), (r1 - r0, *lay.wshape[1:]), lay.stride, lay.pad, 1,
-                  lay.activation)
-            out[(i, j)] = (key, i, j)
-        return {"x": xs, "w": wrow, "out": out, "prev": prev}
 
     # --------------------------------------------------------------- backward
     def image_grad(self, g, wrow, dz, step, lay0, batch):
@@ -333,112 +224,11 @@ class Front:
         token = self.token(step)
         conv_pos = len(self.convs)
         for l in range(len(self.layouts) - 1, -1, -1):
-            lay, cx = self.layouts[l], ctx[l]
-            c, h, w = lay.in_shape
-            need_dx = l > 0
-            if lay.layout == "model":
-                if lay.kind == "conv":
-                    conv_pos -= 1
-                dy_keys = self._model_backward(g, lay, cx, dy_keys, need_dx, token, conv_pos,
-                                               reduce_fn)
-                continue
-            if lay.layout == "batch":
-                if lay.kind == "conv":
-                    conv_pos -= 1
-                dy_keys = self._batch_backward(g, lay, cx, dy_keys, need_dx, token, conv_pos,
-                                               reduce_fn)
-                continue
+            lay = self.layouts[l]
             if lay.kind == "conv":
                 conv_pos -= 1
-                dx, grads = D.conv_backward_graph(
-                    g, self.binding, lay.name, token, cx["plan"], cx["x"], cx["w"], cx["out"],
-                    dy_keys, h, lay.wshape, lay.stride, lay.pad, lay.groups, lay.activation,
-                    need_dx, row_words=self._row_words(lay, cx["batch"]))
-                pieces = self._grad_pieces(g, lay, grads, token)
-                reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces,
-                          lambda i, wl=lay.weights: wl.rows[i])
-            else:
-                if not need_dx:
-                    break
-                dx = D.pool_backward_graph(g, self.binding, lay.name, token, cx["plan"],
-                                           cx["x"], dy_keys, h, lay.k[0], lay.stride, lay.pad,
-                                           lay.mode, row_words=self._row_words(lay, cx["batch"]))
-            if cx["from_batch"] and dx is not None:
-                dx = self._to_samples(g, lay, dx, cx["samples"], token)
-            dy_keys = dx
-
-    def _batch_backward(self, g, lay, cx, dy_keys, need_dx, token, conv_pos, reduce_fn):
-        """Backward of a batch-layout layer: local, but for the conv's weight all-reduce."""
-        if lay.kind == "pool":
-            return self._local_pool_backward(g, lay, cx, dy_keys, need_dx, token)
-        grads = self._per_cell(g, D._name(lay.name, "bwd", token), CK.conv_block_backward,
-                               lambda c: (TaskRef(cx["x"][c]), TaskRef(cx["w"][c]),
-                                          TaskRef(cx["out"][c]), TaskRef(dy_keys[c]), lay.wshape,
-                                          lay.stride, lay.pad, lay.groups, lay.activation,
-                                          need_dx))
-        pieces = self._grad_pieces(g, lay, grads, token)
-        reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces, lambda i, wl=lay.weights: wl.rows[i])
-        if not need_dx:
-            return None
-        return self._per_cell(g, D._name(lay.name, "dx", token), B.first_of,
-                              lambda c: (TaskRef(grads[c]),))
-
-    def _model_backward(self, g, lay, cx, dy_keys, need_dx, token, conv_pos, reduce_fn):
-        """Backward of a model-layout layer; returns the input-gradient keys per cell.
-
-        Conv: each cell's partial dW (its filters, its samples) is reduce-scattered over
-        its grid row onto the column slices' owners (``dwp``, phase ``dw_reduce``), as a
-        dense layer's; its partial dX (whole images) is reduce-scattered over the grid
-        column onto the owners of the input's strips or channel blocks (``dxp``, phase
-        ``dx_reduce``).
-        """
-        grid, bind = self.binding.grid, self.binding
-        cells = grid.cells()
-        if lay.kind == "pool":
-            return self._local_pool_backward(g, lay, cx, dy_keys, need_dx, token)
-        wl = lay.weights
-        bwd = D._name(lay.name, "bwd", token)
-        for i, j in cells:
-            r0, r1 = wl.rows[i]
-            g.add((bwd, i, j), bind.worker(i, j), CK.conv_block_backward,
-                  TaskRef(cx["x"][(i, j)]),
-                  TaskRef(cx["w"][(i, j)]), TaskRef(cx["out"][(i, j)]),
-                  TaskRef(dy_keys[(i, j)]), (r1 - r0, *lay.wshape[1:]), lay.stride, lay.pad, 1,
-                  lay.activation, need_dx)
-        grads = {cell: (bwd, *cell) for cell in cells}
-        dw = C.reduce_scatter(
-            g, bind, "pc", D._name(lay.name, "dwp", token),
-            lambda src, dst: (K.grad_block, TaskRef(grads[src]), 0, _width(wl.rows[src[0]]),
-                              *wl.wcols[dst[1]]),
-            layer=lay.name, phase="dw_reduce",
-            words=lambda src, dst: _width(wl.rows[dst[0]]) * _width(wl.wcols[dst[1]]))
-
-        def pieces(i, jj):
-            return dw[(i, jj)]
-
-        reduce_fn(g, lay, conv_pos, grads, cx["w"], pieces,
-                  lambda i: (0, wl.rows[i][1] - wl.rows[i][0]))
-        if not need_dx:
-            return None
-        prev = cx["prev"]
-        axis = {"batch": 0, "model": 1, "domain": 2}[prev.layout]
-        if axis == 0:
-            blocks = self.samples(cx["batch"])
-        else:
-            blocks = [split_bounds(lay.in_shape[axis - 1], grid.pr)] * grid.pc
-        dx = C.reduce_scatter(
-            g, bind, "pr", D._name(lay.name, "dxp", token),
-            lambda src, dst: (B.slice_axis, TaskRef(grads[src]), axis, *blocks[src[1]][dst[0]]),
-            layer=lay.name, phase="dx_reduce",
-            words=lambda src, dst, w=self._block_words(prev.out_shape, axis, cx["batch"]): w(dst))
-        own = D._name(lay.name, "dxown", token)
-        key = D._name(lay.name, "dx", token)
-        for k, j in cells:
-            g.add((own, k, j), bind.worker(k, j), B.slice_axis, TaskRef(grads[(k, j)]), axis,
-                  *blocks[j][k])
-            g.add((key, k, j), bind.worker(k, j), B.sum_pieces, TaskRef((own, k, j)),
-                  *dx[(k, j)])
-        return {cell: (key, *cell) for cell in cells}
+            dy_keys = SCHEMES[lay.layout].backward(self, g, lay, ctx[l], dy_keys, l > 0, token,
+                                                   conv_pos, reduce_fn)
 
     def _grad_pieces(self, g, lay, grads, token):
         """Blocks of every cell's partial dW sent to the blocks' owners: a reduce-scatter

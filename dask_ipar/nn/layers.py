@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from dask_ipar.errors import IparError
 from dask_ipar.kernels.dense import ACTIVATIONS
 
-__all__ = ["Dense", "Conv2d", "MaxPool2d", "AvgPool2d", "Flatten", "resolve_padding"]
+__all__ = ["Dense", "Conv2d", "MaxPool2d", "AvgPool2d", "Flatten", "resolve_padding", "check_network"]
 
 
 @dataclass(frozen=True)
@@ -209,3 +209,65 @@ class Flatten:
     all-gathered over ``Pr`` (phase ``redistribute``); its gradient goes back to
     the strips' owners as a reduce-scatter.
     """
+
+
+#: The layers in front of Flatten in a CNN.
+_FRONT = (Conv2d, MaxPool2d, AvgPool2d)
+
+
+def check_network(layers, input_dim=None, input_shape=None):
+    """Check a :class:`~dask_ipar.model.Sequential` layer list and its input; returns
+    ``(n_front, input_dim, input_shape)``: the number of conv and pooling layers before
+    Flatten, and the input size (``C*H*W`` for a CNN) and image shape (None for an MLP).
+
+    Raises :class:`IparError` naming the layer for any list the engine does not run.
+    """
+    layers = list(layers)
+    if not layers:
+        raise IparError("Sequential needs at least one layer, got an empty list.")
+    n_front = 0
+    while n_front < len(layers) and isinstance(layers[n_front], _FRONT):
+        n_front += 1
+    if n_front:
+        if n_front == len(layers) or not isinstance(layers[n_front], Flatten):
+            raise IparError(
+                f"layer {n_front} must be Flatten(): conv and pooling layers (layers "
+                f"0-{n_front - 1}) are followed by Flatten() and then Dense layers."
+            )
+        if input_shape is None:
+            raise IparError("a CNN needs input_shape=(channels, height, width).")
+    elif layers and isinstance(layers[0], Flatten):
+        raise IparError("Flatten() comes after conv or pooling layers, not first.")
+    for k, lay in enumerate(layers[n_front + bool(n_front):], start=n_front + bool(n_front)):
+        if not isinstance(lay, Dense):
+            what = ("conv and pooling layers come before Flatten()"
+                    if isinstance(lay, _FRONT + (Flatten,)) else
+                    "Sequential takes dask_ipar Dense, Conv2d, MaxPool2d, AvgPool2d and "
+                    "Flatten layers")
+            raise IparError(f"layer {k} is {type(lay).__name__}; {what}.")
+    if input_shape is not None:
+        if (not isinstance(input_shape, (tuple, list)) or len(input_shape) != 3
+                or not all(isinstance(v, int) and v >= 1 for v in input_shape)):
+            raise IparError(
+                f"input_shape must be (channels, height, width) of positive integers, got "
+                f"{input_shape!r}."
+            )
+        if not n_front:
+            raise IparError("input_shape is for CNNs; an MLP takes input_dim=.")
+        input_shape = tuple(int(v) for v in input_shape)
+        dim = input_shape[0] * input_shape[1] * input_shape[2]
+        if input_dim is not None and input_dim != dim:
+            raise IparError(f"input_dim={input_dim} contradicts input_shape={input_shape} "
+                            f"({dim} features); give input_shape only.")
+        input_dim = dim
+    if not isinstance(layers[-1], Dense):
+        raise IparError(f"the last layer must be Dense (the logits), got "
+                        f"{type(layers[-1]).__name__}.")
+    if layers[-1].activation != "linear":
+        raise IparError(
+            f"the last layer must be linear (it produces the logits; softmax is part of the "
+            f"loss), got activation {layers[-1].activation!r}. Use Dense({layers[-1].units})."
+        )
+    if input_dim is not None and (not isinstance(input_dim, int) or input_dim < 1):
+        raise IparError(f"input_dim must be a positive integer, got {input_dim!r}.")
+    return n_front, input_dim, input_shape

@@ -31,11 +31,20 @@ def _symmetric(pad, n, k, s, out):
 
 
 def cost_specs(layers, input_shape) -> list:
-    """:mod:`dask_ipar.cost` specs of a CNN's layers, named as the engine names them."""
+    """:mod:`dask_ipar.cost` specs of a CNN's layers, named as the engine names them
+    (``conv<k>``, ``pool<k>``, ``dense<k>``; the first dense spec's ``flatten`` is
+    ``flatten<k>``, the name of the flatten redistribution). For an MLP (no Flatten)
+    ``input_shape`` is the input width."""
     from dask_ipar import cost
     from dask_ipar.nn.front import front_layouts
 
-    n_front = next(k for k, lay in enumerate(layers) if isinstance(lay, Flatten))
+    n_front = next((k for k, lay in enumerate(layers) if isinstance(lay, Flatten)), None)
+    if n_front is None:  # an MLP: ``input_shape`` is its input width
+        specs, d = [], int(input_shape)
+        for k, lay in enumerate(layers):
+            specs.append(cost.FC(d, lay.units, bias=lay.bias, name=f"dense{k}"))
+            d = lay.units
+        return specs
     specs = []
     for f in front_layouts(layers[:n_front], input_shape, 1, 1):
         c, h, w = f.in_shape
@@ -50,7 +59,10 @@ def cost_specs(layers, input_shape) -> list:
     c, h, w = f.out_shape
     d = c * h * w
     for k, lay in enumerate(layers[n_front + 1:], start=n_front + 1):
-        specs.append(cost.FC(d, lay.units, bias=lay.bias, name=f"dense{k}"))
+        # the first dense layer carries the flatten's name: its redistribution's, as the
+        # engine (and the run's comm table) names it
+        specs.append(cost.FC(d, lay.units, bias=lay.bias, name=f"dense{k}",
+                             flatten=f"flatten{n_front}" if k == n_front + 1 else ""))
         d = lay.units
     return specs
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from dask_ipar.errors import IparError
 from dask_ipar.kernels.conv import conv_out_size
 from dask_ipar.layout.partition import split_bounds
+from dask_ipar.layout.placement import CHANNELS, SAMPLES_RC, STRIPS, WHOLE, Placement
 from dask_ipar.nn.dense import LayerLayout
 from dask_ipar.nn.layers import Conv2d, resolve_padding
 
@@ -33,7 +34,9 @@ class FrontLayout:
     mode: str = "max"
     wshape: tuple | None = None  # conv filters (O, C/g, kh, kw)
     weights: LayerLayout | None = None  # the weight matrix's blocks (conv only)
-    layout: str = "domain"  # row strips over Pr; "model": channel blocks; "batch": samples
+    layout: str = "domain"  # the scheme (dask_ipar.nn.schemes): "domain", "model" or "batch"
+    reads: Placement = STRIPS  # where its input lies (dask_ipar.layout.placement)
+    leaves: Placement = STRIPS  # where its output lies
 
 
 
@@ -46,6 +49,7 @@ def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
     shape = tuple(input_shape)
     out = []
     layout = "domain"
+    where = STRIPS  # where the previous layer's output lies (the input: as the first reads)
     for off, layer in enumerate(layers):
         index = first_index + off
         c, h, w = shape
@@ -104,10 +108,18 @@ def front_layouts(layers, input_shape, pr: int, pc: int, first_index: int = 0):
                                   wcols=split_bounds(n_in + int(layer.bias), pc))
             out.append(FrontLayout(index, name, kind, shape, (o, oh, ow), (kh, kw), stride, pad,
                                    layer.groups, layer.activation, wshape=wshape,
-                                   weights=weights, layout=layout))
+                                   weights=weights, layout=layout, reads=_READS[layout],
+                                   leaves=_LEAVES[layout]))
             shape = (o, oh, ow)
+            where = _LEAVES[layout]
         else:
             out.append(FrontLayout(index, name, kind, shape, (c, oh, ow), (kh, kw), stride, pad,
-                                   mode=layer.mode, layout=layout))
+                                   mode=layer.mode, layout=layout, reads=where, leaves=where))
             shape = (c, oh, ow)
     return out
+
+
+#: Where a conv of each scheme reads its input and leaves its output; a pooling layer
+#: reads and leaves its input's placement.
+_READS = {"batch": SAMPLES_RC, "domain": STRIPS, "model": WHOLE}
+_LEAVES = {"batch": SAMPLES_RC, "domain": STRIPS, "model": CHANNELS}

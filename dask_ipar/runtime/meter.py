@@ -16,10 +16,11 @@ NumPy blocks); the wire adds a few hundred bytes of framing per message.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
-from dask_ipar.cost import (FC, Machine, batch_layer_phases, dense_layer_phases, exchange_phase,
-                            redistribute_phase, window_halo_phases)
+from dask_ipar.cost import (FC, Machine, batch_layer_phases, dense_layer_phases,
+                            engine_alltoall_phases, engine_model_conv_phases, redistribute_phase,
+                            window_halo_phases)
 from dask_ipar.nn.graph import phase_of_key
 
 __all__ = ["CommMeter", "CommRow", "CommReport", "predict_step", "LOOPBACK_MACHINE"]
@@ -108,9 +109,13 @@ class CommReport:
 def predict_step(engine, pr, pc, batch, machine, word_bytes):
     """Cost-model phases of one training step of ``engine``'s layers (engine convention).
 
-    Dense layers: Eq. 8. Conv and pooling layers (domain-parallel): the halo exchanges
-    of their exact window geometry and, for convs, the weight all-reduce over all P;
-    then the flatten redistribution (Eq. 6).
+    Dense layers: Eq. 8. Conv and pooling layers on strips (domain-parallel): the halo
+    exchanges of their exact window geometry, the all-to-all from a batch layout in front
+    and, for convs, the weight all-reduce over all P; batch-parallel convs: that
+    all-reduce alone; model-parallel convs: the gather of whole images, the filters'
+    weight phases and the input-gradient reduce-scatter; then the flatten redistribution
+    (Eq. 6). Every formula is :mod:`dask_ipar.cost`'s, on the layers' plain shapes, so
+    :func:`dask_ipar.cost.price_assignment` prices the same network identically.
     """
     m = Machine(alpha_s=machine.alpha_s, bandwidth_Bps=machine.bandwidth_Bps,
                 word_bytes=word_bytes)
@@ -121,7 +126,12 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
         for f in front.layouts:
             c, h, w = f.in_shape
             if f.layout == "model":
-                out.extend(_model_layout_phases(f, prev, pr, pc, batch, m))
+                if f.kind == "conv":  # filters over Pr, whole images; pooling is local
+                    wl = f.weights
+                    out.extend(engine_model_conv_phases(
+                        f.name, c * h * w, wl.n_in, wl.n_out, wl.bias, pr, pc, batch, m,
+                        prev_name=None if prev is None else prev.name,
+                        prev_layout=None if prev is None else prev.layout))
                 prev = f
                 continue
             if f.layout == "batch":
@@ -132,7 +142,7 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
                 prev = f
                 continue
             if prev is not None and prev.layout == "batch":  # samples <-> strips, both ways
-                out.extend(_all_to_all(f, pr, pc, batch, m))
+                out.extend(engine_alltoall_phases(f.name, h, c * w, pr, pc, batch, m))
             prev = f
             # the first layer needs no input gradient: no ghost rows go back
             out.extend(window_halo_phases(f.name, h, c * w, f.k[0], f.stride, f.pad[:2], pr, pc,
@@ -146,44 +156,6 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
         out.extend(dense_layer_phases(FC(lay.n_in, lay.n_out, bias=lay.bias), pr, pc, batch, m,
                                       first_layer=k == 0 and front is None, convention="engine",
                                       name=lay.name))
-    return out
-
-
-def _all_to_all(f, pr, pc, batch, m):
-    """Whole images of each cell's samples to strips of its column's samples, and back."""
-    from dask_ipar.layout.partition import split_bounds
-
-    c, h, w = f.in_shape
-    rows = [b - a for a, b in split_bounds(h, pr)]
-    total, most = 0, 0
-    for b0, b1 in split_bounds(batch, pc):
-        for k, (s0, s1) in enumerate(split_bounds(b1 - b0, pr)):
-            sent = (s1 - s0) * (h - rows[k]) * c * w * m.word_bytes
-            total += sent
-            most = max(most, sent)
-    return [exchange_phase(f.name, p, pr, total, most, pr - 1, m)
-            for p in ("redistribute", "dx_reduce")]
-
-
-def _model_layout_phases(f, prev, pr, pc, batch, m):
-    """Phases of a model-parallel conv (filters over Pr) or of a pooling layer after one."""
-    if f.kind == "pool":
-        return []  # local on the channel blocks
-    c, h, w = f.in_shape
-    out = []
-    if prev is not None:  # whole input images on every cell of the column
-        gather = redistribute_phase(c * h * w, pr, pc, batch, m, name=f.name)
-        if prev.layout == "model":  # the previous layer's channel blocks: its fwd_gather
-            gather = replace(gather, layer=prev.name, phase="fwd_gather")
-        out.append(gather)
-    wl = f.weights
-    out.extend(p for p in dense_layer_phases(FC(wl.n_in, wl.n_out, bias=wl.bias), pr, pc, batch,
-                                             m, first_layer=True, convention="engine",
-                                             name=f.name)
-               if p.phase in ("dw_reduce", "w_gather"))
-    if prev is not None:  # partial input gradients reduce-scattered over the grid column
-        dx = redistribute_phase(c * h * w, pr, pc, batch, m, name=f.name)
-        out.append(replace(dx, phase="dx_reduce"))
     return out
 
 

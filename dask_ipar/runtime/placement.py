@@ -17,6 +17,7 @@ from dask._task_spec import TaskRef
 from dask_ipar.errors import IparError
 from dask_ipar.kernels import blocks as B
 from dask_ipar.layout.partition import split_bounds
+from dask_ipar.layout.placement import SAMPLES_RC, STRIPS, WHOLE
 
 __all__ = ["place_batch", "min_samples", "check_batch", "batches"]
 
@@ -25,13 +26,13 @@ def _blocks(engine, Xb, xname, bounds):
     """The input blocks ``{(xname, i, j): array}`` and how many copies of the batch they are."""
     grid = engine.grid
     blocks = {}
-    layout = None if engine.front is None else engine.front.input_layout
-    if layout == "full":  # whole images of sample block j on every cell of column j
+    where = None if engine.front is None else engine.front.input_placement
+    if where == WHOLE:  # whole images of sample block j on every cell of column j
         for i, j in grid.cells():
             b0, b1 = bounds[j]
             blocks[(xname, i, j)] = np.ascontiguousarray(Xb[b0:b1])
         return blocks, grid.pr
-    if layout == "samples":  # whole images of sample block i of column j
+    if where == SAMPLES_RC:  # whole images of sample block i of column j
         engine.front.check_batch(Xb.shape[0])
         sub = engine.front.samples(Xb.shape[0])
         for i, j in grid.cells():
@@ -39,7 +40,7 @@ def _blocks(engine, Xb, xname, bounds):
             b0 = bounds[j][0]
             blocks[(xname, i, j)] = np.ascontiguousarray(Xb[b0 + s0:b0 + s1])
         return blocks, 1
-    if layout == "strips":  # image strips: rows i of sample block j on cell (i, j)
+    if where == STRIPS:  # image strips: rows i of sample block j on cell (i, j)
         rows = split_bounds(Xb.shape[2], grid.pr)
         for i, j in grid.cells():
             (b0, b1), (r0, r1) = bounds[j], rows[i]

@@ -126,6 +126,21 @@ class BlockStore:
         self.release([n for n in old if n not in set(w_names) | set(v_names)])
         self.w, self.v = list(w_names), list(v_names)
 
+    def state_blocks(self, layouts, step: int, dtype) -> dict:
+        """The state block by block: see :meth:`dask_ipar.model.Sequential.state_blocks`."""
+        cells = self.binding.grid.cells()
+        layers = []
+        for lay, wn, vn in zip(layouts, self.w, self.v):
+            layers.append({
+                "name": lay.name, "n_in": lay.n_in, "n_out": lay.n_out, "bias": lay.bias,
+                "activation": lay.activation, "rows": lay.rows, "wcols": lay.wcols,
+                "w": {c: self.futures[(wn, *c)] for c in cells},
+                "v": None if vn is None else {c: self.futures[(vn, *c)] for c in cells},
+                "workers": {c: self.binding.worker(*c) for c in cells},
+            })
+        return {"step": step, "grid": (self.binding.grid.pr, self.binding.grid.pc),
+                "dtype": str(dtype), "layers": layers}
+
     # ------------------------------------------------------------- reading
     def fetch(self, keys, futures, name: str) -> list:
         """Results of ``futures`` (keys ``(name, i, j, ...)`` on cell (i, j)) as NumPy arrays.

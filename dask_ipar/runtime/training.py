@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dask_ipar.errors import IparError
+from dask_ipar.nn.graph import StepGraph
 
-__all__ = ["StepStats", "History", "run_epochs"]
+__all__ = ["StepStats", "History", "run_epochs", "submit_step"]
 
 
 
@@ -54,6 +55,34 @@ def _make_bar(progress, total):
         return None
     return tqdm(total=total, unit="step", dynamic_ncols=True, leave=True)
 
+
+
+def submit_step(model, Xb, yb, optimizer):
+    """Submit one SGD step of ``model`` on a prepared batch; returns the loss-statistics
+    futures. Every ``model.lineage_steps`` steps the state's task history is cut first
+    (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`)."""
+    if model.lineage_steps is not None and model._since_cut >= model.lineage_steps:
+        model._since_cut = 0
+        model._store.cut_lineage(model._step)
+    model._since_cut += 1
+    step = model._next_step()
+    g = StepGraph()
+    x_keys, y_keys, data = model._place_batch(Xb, yb, step, g)
+    g, new_w, new_v, stats = model.engine.train_step(
+        x_keys, y_keys, Xb.shape[0], model._w, model._v, step,
+        optimizer.lr, optimizer.momentum, optimizer.weight_decay, g=g,
+    )
+    # momentum blocks updated in place keep their names (and futures)
+    fresh = [n for n in new_w + new_v if n not in model._v]
+    keys = [(n, i, j) for n in fresh for i, j in model.binding.grid.cells()]
+    futs = model._submit(g, f"step-{model.uid}-s{step}", keys + stats, step=step,
+                        first=stats)
+    store = model._store
+    store.keep(keys, futs[: len(keys)])
+    store.release([n for n in store.w + store.v if n not in new_v])
+    store.w, store.v = new_w, new_v
+    del data  # the graph holds the batch now
+    return futs[len(keys):]
 
 
 def run_epochs(model, X, y, *, epochs, batch, optimizer, shuffle, rng, progress, max_inflight,

@@ -1,0 +1,68 @@
+"""Inference on a distributed model: logits, loss and accuracy, and the gradients of the
+mean loss, batch by batch on the grid with the same graphs (and floats) as training."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dask_ipar.io.data import as_labels
+from dask_ipar.nn.graph import StepGraph
+
+__all__ = ["forward", "evaluate", "gradients"]
+
+
+def _forward_batch(model, Xb, yb):
+    step = model._next_step()
+    g = StepGraph()
+    x_keys, y_keys, data = model._place_batch(Xb, yb, step, g)
+    g, logit_keys, stats = model.engine.forward(x_keys, model._w, step, y_keys, g=g,
+                                               batch=Xb.shape[0])
+    futs = model._submit(g, f"fwd-{model.uid}-s{step}", logit_keys + stats)
+    return futs, logit_keys
+
+
+def forward(model, X, batch_size: int | None = 4096):
+    """Logits ``(n_samples, classes)``, computed on the grid batch by batch."""
+    model._require_bound()
+    X = model._as_inputs(X)
+    model._require(X.shape[1])
+    out = []
+    for Xb, _ in model._batches(X, None, batch_size):
+        futs, keys = _forward_batch(model, Xb, None)
+        out.extend(model._fetch(keys, futs))
+    return np.concatenate([np.asarray(o).T for o in out], axis=0)
+
+
+def evaluate(model, X, y, batch_size: int | None = 4096):
+    """Mean cross-entropy ``loss`` and ``accuracy`` on ``(X, y)``."""
+    model._require_bound()
+    X = model._as_inputs(X)
+    y = as_labels(y, X.shape[0], model.n_classes)
+    model._require(X.shape[1])
+    totals = np.zeros(2)
+    for Xb, yb in model._batches(X, y, batch_size):
+        futs, keys = _forward_batch(model, Xb, yb)
+        totals += np.sum(model._gather(futs[len(keys):]), axis=0)
+    return {"loss": totals[0] / len(y), "accuracy": totals[1] / len(y)}
+
+
+def gradients(model, X, y):
+    """Loss, accuracy and gradients ``[(dW, db), ...]`` of the mean loss over all of ``X``.
+
+    Computed on the grid exactly as a training step does, without the update.
+    """
+    model._require_bound()
+    X = model._as_inputs(X)
+    y = as_labels(y, X.shape[0], model.n_classes)
+    model._require(X.shape[1])
+    model._check_batch(X.shape[0], X.shape[0])
+    step = model._next_step()
+    g = StepGraph()
+    x_keys, y_keys, data = model._place_batch(X, y, step, g)
+    g, names, stats = model.engine.gradient(x_keys, y_keys, X.shape[0], model._w, step, g=g)
+    keys = [(n, i, j) for n in names for i, j in model.binding.grid.cells()]
+    futs = model._submit(g, f"grad-{model.uid}-s{step}", keys + stats)
+    blocks = dict(zip(keys, model._fetch(keys, futs[: len(keys)])))
+    loss_sum, correct = np.sum(model._gather(futs[len(keys):]), axis=0)
+    grads = [model._assemble(lay, name, blocks) for lay, name in zip(model.engine.param_layouts, names)]
+    return loss_sum / len(y), correct / len(y), grads
