@@ -252,7 +252,8 @@ def test_planner_prices_exactly_what_the_meter_predicts(net):
     against the measured bytes), under the same names: the flatten redistribution is
     ``flatten<k>``'s ``redistribute`` in both."""
     from dask_ipar import cost
-    from dask_ipar.runtime.meter import LOOPBACK_MACHINE, predict_step
+    from dask_ipar.cost import LOOPBACK_MACHINE
+    from dask_ipar.runtime.meter import predict_step
     from dask_ipar.nn.planning import ENGINE_SCHEMES, cost_specs
     from dask_ipar.testing import awkward_cnn
 

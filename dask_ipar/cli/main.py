@@ -214,7 +214,7 @@ def run_train(args) -> int:
 
             grid, layers, chosen = plan_layers(layers, tuple(Xtr.shape[1:]), grid.size,
                                                t["batch"], machine, grid=cfg["grid"])
-            from dask_ipar.runtime.meter import LOOPBACK_MACHINE
+            from dask_ipar.cost import LOOPBACK_MACHINE
 
             used = machine or LOOPBACK_MACHINE
             _eprint(f"dask-ipar: planner (conv auto): grid {grid}, " + ", ".join(

@@ -22,7 +22,7 @@ from dask_ipar.cost.collectives import (
     reduce_scatter_cost,
 )
 from dask_ipar.cost.layers import FC, Conv2d, LayerSpec, Pool2d, as_layer_spec
-from dask_ipar.cost.machine import PAPER_MACHINE, Machine, load_machine, parse_bandwidth, parse_bytes, save_machine
+from dask_ipar.cost.machine import LOOPBACK_MACHINE, PAPER_MACHINE, Machine, load_machine, parse_bandwidth, parse_bytes, save_machine
 from dask_ipar.cost.model import (
     CONVENTIONS,
     PHASE_BUCKET,
@@ -59,6 +59,7 @@ __all__ = [
     # machine
     "Machine",
     "PAPER_MACHINE",
+    "LOOPBACK_MACHINE",
     "parse_bytes",
     "parse_bandwidth",
     "load_machine",

@@ -15,6 +15,7 @@ from pathlib import Path
 __all__ = [
     "Machine",
     "PAPER_MACHINE",
+    "LOOPBACK_MACHINE",
     "parse_bytes",
     "parse_bandwidth",
     "load_machine",
@@ -191,7 +192,13 @@ class Machine:
 
 
 PAPER_MACHINE = Machine(alpha_s=2e-6, bandwidth_Bps=6 * 2**30, word_bytes=4)
-"""The simulated machine of the paper: alpha = 2 us, 1/beta = 6 GiB/s, 4-byte words."""
+"""The simulated machine of the paper: alpha = 2 us, 1/beta = 6 GiB/s, 4-byte words; the
+default of ``dask-ipar plan``."""
+
+LOOPBACK_MACHINE = Machine(alpha_s=1e-3, bandwidth_Bps=1e9, word_bytes=4)
+"""Rough alpha-beta figures for worker processes on one host (loopback TCP): the default of
+a run's comm table and of ``dask-ipar train --conv auto``, which prints it; ``dask-ipar
+calibrate`` measures the real ones."""
 
 _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compute_s_per_iter",
                  "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps")

@@ -78,7 +78,7 @@ def plan_layers(layers, input_shape, procs: int, batch: int, machine=None, *, gr
     procs, batch : int
         Worker processes P and mini-batch size B.
     machine : dask_ipar.cost.Machine, optional
-        Default: the rough loopback figures of :data:`dask_ipar.runtime.meter.LOOPBACK_MACHINE`.
+        Default: the rough loopback figures of :data:`dask_ipar.cost.LOOPBACK_MACHINE`.
     grid : Grid or "PRxPC", optional
         Keep this grid and choose only the schemes.
 
@@ -88,7 +88,7 @@ def plan_layers(layers, input_shape, procs: int, batch: int, machine=None, *, gr
         The layers are the given ones with each Conv2d's ``parallel`` set.
     """
     from dask_ipar import cost
-    from dask_ipar.runtime.meter import LOOPBACK_MACHINE
+    from dask_ipar.cost import LOOPBACK_MACHINE
     from dask_ipar.layout.grid import Grid, parse_grid
 
     if not any(isinstance(lay, Flatten) for lay in layers):

@@ -18,16 +18,13 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from dask_ipar.cost import (FC, Machine, batch_layer_phases, dense_layer_phases,
-                            engine_alltoall_phases, engine_model_conv_phases, redistribute_phase,
-                            window_halo_phases)
+from dask_ipar.cost import (FC, LOOPBACK_MACHINE, Machine, batch_layer_phases,
+                            dense_layer_phases, engine_alltoall_phases, engine_model_conv_phases,
+                            redistribute_phase, window_halo_phases)
 from dask_ipar.nn.graph import phase_of_key
 
-__all__ = ["CommMeter", "CommRow", "CommReport", "predict_step", "LOOPBACK_MACHINE"]
+__all__ = ["CommMeter", "CommRow", "CommReport", "predict_step"]
 
-#: Rough alpha-beta figures for worker processes on one host (loopback TCP);
-#: ``dask-ipar calibrate`` measures the real ones.
-LOOPBACK_MACHINE = Machine(alpha_s=1e-3, bandwidth_Bps=1e9, word_bytes=4)
 
 #: Log length set on the workers: far more than a step moves; drained every 32 steps.
 WIDE_LOG = 1_000_000
