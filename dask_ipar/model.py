@@ -13,6 +13,7 @@ from dask_ipar.nn.front import Front, front_layouts
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.errors import IparError
 from dask_ipar.runtime import inference
+from dask_ipar.runtime.exchange import abort_programs
 from dask_ipar.runtime.executors import GraphExecutor, make_executor
 from dask_ipar.runtime.placement import batches, check_batch, min_samples, place_batch
 from dask_ipar.runtime.state import BlockStore
@@ -91,6 +92,7 @@ class Sequential:
         self._init_params = None
         self._store: BlockStore | None = None  # the blocks on the cluster (distribute)
         self._executor = None  # made from ``executor`` on first use (:meth:`_submit`)
+        self._programs_on = None  # the client whose workers ran this model's programs
         self._amm_held = False  # whether distribute() stopped the scheduler's AMM
         self._closed = False  # close() was called: the state is gone, nothing rebuilds it
         self._step = 0
@@ -137,21 +139,10 @@ class Sequential:
         return B.DEVICE_MODULES.get(self.device)
 
     # the state store's keys, under the names the rest of the package reads
-    @property
-    def _w(self):
-        return None if self._store is None else self._store.w
-
-    @property
-    def _v(self):
-        return None if self._store is None else self._store.v
-
-    @property
-    def _futures(self) -> dict:
-        return {} if self._store is None else self._store.futures
-
-    @property
-    def _cuts(self) -> int:
-        return 0 if self._store is None else self._store.cuts
+    _w = property(lambda self: None if self._store is None else self._store.w)
+    _v = property(lambda self: None if self._store is None else self._store.v)
+    _futures = property(lambda self: {} if self._store is None else self._store.futures)
+    _cuts = property(lambda self: 0 if self._store is None else self._store.cuts)
 
     @property
     def _first_dense(self) -> int:
@@ -194,9 +185,12 @@ class Sequential:
 
         self._amm_held = hold_replicas(client)
         self.client, self.binding = client, binding
-        self._store = BlockStore(client, binding, self.uid, self.block_module, self._submit,
-                                 self.abort_programs)
-        self._store.liveness_check_s = self.liveness_check_s
+        # the store calls back through the model (its executor and settings may change)
+        self._store = BlockStore(client, binding, self.uid, self.block_module,
+                                 submit=lambda *a, **k: self._submit(*a, **k),
+                                 abort=lambda reason: self.abort_programs(reason),
+                                 liveness_s=lambda: self.liveness_check_s,
+                                 cuts=self._cuts)
         self._init_params = params
         if self.input_dim is not None:
             self._build()
@@ -269,6 +263,8 @@ class Sequential:
             if ex is not None:  # prefetches and sending programs still in flight
                 new._roots = ex._roots
             self._executor = ex = new
+            if new.name == "programs":
+                self._programs_on = self.client  # its workers have the exchange plugin
         elif ex is None or ex.client is not self.client:
             self._executor = ex = GraphExecutor(self.client, self.uid, self._locate)
         ex.program_timeout_s = self.program_timeout_s
@@ -277,8 +273,8 @@ class Sequential:
     def abort_programs(self, reason: str) -> None:
         """Make this model's worker programs that are waiting for blocks fail now with
         ``reason`` (called when a grid worker has left; nothing when none ever ran)."""
-        if self._executor is not None:
-            self._executor.abort(reason)
+        if self._programs_on is not None:
+            abort_programs(self._programs_on, self.uid, reason)
 
     def _locate(self, key):
         """The worker of an existing block ``(name, i, j, ...)``: that of cell (i, j)."""
@@ -351,7 +347,6 @@ class Sequential:
             raise IparError(
                 "the model is not on a cluster yet: call model.distribute(client, grid) first."
             )
-        self._store.liveness_check_s = self.liveness_check_s
         self._store.require_intact()
 
     def _gather_step(self, futs, step):
@@ -472,8 +467,9 @@ class Sequential:
         """Release every block this model holds on the cluster, keeping it usable: the
         next use builds the initial weights again, unless state is loaded first (what
         :func:`dask_ipar.io.checkpoint.recover` does after a worker died)."""
-        if self._futures and self._executor is not None:
+        if self._futures and self._programs_on is not None:
             self.abort_programs("the model was closed")
+        self._programs_on = None
         if self._executor is not None:
             self._executor.clear()
         self._executor = None

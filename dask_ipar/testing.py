@@ -18,6 +18,7 @@ import numpy as np
 from dask._task_spec import TaskRef
 
 from dask_ipar.layout.grid import GridBinding, parse_grid
+from dask_ipar.nn.graph import StepGraph
 from dask_ipar.nn.layers import Dense
 from dask_ipar.model import Sequential
 from dask_ipar.optim import SGD
@@ -61,7 +62,7 @@ def step_graph(model, grid, batch: int):
     y = {c: TaskRef(("y", *c)) for c in cells}
     n = len(engine.param_layouts)
     g, *_ = engine.train_step(x, y, batch, [f"w{k}" for k in range(n)], [None] * n, 0,
-                              0.1, 0.9, 0.0)
+                              0.1, 0.9, 0.0, g=StepGraph(record_routes=True))
     return engine, g
 
 
@@ -79,19 +80,21 @@ def _layers(sizes, activations):
 
 def compare_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh", "linear"),
                 batch=23, steps=20, optimizer=SGD(lr=0.1, momentum=0.9, weight_decay=0.01),
-                fd_eps=1e-6, seed=0, device="cpu", executor=None) -> dict:
+                fd_eps=1e-6, seed=0, device="cpu", executor=None, layers=None) -> dict:
     """Run a float64 MLP on ``grid`` beside the NumPy reference; return every error.
 
     ``executor``: how the SGD steps run (:attr:`Sequential.executor`; None: the default).
+    ``layers``: Dense layers to run instead of ``sizes``/``activations`` (then ``sizes[0]``
+    is the input width); ``fd_eps=None`` skips the finite-difference check.
 
     Keys: ``logits``, ``loss``, ``accuracy``, ``dW<k>``/``db<k>`` (relative errors),
     ``finite_difference`` (directional derivative vs gradient), ``sgd<k>`` (relative
     error of layer k's weights after ``steps`` SGD steps), ``comm`` (the
     :class:`~dask_ipar.runtime.meter.CommReport` of those steps).
     """
-    X, y = awkward_problem(sizes, batch, seed)
-    model = Sequential(_layers(sizes, activations), input_dim=sizes[0], dtype="float64",
-                       seed=seed, device=device)
+    layers = _layers(sizes, activations) if layers is None else list(layers)
+    X, y = awkward_problem((sizes[0], layers[-1].units), batch, seed)
+    model = Sequential(layers, input_dim=sizes[0], dtype="float64", seed=seed, device=device)
     model.distribute(client, grid)
     model.executor = executor or model.executor
     try:
@@ -103,8 +106,9 @@ def compare_mlp(client, grid, sizes=(37, 29, 13, 10), activations=("relu", "tanh
         loss, acc, grads = model.gradients(X, y)
         ref_loss, ref_acc, ref_grads = mlp_loss_and_grads(params, acts, X.T, y)
         _gradient_errors(errors, (loss, acc, grads), (ref_loss, ref_acc, ref_grads))
-        errors["finite_difference"] = _finite_difference(
-            model, params, grads, X, y, np.random.default_rng(seed + 1), fd_eps)
+        if fd_eps:
+            errors["finite_difference"] = _finite_difference(
+                model, params, grads, X, y, np.random.default_rng(seed + 1), fd_eps)
         _sgd_errors(errors, model, X, y, params, steps, batch, optimizer,
                     lambda p: mlp_loss_and_grads(p, acts, X.T, y)[2])
         return errors
@@ -361,7 +365,7 @@ def check_layer(client, layer, input_shape, *, grids=None, batch=9, dtype="float
         layers = list(net["layers"])
         try:
             if kind == "dense":
-                errors = _compare_dense(client, grid, layers, net["input"], **run)
+                errors = compare_mlp(client, grid, sizes=(net["input"],), layers=layers, **run)
             else:
                 errors = compare_cnn(client, grid, layers=layers, input_shape=net["input"],
                                      **run)
@@ -471,26 +475,3 @@ def _refusal(network, grid, batch):
     except ValueError as e:  # IparError is one
         return f"{e} (in the network {network['text']}, layer {network['position']} is yours)"
     return None
-
-
-def _compare_dense(client, grid, layers, input_dim, batch=9, steps=2,
-                   optimizer=SGD(lr=0.05, momentum=0.9, weight_decay=0.01), fd_eps=1e-6,
-                   seed=0, device="cpu", executor=None) -> dict:
-    """:func:`compare_mlp` for a list of Dense layers (any ``bias``); the same keys."""
-    X, y = awkward_problem((input_dim, layers[-1].units), batch, seed)
-    model = Sequential(layers, input_dim=input_dim, dtype="float64", seed=seed, device=device)
-    model.distribute(client, grid)
-    model.executor = executor or model.executor
-    try:
-        params, acts = model.get_weights(), [lay.activation for lay in layers]
-        errors = {"logits": rel_err(model.forward(X), mlp_forward(params, acts, X.T)[0].T)}
-        loss, acc, grads = model.gradients(X, y)
-        _gradient_errors(errors, (loss, acc, grads), mlp_loss_and_grads(params, acts, X.T, y))
-        if fd_eps:
-            errors["finite_difference"] = _finite_difference(
-                model, params, grads, X, y, np.random.default_rng(seed + 1), fd_eps)
-        _sgd_errors(errors, model, X, y, params, steps, batch, optimizer,
-                    lambda p: mlp_loss_and_grads(p, acts, X.T, y)[2])
-        return errors
-    finally:
-        model.close()

@@ -70,7 +70,7 @@ def test_all_gather_and_reduce_scatter_are_adjoint(pr, pc, over):
     bounds = split_bounds(n, len(groups[0]))
     pos = {c: k for grp in groups for k, c in enumerate(grp)}
 
-    g = StepGraph()
+    g = StepGraph(record_routes=True)
     x = {c: rng.standard_normal((bounds[pos[c]][1] - bounds[pos[c]][0], m)) for c in pos}
     y = {c: rng.standard_normal((n, m)) for c in pos}
     xk = {c: g.add_data(("x", *c), binding.worker(*c), x[c]).key for c in pos}
@@ -110,7 +110,7 @@ def test_all_to_all_is_adjoint_to_its_swap(pr, pc):
     feats = split_bounds(3 * pr + 2, pr)
     n_feat = feats[-1][1]
     width = lambda b: b[1] - b[0]  # noqa: E731
-    g = StepGraph()
+    g = StepGraph(record_routes=True)
     cells = binding.grid.cells()
     x = {c: rng.standard_normal((width(samples[c[1]][c[0]]), n_feat)) for c in cells}
     y = {c: rng.standard_normal((samples[c[1]][-1][1], width(feats[c[0]]))) for c in cells}
@@ -150,7 +150,7 @@ def test_halo_exchange_and_ghost_accumulate_are_adjoint(pr, pc):
         owners = split_bounds(h, pr)
         chans, width = 2, 3
         nsamp = [1 + j for j in range(pc)]
-        g = StepGraph()
+        g = StepGraph(record_routes=True)
         x, y, xk, yk = {}, {}, {}, {}
         for need in plan:
             for j in range(pc):
@@ -186,3 +186,15 @@ def test_groups_name_the_grid_axes():
     assert C.groups(grid, "all") == [grid.cells()]
     with pytest.raises(ValueError, match="over must be one of"):
         C.groups(grid, "rows")
+
+
+def test_graphs_record_routes_only_when_asked():
+    """A training step's graph skips the bookkeeping; the tests' graphs keep it."""
+    binding = _binding(2, 2)
+    for record in (False, True):
+        g = StepGraph(record_routes=record)
+        keys = {c: g.add_data(("x", *c), binding.worker(*c), np.ones(2)).key
+                for c in binding.grid.cells()}
+        C.all_gather(g, binding, "pc", keys, layer="t", phase="p", words=lambda c: 2,
+                     join=B.concat_rows, name="ag")
+        assert g.routed_words() == ({("t", "p"): 8} if record else {})

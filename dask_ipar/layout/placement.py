@@ -13,7 +13,8 @@ placement          cell ``(i, j)`` holds                        scheme that read
 ================== ============================================ ==========================
 :data:`STRIPS`     rows ``i`` of the images of sample block j   domain
 :data:`WHOLE`      the whole images of sample block j           model (its input)
-:data:`CHANNELS`   channels ``i`` of the images of sample j     model (its output)
+:data:`CHANNELS`   channels ``i`` of the images of sample       model (its output)
+                   block j
 :data:`SAMPLES_RC` whole images of sample block i of block j    batch
 ================== ============================================ ==========================
 

@@ -1,9 +1,9 @@
 """The collectives of a step graph, each along one grid axis, each beside its adjoint.
 
 Every function adds the tasks of one collective to a :class:`~dask_ipar.nn.graph.StepGraph`
-and returns the keys its consumers read, and it records on the graph the words it routes
-from cell to cell (:class:`~dask_ipar.nn.graph.Route`), computed from the same block bounds
-the tasks cut. A layer's phases read as collectives around local kernels: a dense layer's
+and returns the keys its consumers read, and, on a graph that records routes, the words it
+routes from cell to cell (:class:`~dask_ipar.nn.graph.Route`), computed from the same block
+bounds the tasks cut. A layer's phases read as collectives around local kernels: a dense layer's
 forward is "all-gather (weights over Pc, activations over Pr), local matmul"; its backward
 "local dZ, reduce-scatter (dX over Pr, dW over Pc)".
 
@@ -85,6 +85,7 @@ def all_gather(g: StepGraph, binding, over: str, blocks: dict, *, layer: str, ph
 
     Adjoint: :func:`reduce_scatter`, each member summing the slices of the copies.
     """
+    words = g.words_of(words)
     if rename is not None:
         for cell, key in blocks.items():
             g.add((rename, *cell), binding.worker(*cell), B.identity, TaskRef(key))
@@ -120,6 +121,7 @@ def reduce_scatter(g: StepGraph, binding, over: str, name: str, piece, *, layer:
 
     Adjoint: :func:`all_gather` of the reduced blocks.
     """
+    words = g.words_of(words)
     out, pairs = {}, []
     for group in groups(binding.grid, over):
         for dst in group:
@@ -153,6 +155,7 @@ def all_to_all(g: StepGraph, binding, over: str, blocks: dict, layer: str, task:
     Adjoint: the :func:`all_to_all` that cuts along ``join_axis`` and joins along
     ``cut_axis`` (a permutation of the entries: its adjoint is its inverse).
     """
+    words = g.words_of(words)
     name, own = f"{layer}.{task}-{token}", f"{layer}.{task}own-{token}"
     pairs = []
     for group in groups(binding.grid, over):
@@ -188,6 +191,7 @@ def halo_exchange(g: StepGraph, binding, layer: str, token: str, plan, owners, x
 
     Adjoint: :func:`ghost_accumulate`.
     """
+    row_words = g.words_of(row_words)
     xhalo, xin_name = f"{layer}.xhalo-{token}", f"{layer}.xin-{token}"
     xin_keys, pairs = {}, []
     for need in plan:
@@ -226,6 +230,7 @@ def ghost_accumulate(g: StepGraph, binding, layer: str, token: str, plan, owners
 
     Adjoint: :func:`halo_exchange`.
     """
+    row_words = g.words_of(row_words)
     dxhalo, dx_name, zero = (f"{layer}.dxhalo-{token}", f"{layer}.dx-{token}",
                              f"{layer}.dxzero-{token}")
     dx, pairs = {}, []

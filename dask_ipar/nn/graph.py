@@ -131,12 +131,19 @@ class StepGraph:
     place: dict = field(default_factory=dict)
     #: keys to compute although no key asked for depends on them (prefetches)
     roots: list = field(default_factory=list)
+    #: whether the collectives record what they move (the tests do; a training step
+    #: skips the bookkeeping: its bytes are the meter's)
+    record_routes: bool = False
     #: what each collective added moves (:class:`Route`), in the order they were added
     routes: list = field(default_factory=list)
 
     def route(self, layer: str, phase: str, pairs) -> None:
         """Record that ``layer``'s ``phase`` moves ``pairs`` ``(src, dst, words)``."""
         self.routes.append(Route(layer, phase, tuple(pairs)))
+
+    def words_of(self, words):
+        """``words`` when this graph records routes, else None (nothing is counted)."""
+        return words if self.record_routes else None
 
     def routed_words(self) -> dict:
         """Words per ``(layer, phase)`` over every route of the graph."""

@@ -1,9 +1,9 @@
 """How a model's graphs reach the cluster: every kernel a dask task of its own, or a training
 step compiled into one program per worker and phase.
 
-A :class:`~dask_ipar.model.Sequential` holds one executor, made from its ``executor`` setting
-(``"programs"`` or ``"graph"``) on first use after :meth:`~dask_ipar.model.Sequential.distribute`
-and again whenever the setting changes. Both run the same step graph (same kernels, same
+A :class:`~dask_ipar.model.Sequential` holds one executor: a :class:`GraphExecutor` for its
+first graphs, and for each training step the one its ``executor`` setting names
+(``"programs"`` or ``"graph"``), made anew whenever the setting changes. Both run the same step graph (same kernels, same
 placement, the same floats and bytes); they differ in what the scheduler sees:
 
 * :class:`GraphExecutor`: the graph as it is, each task pinned to its cell (the
@@ -14,7 +14,9 @@ placement, the same floats and bytes); they differ in what the scheduler sees:
   steps (inference, gradients, device copies) run as with :class:`GraphExecutor`.
 
 Tasks that nothing requested but that must run (prefetches, programs that only send) have
-their futures held for the next four submissions, by then they have run.
+their futures held for the next four submissions, by then they have run. Stopping a step's
+waiting programs (a grid worker left, the model closed) is
+:func:`dask_ipar.runtime.exchange.abort_programs`, whatever the executor is now.
 """
 
 from __future__ import annotations
@@ -46,9 +48,6 @@ class GraphExecutor:
             self._roots.append(futs[len(keys):])
         return futs[:len(keys)]
 
-    def abort(self, reason: str) -> None:
-        """Nothing waits on other tasks' pushes here: dask's own tasks fail by themselves."""
-
     def clear(self) -> None:
         self._roots.clear()
 
@@ -78,12 +77,6 @@ class ProgramExecutor(GraphExecutor):
         if orphans:  # programs that only send: held like the prefetches
             self._roots.append(futs[len(keys):])
         return futs[:len(keys)]
-
-    def abort(self, reason: str) -> None:
-        """Make the model's programs that wait for blocks fail now with ``reason``."""
-        from dask_ipar.runtime.exchange import abort_programs
-
-        abort_programs(self.client, self.uid, reason)
 
 
 #: The executors by the name of the ``executor`` setting.

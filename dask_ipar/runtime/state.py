@@ -31,10 +31,12 @@ class BlockStore:
     ``w`` and ``v`` are the key names of the current weight and momentum blocks, one per
     layer with weights (``v[l]`` is None before the layer's first update); block ``(i, j)``
     of name ``n`` is ``futures[(n, i, j)]``. ``submit(graph, name, keys)`` runs a graph
-    (the model's executor); ``abort(reason)`` stops its waiting worker programs.
+    (the model's executor); ``abort(reason)`` stops its waiting worker programs;
+    ``liveness_s()`` is the current seconds between liveness checks.
     """
 
-    def __init__(self, client, binding, uid: str, block_module, submit, abort):
+    def __init__(self, client, binding, uid: str, block_module, *, submit, abort,
+                 liveness_s=lambda: 5.0, cuts: int = 0):
         self.client = client
         self.binding = binding
         self.uid = uid
@@ -44,9 +46,15 @@ class BlockStore:
         self.futures: dict = {}
         self.w: list[str] | None = None
         self.v: list[str | None] | None = None
-        #: seconds between checks that every grid worker is alive while waiting
-        self.liveness_check_s = 5.0
-        self.cuts = 0  # lineage cuts so far: new names end in -c<cut>
+        self._liveness_s = liveness_s
+        #: lineage cuts so far in the model's life (new names end in -c<cut>): carried over
+        #: from the model's previous store, so a name never comes back
+        self.cuts = cuts
+
+    @property
+    def liveness_check_s(self) -> float:
+        """Seconds between checks that every grid worker is alive while waiting."""
+        return self._liveness_s()
 
     # ---------------------------------------------------------------- keys
     def keep(self, keys, futures):
