@@ -133,3 +133,23 @@ def test_fold_finished_groups_keeps_span_totals():
     assert len(span.groups) == 3 and live in span.groups and other in span.groups
     assert span.metadata["collections"] == [{"type": "low-level-graph"}]
     assert fold_finished_groups("abc123", dask_scheduler=Sched()) == 0  # nothing new
+
+
+def test_cut_names_never_repeat_across_distribute(client):
+    """The count of cuts lives as long as the model: after moving to another grid, new cut
+    names do not reuse those of blocks a caller may still hold."""
+    m = _model(2)
+    try:
+        _train(client, m, 5)
+        before, names = m._cuts, set(m._w)
+        assert before >= 2
+        m.distribute(client, "1x2")
+        assert m._cuts == before
+        rng = np.random.default_rng(1)
+        X, y = rng.standard_normal((8, 9)), rng.integers(0, 3, 8)
+        for _ in range(3):
+            client.gather(m.train_step(X, y, SGD(lr=0.05)))
+        assert m._cuts > before
+        assert not names & set(m._w)
+    finally:
+        m.close()
