@@ -278,3 +278,25 @@ def test_planner_prices_exactly_what_the_meter_predicts(net):
         assert {k: planned.get(k, 0) for k in keys} == {k: meter.get(k, 0) for k in keys}, grid
         checked += 1
     assert checked >= 8
+
+
+def test_issue_25_cnn_moves_what_the_planner_prices(client):
+    """The 3->8->32-channel CNN of the architecture issue on 2x1, batch 8: the bytes dask
+    moves per layer and phase equal the planner's price and the comm table's prediction
+    (the issue quotes 564,544 B per step in float32; float64 words here: twice that)."""
+    from dask_ipar import cost
+    from dask_ipar.nn.planning import cost_specs
+
+    layers, shape = PLANNED["issue-25"]
+    errors = check_cnn(client, "2x1", layers=layers, input_shape=shape, batch=8, steps=2)
+    measured = {(r.layer, r.phase): r.measured_bytes for r in errors["comm"].rows
+                if r.measured_bytes}
+    plan = cost.price_assignment(cost_specs(layers, shape), {}, 2, 1, 8,
+                                 cost.Machine(alpha_s=1e-3, bandwidth_Bps=1e9, word_bytes=8))
+    planned = {}
+    for p in plan.phases:
+        planned[(p.layer, p.phase)] = planned.get((p.layer, p.phase), 0) + p.total_bytes
+    assert {k: v for k, v in planned.items() if v} == measured
+    assert sum(measured.values()) == 2 * 564_544
+    assert measured[("conv1", "halo_bwd")] == 2 * 8_192
+    assert ("conv0", "halo_bwd") not in measured  # the first layer sends no ghost rows back
