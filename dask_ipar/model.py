@@ -274,7 +274,7 @@ class Sequential:
         """Make this model's worker programs that are waiting for blocks fail now with
         ``reason`` (called when a grid worker has left; nothing when none ever ran)."""
         if self._programs_on is not None:
-            abort_programs(self._programs_on, self.uid, reason)
+            abort_programs(self._programs_on, self.uid, reason, upto=(self._step, self._cuts))
 
     def _locate(self, key):
         """The worker of an existing block ``(name, i, j, ...)``: that of cell (i, j)."""

@@ -40,6 +40,18 @@ def _tag_of(key):
     return name.split("-", 1)[1]
 
 
+def _stale(aborted, tag) -> bool:
+    """Whether a block of step tag ``"<uid>-s<n>"`` (or cut ``"<uid>-c<n>"``) belongs to
+    programs of its model that an abort of the whole model stopped: a step or cut no later
+    than the newest one the model had made by then (later ones are a restarted model's)."""
+    uid, _, rest = (tag or "").rpartition("-")
+    entry = aborted.get(uid)
+    if not (isinstance(entry, tuple) and entry[2] is not None and rest[1:].isdigit()):
+        return False
+    step, cut = entry[2]
+    return int(rest[1:]) <= (step if rest[0] == "s" else cut if rest[0] == "c" else -1)
+
+
 def _key(k):
     """A key as msgpack delivers it (lists) back to a tuple."""
     return tuple(_key(x) for x in k) if isinstance(k, list) else k
@@ -81,18 +93,19 @@ class ExchangePlugin(WorkerPlugin):
         with self.cond:
             if key in self.dropped:
                 self.dropped.discard(key)
-            elif _tag_of(key) in self.aborted:  # a late block of a stopped step
-                pass
+            elif _tag_of(key) in self.aborted or _stale(self.aborted, _tag_of(key)):
+                pass  # a late block of a stopped step, or of a stopped model's
             else:
                 self.box[key] = data
             self.cond.notify_all()
         return "OK"
 
-    def abort(self, tag=None, reason=None, model=False):
+    def abort(self, tag=None, reason=None, model=False, upto=None):
         """Stop the programs of step ``tag`` (or, with ``model``, every program of model
-        ``tag`` running now)."""
+        ``tag`` running now; its blocks of steps and cuts up to ``upto = (step, cut)``
+        that arrive later are dropped)."""
         with self.cond:
-            self.aborted[tag] = (reason or "aborted", time.monotonic()) if model \
+            self.aborted[tag] = (reason or "aborted", time.monotonic(), upto) if model \
                 else reason or "aborted"
             if model:
                 gone = [k for k in self.box if (_tag_of(k) or "").rsplit("-s", 1)[0] == tag]
@@ -107,7 +120,7 @@ class ExchangePlugin(WorkerPlugin):
     def _stopped(self, tag, started):
         if tag in self.aborted:
             return self.aborted[tag]
-        reason, when = self.aborted.get(tag.rsplit("-s", 1)[0], (None, 0.0))
+        reason, when, _ = self.aborted.get(tag.rsplit("-s", 1)[0], (None, 0.0, None))
         return reason if when >= started else None
 
     def take_ready(self, keys):
@@ -214,20 +227,24 @@ def install_exchange(client) -> None:
     client.register_plugin(ExchangePlugin(), name=PLUGIN_NAME)
 
 
-def _abort_here(uid, reason, dask_worker=None):
+def _abort_here(uid, reason, upto=None, dask_worker=None):
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is not None:
-        plugin.abort(tag=uid, reason=reason, model=True)
+        plugin.abort(tag=uid, reason=reason, model=True, upto=upto)
 
 
-def abort_programs(client, uid: str, reason: str, workers=None) -> None:
-    """Make the waiting programs of model ``uid`` fail with ``reason`` (best effort)."""
+def abort_programs(client, uid: str, reason: str, workers=None, upto=None) -> None:
+    """Make the waiting programs of model ``uid`` fail with ``reason`` (best effort).
+
+    ``upto = (step, cut)``: the model's newest step and lineage cut; blocks of those or
+    earlier ones still on their way are dropped when they arrive (none is left in a
+    mailbox)."""
     try:
         if workers is None:  # a dead worker still listed would cost a connect timeout
             from dask_ipar.runtime.workers import scheduler_workers
 
             workers = list(scheduler_workers(client))
-        client.run(_abort_here, uid, reason, workers=workers, on_error="ignore")
+        client.run(_abort_here, uid, reason, upto, workers=workers, on_error="ignore")
     except Exception:  # noqa: BLE001 - the cluster may be going away
         pass
 
