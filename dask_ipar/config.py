@@ -57,6 +57,7 @@ __all__ = [
     "to_yaml",
     "TRAIN_FLAGS",
     "config_from_args",
+    "ConfigError",
 ]
 
 #: Environment variable naming the config file.
@@ -307,11 +308,18 @@ def _is_num(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
+class ConfigError(IparError):
+    """A setting that is not valid: which key, the value given, what was expected."""
+
+    def __init__(self, key, value, expected, fix=""):
+        self.key, self.value, self.expected, self.fix = key, value, expected, fix
+        super().__init__(
+            f"config {key} is {value!r}, expected {expected}.{(' ' + fix) if fix else ''}")
+
+
 def _need(cond, key, value, expected, fix=""):
     if not cond:
-        raise IparError(
-            f"config {key} is {value!r}, expected {expected}.{(' ' + fix) if fix else ''}"
-        )
+        raise ConfigError(key, value, expected, fix)
 
 
 def validate(cfg: dict) -> dict:
@@ -352,10 +360,9 @@ def validate(cfg: dict) -> dict:
     if grid is not None:
         try:
             parse_grid(grid)
-        except Exception as exc:
-            raise IparError(
-                f"config grid is {grid!r}, expected 'PRxPC' such as '2x2' ({exc})."
-            ) from None
+        except Exception:
+            raise ConfigError("grid", grid, "PRxPC such as 2x2 (Pr model-parallel rows times "
+                              "Pc batch-parallel columns)") from None
 
     d = cfg.get("data", {})
     _need(d.get("path") is None or isinstance(d.get("path"), str), "data.path", d.get("path"),
@@ -472,7 +479,18 @@ def config_from_args(args) -> dict:
         over["cluster.dashboard"] = False
     source = cfg.pop("_file", None)
     cfg = apply_overrides(cfg, over)
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as exc:  # a flag's value: said in the flag's terms
+        flag = next((dest for dest, key in TRAIN_FLAGS.items()
+                     if key == exc.key and over.get(key) is not None), None)
+        if flag is None:
+            raise
+        value = exc.value
+        if isinstance(value, list):
+            value = ",".join(map(str, value)) or "''"
+        raise IparError(f"--{flag.replace('_', '-')} {value}: expected {exc.expected}."
+                        f"{(' ' + exc.fix) if exc.fix else ''}") from None
     register(cfg)
     cfg["_file"] = source
     return cfg

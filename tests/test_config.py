@@ -147,6 +147,13 @@ def test_config_from_args(tmp_path):
     assert cfg["optimizer"]["lr"] == 0.3 and cfg["checkpoint"]["every"] == 9  # flags win
     assert cfg["cluster"]["kind"] == "pbs" and cfg["cluster"]["dashboard"] is False
     assert cfg["_file"] == str(f) and dask.config.get("ipar.optimizer.lr") == 0.3
-    args.momentum = 2.0
-    with pytest.raises(IparError, match="optimizer.momentum"):
+    args.momentum = 2.0  # a flag's bad value is named as the flag (a CLI user's terms)
+    with pytest.raises(IparError, match=r"^--momentum 2.0: expected a number < 1\.$"):
+        config_from_args(args)
+    args.momentum, args.grid = None, "3"
+    with pytest.raises(IparError, match=r"^--grid 3: expected PRxPC such as 2x2"):
+        config_from_args(args)
+    args.grid = None
+    f.write_text("grid: '3'\n")  # the same value from the file is named as its key
+    with pytest.raises(IparError, match="config grid is '3', expected PRxPC"):
         config_from_args(args)

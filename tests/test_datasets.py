@@ -58,8 +58,11 @@ def test_npy_pairs(tmp_path, arrays):
 def test_object_arrays_are_refused(tmp_path, arrays):
     X, y = arrays
     np.savez(tmp_path / "obj.npz", X=np.array([object()] * 3), y=y[:3])
-    with pytest.raises(IparError, match="Object arrays are refused"):
+    with pytest.raises(IparError, match="holds Python objects, which are not read"):
         load_dataset(tmp_path / "obj.npz")
+    (tmp_path / "text.npz").write_text("not numpy at all\n")
+    with pytest.raises(IparError, match="not a file of numeric NumPy arrays"):
+        load_dataset(tmp_path / "text.npz")
     np.savez(tmp_path / "str.npz", X=X, y=np.array(["a"] * 37))
     with pytest.raises(IparError, match="dtype <U1"):
         load_dataset(tmp_path / "str.npz")

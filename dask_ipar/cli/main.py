@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 
+from dask_ipar.cli import checks
 from dask_ipar.errors import IparError
 
 __all__ = ["main", "build_parser"]
@@ -31,14 +32,22 @@ def _positive_int(text):
 
 
 def _widths(text):
+    """``--hidden`` / ``--filters``: comma-separated positive widths; ``none`` for no
+    hidden layer (an empty value is refused: it would silently drop every layer)."""
+    if text.strip().lower() == "none":
+        return []
     try:
         out = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated hidden widths such as 128,64, got {text!r}"
+            f"expected comma-separated widths such as 128,64, got {text!r}"
         ) from None
+    if not out:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names no width; give widths such as 128,64 (or 'none' for no hidden "
+            "layer)")
     if any(w < 1 for w in out):
-        raise argparse.ArgumentTypeError(f"hidden widths must be positive, got {text!r}")
+        raise argparse.ArgumentTypeError(f"widths must be positive, got {text!r}")
     return out
 
 
@@ -100,6 +109,9 @@ def _add_train(sub):
                    help="steps between checkpoints (default: at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--resume-changed", action="store_true",
+                   help="with --resume: allow other --lr, --momentum, --weight-decay, --batch "
+                        "or --seed than the run that saved the checkpoints")
     p.add_argument("--machine", metavar="FILE",
                    help="YAML machine file (alpha, bandwidth) for the predicted seconds")
     p.add_argument("--report", metavar="FILE.html",
@@ -176,6 +188,12 @@ def run_train(args) -> int:
     grid = _resolve_grid(cfg["grid"], cfg["cluster"]["workers"])
     if args.resume and not ck["dir"]:
         raise IparError("--resume needs --checkpoint-dir DIR (or checkpoint.dir in the config).")
+    checks.check_scheduler_address(args, cfg["cluster"]["scheduler_address"])
+    if ck["dir"]:
+        checks.check_resume(args, ck["dir"], {
+            "optimizer": {"lr": o["lr"], "momentum": o["momentum"],
+                          "weight_decay": o["weight_decay"]},
+            "batch_size": t["batch"], "seed": t["seed"]})
     machine = None
     if cfg["machine"]:
         from dask_ipar.cost import load_machine
@@ -191,6 +209,8 @@ def run_train(args) -> int:
             f"columns; use --batch {grid.pc} or more, or a grid with fewer columns."
         )
     Xtr, ytr, Xte, yte, n_classes, data_name = _load_data(cfg)
+    checks.check_data(args, data_name, Xtr, ytr, Xte, yte, n_classes, t["batch"], grid,
+                      cfg["data"]["test_fraction"] if cfg["data"]["path"] else 0.2)
     layers = [Dense(w, "relu") for w in cfg["model"]["hidden"]] + [Dense(n_classes)]
     kind = cfg["model"].get("kind", "mlp")
     if kind == "cnn":

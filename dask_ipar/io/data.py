@@ -248,10 +248,18 @@ def _npy(path, y_path, source):
         X = np.load(path, mmap_mode="r", allow_pickle=False)
         y = np.load(y_path, mmap_mode="r", allow_pickle=False)
     except ValueError as exc:  # object arrays need pickle
-        raise IparError(
-            f"{source}: {exc}. Object arrays are refused; save numeric arrays."
-        ) from None
+        raise IparError(_unreadable(source, exc, "numpy.save(path, X)")) from None
     return X, y
+
+
+def _unreadable(source, exc, how) -> str:
+    """What to say of a .npy/.npz file NumPy reads only by unpickling (object arrays), or
+    one that is no NumPy file at all (NumPy then takes it for a pickle)."""
+    if "pickle" in str(exc):
+        return (f"{source} is not a file of numeric NumPy arrays: it is another kind of file, "
+                f"or holds Python objects, which are not read (no unpickling). Save the "
+                f"features and labels as numeric arrays: {how}.")
+    return f"{source}: {exc}."
 
 
 def load_dataset(path, *, y_path=None, x_key: str = "X", y_key: str = "y",
@@ -318,9 +326,7 @@ def load_dataset(path, *, y_path=None, x_key: str = "X", y_key: str = "y",
         except ValueError as exc:
             if isinstance(exc, IparError):
                 raise
-            raise IparError(
-                f"{source}: {exc}. Object arrays are refused; save numeric arrays."
-            ) from None
+            raise IparError(_unreadable(source, exc, "numpy.savez(path, X=X, y=y)")) from None
         return _finish(X, y, *args)
     if low.endswith(".npy"):
         return _finish(*_npy(path, y_path, source), source, os.path.basename(path),

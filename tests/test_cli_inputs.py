@@ -1,0 +1,86 @@
+"""The bad inputs users met with ``dask-ipar train``: each ends in one line that names the
+flag as typed (or the data file), what was expected and the fix, with exit 2 and no
+traceback, before any cluster starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+def _train(*args, timeout=120):
+    proc = subprocess.run([sys.executable, "-m", "dask_ipar.cli", "train", "--no-progress",
+                           "--no-dashboard", "--epochs", "1", *args],
+                          capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def _one_line_error(proc, *needles):
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = err[-1]
+    assert last.startswith("dask-ipar train: error: "), err
+    for n in needles:
+        assert n in last, (n, last)
+    assert not any("dask-ipar: MLP" in line for line in err), "a cluster was started"
+    return last
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inputs")
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((60, 8))
+    y = rng.integers(0, 3, 60)
+    y1000 = y.copy()
+    y1000[0] = 1000
+    np.savez(d / "label1000.npz", X=X, y=y1000)
+    np.savez(d / "five.npz", X=X[:5], y=y[:5])
+    np.savez(d / "ok.npz", X=X, y=y)
+    (d / "text.npz").write_text("hello\n")
+    return d
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--batch", "100000"], ["--batch 100000 is larger than the", "training samples",
+                             "use --batch"]),
+    (["--hidden", ""], ["--hidden", "names no width", "'none' for no hidden layer"]),
+    (["--grid", "3"], ["--grid 3: expected PRxPC such as 2x2"]),
+    (["--scheduler-address", "notanaddress"], ["--scheduler-address notanaddress: expected a "
+                                               "scheduler address such as tcp://"]),
+    (["--resume", "--checkpoint-dir", "{tmp}/nothing-here"], ["--resume:", "does not exist",
+                                                              "Drop --resume"]),
+], ids=["batch-too-large", "hidden-empty", "grid-malformed", "scheduler-address",
+        "resume-nothing"])
+def test_flag_errors(args, needles, tmp_path):
+    _one_line_error(_train(*[a.format(tmp=tmp_path) for a in args]), *needles)
+
+
+@pytest.mark.parametrize("name,needles", [
+    ("label1000.npz", ["the labels run up to 1000", "only 4 distinct labels", "0..K-1"]),
+    ("five.npz", ["5 samples leave 1 in the test split", "fewer than the grid's 2",
+                  "at most 1 column (e.g. --grid 1x1)"]),
+    ("text.npz", ["is not a file of numeric NumPy arrays", "numpy.savez"]),
+])
+def test_data_errors(files, name, needles):
+    last = _one_line_error(_train("--data", str(files / name)), f"{name}", *needles)
+    assert "allow_pickle" not in last and "x_key=" not in last
+
+
+def test_resume_with_other_settings_is_refused_unless_allowed(files, tmp_path):
+    ck = tmp_path / "ck"
+    base = ["--data", str(files / "ok.npz"), "--batch", "8", "--checkpoint-dir", str(ck)]
+    first = _train(*base)
+    assert first.returncode == 0, first.stderr[-2000:]
+    last = _one_line_error(_train(*base, "--resume", "--lr", "0.2", "--batch", "16"),
+                           "--lr 0.2 (the checkpoint's run used 0.05)",
+                           "--batch 16 (the checkpoint's run used 8)", "--resume-changed")
+    assert "--seed" not in last
+    same = _train(*base, "--resume")
+    assert same.returncode == 0, same.stderr[-2000:]
+    allowed = _train(*base, "--resume", "--lr", "0.2", "--resume-changed")
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
