@@ -11,11 +11,25 @@ import numpy as np
 import pytest
 
 
+ARGS = ("train", "--no-progress", "--no-dashboard", "--epochs", "1")
+
+
 def _train(*args, timeout=120):
-    proc = subprocess.run([sys.executable, "-m", "dask_ipar.cli", "train", "--no-progress",
-                           "--no-dashboard", "--epochs", "1", *args],
+    """``dask-ipar train`` in a subprocess (for runs that start a cluster)."""
+    return subprocess.run([sys.executable, "-m", "dask_ipar.cli", *ARGS, *args],
                           capture_output=True, text=True, timeout=timeout)
-    return proc
+
+
+def _train_here(capsys, *args):
+    """``dask-ipar train`` in this process (the checks end it before any cluster starts)."""
+    from dask_ipar.cli.main import main
+
+    try:
+        code = main([*ARGS, *args])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    return subprocess.CompletedProcess(args, code, "", err)
 
 
 def _one_line_error(proc, *needles):
@@ -56,8 +70,8 @@ def files(tmp_path_factory):
                                                               "Drop --resume"]),
 ], ids=["batch-too-large", "hidden-empty", "grid-malformed", "scheduler-address",
         "resume-nothing"])
-def test_flag_errors(args, needles, tmp_path):
-    _one_line_error(_train(*[a.format(tmp=tmp_path) for a in args]), *needles)
+def test_flag_errors(args, needles, tmp_path, capsys):
+    _one_line_error(_train_here(capsys, *[a.format(tmp=tmp_path) for a in args]), *needles)
 
 
 @pytest.mark.parametrize("name,needles", [
@@ -66,21 +80,21 @@ def test_flag_errors(args, needles, tmp_path):
                   "at most 1 column (e.g. --grid 1x1)"]),
     ("text.npz", ["is not a file of numeric NumPy arrays", "numpy.savez"]),
 ])
-def test_data_errors(files, name, needles):
-    last = _one_line_error(_train("--data", str(files / name)), f"{name}", *needles)
+def test_data_errors(files, name, needles, capsys):
+    last = _one_line_error(_train_here(capsys, "--data", str(files / name)), f"{name}",
+                           *needles)
     assert "allow_pickle" not in last and "x_key=" not in last
 
 
-def test_resume_with_other_settings_is_refused_unless_allowed(files, tmp_path):
+def test_resume_with_other_settings_is_refused_unless_allowed(files, tmp_path, capsys):
     ck = tmp_path / "ck"
     base = ["--data", str(files / "ok.npz"), "--batch", "8", "--checkpoint-dir", str(ck)]
     first = _train(*base)
     assert first.returncode == 0, first.stderr[-2000:]
-    last = _one_line_error(_train(*base, "--resume", "--lr", "0.2", "--batch", "16"),
+    changed = _train_here(capsys, *base, "--resume", "--lr", "0.2", "--batch", "16")
+    last = _one_line_error(changed,
                            "--lr 0.2 (the checkpoint's run used 0.05)",
                            "--batch 16 (the checkpoint's run used 8)", "--resume-changed")
     assert "--seed" not in last
-    same = _train(*base, "--resume")
-    assert same.returncode == 0, same.stderr[-2000:]
     allowed = _train(*base, "--resume", "--lr", "0.2", "--resume-changed")
     assert allowed.returncode == 0, allowed.stderr[-2000:]
