@@ -4,9 +4,12 @@ traceback, before any cluster starts."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
+import dask
+import distributed  # noqa: F401 (its defaults join dask.config on import: keep them)
 import numpy as np
 import pytest
 
@@ -24,10 +27,14 @@ def _train_here(capsys, *args):
     """``dask-ipar train`` in this process (the checks end it before any cluster starts)."""
     from dask_ipar.cli.main import main
 
+    saved = copy.deepcopy(dask.config.config)  # the command registers its settings there
     try:
         code = main([*ARGS, *args])
     except SystemExit as exc:  # argparse's own errors
         code = exc.code
+    finally:
+        dask.config.config.clear()
+        dask.config.config.update(saved)
     err = capsys.readouterr().err
     return subprocess.CompletedProcess(args, code, "", err)
 
