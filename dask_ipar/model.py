@@ -89,7 +89,7 @@ class Sequential:
         self.client = None
         self.binding: GridBinding | None = None
         self.engine: Engine | None = None
-        self._init_params = None
+        self._init_params = self._init_velocity = None
         self._store: BlockStore | None = None  # the blocks on the cluster (distribute)
         self._executor = None  # made from ``executor`` on first use (:meth:`_submit`)
         self._programs_on = None  # the client whose workers ran this model's programs
@@ -170,7 +170,8 @@ class Sequential:
     def distribute(self, client, grid: Grid | str, workers: list[str] | None = None):
         """Bind the model to ``grid`` on ``client``'s workers (cell (i, j) -> one worker).
 
-        Returns ``self``. Weights already on a previous grid are moved to the new one.
+        Returns ``self``. Weights already on a previous grid are moved to the new one,
+        with their momentum.
         """
         if self._closed:
             self._require_bound()  # raises: a closed model does not start afresh silently
@@ -180,6 +181,10 @@ class Sequential:
             front_layouts(self.layers[:self._n_front], self.input_shape, grid.pr, grid.pc)
         binding = bind_grid(grid, client, workers)
         params = self.get_weights() if self._w is not None else self._init_params
+        velocity = None  # the momentum comes along to the new grid, as through a checkpoint
+        if self._v is not None and any(n is not None for n in self._v):
+            velocity = self._store.whole(self.engine.param_layouts, self._v,
+                                         f"{self.uid}-s{self._next_step()}")
         self.drop_state()
         from dask_ipar.runtime.workers import hold_replicas
 
@@ -191,7 +196,7 @@ class Sequential:
                                  abort=lambda reason: self.abort_programs(reason),
                                  liveness_s=lambda: self.liveness_check_s,
                                  cuts=self._cuts)
-        self._init_params = params
+        self._init_params, self._init_velocity = params, velocity
         if self.input_dim is not None:
             self._build()
         return self
@@ -201,8 +206,8 @@ class Sequential:
         self.engine = self._make_engine(self.binding)
         if self._init_params is None:
             self._init_params = initial_params(self, self.engine)
-        self._scatter_weights(self._init_params)
-        self._init_params = None
+        self._scatter_weights(self._init_params, self._init_velocity)
+        self._init_params = self._init_velocity = None
 
     def _make_engine(self, binding) -> Engine:
         """The graph builder of this network on ``binding`` (any addresses: graphs only)."""
@@ -234,11 +239,14 @@ class Sequential:
         self._step += 1
         return self._step
 
-    def _scatter_weights(self, params):
-        """Place weight block (i, j) of every layer on cell (i, j); reset momentum."""
+    def _scatter_weights(self, params, velocity=None):
+        """Place weight block (i, j) of every layer on cell (i, j); momentum afresh, or
+        from ``velocity`` (whole matrices per layer, or None)."""
         step = self._next_step()
-        names = [self.engine.name(lay.name, "w", step) for lay in self.engine.param_layouts]
-        self._store.scatter(self.engine.param_layouts, params, self.dtype, names, step)
+        lays = self.engine.param_layouts
+        self._store.scatter(lays, params, self.dtype,
+                            [self.engine.name(lay.name, "w", step) for lay in lays], step,
+                            velocity, [self.engine.name(lay.name, "v", step) for lay in lays])
 
     def _place_batch(self, Xb, yb, step: int, g: StepGraph):
         """Sample block j of a batch on every cell of grid column j

@@ -5,6 +5,7 @@ traceback, before any cluster starts."""
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 
@@ -103,5 +104,8 @@ def test_resume_with_other_settings_is_refused_unless_allowed(files, tmp_path, c
                            "--lr 0.2 (the checkpoint's run used 0.05)",
                            "--batch 16 (the checkpoint's run used 8)", "--resume-changed")
     assert "--seed" not in last
-    allowed = _train(*base, "--resume", "--lr", "0.2", "--resume-changed")
+    allowed = _train(*base, "--resume", "--lr", "0.2", "--resume-changed", "--json")
     assert allowed.returncode == 0, allowed.stderr[-2000:]
+    # resumed at its last step, the run made no step: no samples/s from the first run's
+    summary = json.loads(allowed.stdout.strip().splitlines()[-1])
+    assert summary["samples_per_s"] == 0

@@ -140,3 +140,33 @@ def test_in_process_workers_get_copies_of_the_batch():
     for (W, b), (Wr, br) in zip(got, want):
         np.testing.assert_allclose(W, Wr, rtol=1e-12, atol=1e-14)
         np.testing.assert_allclose(b, br, rtol=1e-12, atol=1e-14)
+
+
+def test_distribute_to_another_grid_keeps_the_momentum(client):
+    """Training 3 steps on 2x2, moving to 1x4 and training 3 more equals 6 steps on 2x2
+    (float64): the momentum comes along, as it does through a checkpoint. Dropping it
+    (set_weights resets it) makes a difference the test sees."""
+    from dask_ipar import SGD, Dense, Sequential
+    from dask_ipar.testing import rel_err
+
+    rng = np.random.default_rng(5)
+    X, y = rng.standard_normal((12, 9)), rng.integers(0, 4, 12)
+    opt = SGD(lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+    def run(move):
+        m = Sequential([Dense(10, "relu"), Dense(4)], input_dim=9, dtype="float64", seed=2)
+        m.distribute(client, "2x2")
+        for k in range(6):
+            if k == 3 and move == "grid":
+                m.distribute(client, "1x4")
+            if k == 3 and move == "reset":
+                m.set_weights(m.get_weights())
+            client.gather(m.train_step(X, y, opt))
+        out = m.get_weights()
+        m.close()
+        return out
+
+    ref, moved, reset = run(None), run("grid"), run("reset")
+    for (w, b), (wm, bm) in zip(ref, moved):
+        assert rel_err(wm, w) <= 1e-10 and rel_err(bm, b) <= 1e-10
+    assert max(rel_err(wr, w) for (w, _), (wr, _) in zip(ref, reset)) > 1e-4

@@ -274,7 +274,8 @@ def run_train(args) -> int:
                 batch_size=t["batch"], optimizer=optimizer, seed=t["seed"], resume=args.resume,
                 keep=ck["keep"], wait_timeout_s=cfg["cluster"]["wait_timeout"],
                 log=lambda m: _eprint(f"dask-ipar: {m}"))
-            n_seen = (done["steps"]) * t["batch"]
+            # the samples of the steps this run made (a resumed run did not make the first)
+            n_seen = (done["steps"] - done["start"]) * t["batch"]
             train_loss = done["losses"][-1] if done["losses"] else float("nan")
             train_acc = None
         else:

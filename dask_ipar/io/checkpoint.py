@@ -157,7 +157,8 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
     Returns
     -------
     dict
-        ``{"steps", "restarts", "losses" (per step, final run), "checkpoint"}``.
+        ``{"steps", "start" (the step it resumed from, 0 for a fresh run), "restarts",
+        "losses" (per step, final run), "checkpoint"}``.
     """
     from dask_ipar.io.data import as_features, as_labels
     from dask_ipar.optim import SGD
@@ -248,6 +249,6 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
                 f"step {step} from {last_ckpt} (restart {restarts} of at most {max_restarts})")
             for s in [s for s in losses if s > step]:
                 del losses[s]
-    return {"steps": step, "restarts": restarts,
+    return {"steps": step, "start": start, "restarts": restarts,
             "losses": [losses[s] for s in sorted(losses)], "checkpoint": last_ckpt}
 

@@ -86,19 +86,31 @@ class BlockStore:
         self.w = self.v = None
 
     # ------------------------------------------------------------- placing
-    def scatter(self, layouts, params, dtype, names, step):
-        """Place weight block (i, j) of every layer on cell (i, j) under ``names``; reset
-        momentum. ``params`` are ``[(W, b), ...]`` with ``W`` of ``n_out x n_in`` values."""
+    def scatter(self, layouts, params, dtype, names, step, velocity=None, v_names=None):
+        """Place weight block (i, j) of every layer on cell (i, j) under ``names``.
+        ``params`` are ``[(W, b), ...]`` with ``W`` of ``n_out x n_in`` values. Momentum
+        starts afresh, or from ``velocity``: per layer a whole ``n_out x (n_in + bias)``
+        matrix (or None), placed the same way under ``v_names``."""
         per_worker: dict[str, dict] = {}
-        for lay, (W, b), name in zip(layouts, params, names):
-            Wa = np.asarray(W, dtype=dtype).reshape(lay.n_out, lay.n_in)
-            if b is not None:
-                Wa = np.concatenate([Wa, np.asarray(b, dtype=dtype)[:, None]], axis=1)
+
+        def place(name, lay, M):
             for i, (r0, r1) in enumerate(lay.rows):
                 for j, (c0, c1) in enumerate(lay.wcols):
                     per_worker.setdefault(self.binding.worker(i, j), {})[(name, i, j)] = (
-                        np.ascontiguousarray(Wa[r0:r1, c0:c1])
-                    )
+                        np.ascontiguousarray(M[r0:r1, c0:c1]))
+
+        velocity = velocity or [None] * len(names)
+        new_v = []
+        for k, (lay, (W, b), name) in enumerate(zip(layouts, params, names)):
+            Wa = np.asarray(W, dtype=dtype).reshape(lay.n_out, lay.n_in)
+            if b is not None:
+                Wa = np.concatenate([Wa, np.asarray(b, dtype=dtype)[:, None]], axis=1)
+            place(name, lay, Wa)
+            if velocity[k] is None:
+                new_v.append(None)
+            else:
+                place(v_names[k], lay, np.asarray(velocity[k], dtype=dtype))
+                new_v.append(v_names[k])
         old = (self.w or []) + (self.v or [])
         if self.block_module:  # host blocks go up, then each owner copies its own to the GPU
             per_worker = {w: {(f"{k[0]}-host", *k[1:]): v for k, v in blocks.items()}
@@ -120,7 +132,18 @@ class BlockStore:
         self.futures.update(scattered)
         self.release(old)
         self.w = list(names)
-        self.v = [None] * len(names)
+        self.v = new_v
+
+    def whole(self, layouts, names, name: str) -> list:
+        """Per layer the whole ``n_out x (n_in + bias)`` matrix of the blocks named
+        ``names`` (None where a name is None), gathered to the client."""
+        cells = self.binding.grid.cells()
+        keys = [(n, *c) for n in names if n is not None for c in cells]
+        blocks = dict(zip(keys, self.fetch(keys, [self.futures[k] for k in keys], name)))
+        grid = self.binding.grid
+        return [None if n is None else np.concatenate([
+            np.concatenate([np.asarray(blocks[(n, i, j)]) for j in range(grid.pc)], axis=1)
+            for i in range(grid.pr)], axis=0) for n in names]
 
     def adopt(self, w_names, v_names, futures: dict):
         """Make the blocks in ``futures`` (keyed ``(name, i, j)``) the state."""
