@@ -300,3 +300,35 @@ def test_issue_25_cnn_moves_what_the_planner_prices(client):
     assert sum(measured.values()) == 2 * 564_544
     assert measured[("conv1", "halo_bwd")] == 2 * 8_192
     assert ("conv0", "halo_bwd") not in measured  # the first layer sends no ghost rows back
+
+
+@pytest.mark.parametrize("net,grid", [("strides", "2x2"), ("mlp-deep", "2x2"),
+                                      ("issue-25", "2x2")])
+def test_networks_built_only_as_graphs_elsewhere_move_what_the_planner_prices(client, net,
+                                                                              grid):
+    """The networks tests/test_routes.py builds as graphs only: on a cluster, the bytes dask
+    moves per layer and phase equal the planner's price of the network's schemes."""
+    from dask_ipar import cost
+    from dask_ipar.layout.grid import parse_grid
+    from dask_ipar.nn.planning import cost_specs
+    from dask_ipar.testing import compare_cnn, compare_mlp
+    from test_routes import NETWORKS
+
+    layers, shape = NETWORKS[net]
+    g = parse_grid(grid)
+    if isinstance(shape, int):
+        errors = compare_mlp(client, grid, sizes=(shape,), layers=layers, batch=9, steps=2,
+                             fd_eps=None)
+    else:
+        errors = compare_cnn(client, grid, layers=layers, input_shape=shape, batch=9, steps=2)
+    measured = {(r.layer, r.phase): r.measured_bytes for r in errors["comm"].rows
+                if r.measured_bytes}
+    schemes = {f"conv{k}": lay.parallel for k, lay in enumerate(layers)
+               if isinstance(lay, Conv2d)}
+    plan = cost.price_assignment(cost_specs(layers, shape), schemes, g.pr, g.pc, 9,
+                                 cost.Machine(alpha_s=1e-3, bandwidth_Bps=1e9, word_bytes=8))
+    assert plan.feasible, plan.reason
+    planned = {}
+    for p in plan.phases:
+        planned[(p.layer, p.phase)] = planned.get((p.layer, p.phase), 0) + p.total_bytes
+    assert {k: v for k, v in planned.items() if v} == measured
