@@ -13,6 +13,8 @@ import importlib
 import numpy as np
 from dask.sizeof import sizeof
 
+from dask_ipar.errors import IparError
+
 try:  # the compat layer gives CuPy and older NumPy the standard names
     from array_api_compat import array_namespace as _compat_namespace
 except ImportError:  # pragma: no cover - depends on the environment
@@ -174,8 +176,6 @@ def zeros_like(x):
 def check_device(device: str, dtype):
     """The block dtype (float32 or float64) for a model on ``device``, or a clear error
     (an unknown device, CuPy missing for ``"cuda"``)."""
-    from dask_ipar.errors import IparError
-
     dt = np.dtype(dtype)
     if dt not in (np.float32, np.float64):
         raise IparError(f"dtype must be float32 or float64, got {dtype!r}.")

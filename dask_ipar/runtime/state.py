@@ -20,6 +20,7 @@ from dask_ipar.errors import IparError
 from dask_ipar.kernels import blocks as B
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.lineage import fold_finished_groups, missing_blocks, rekey_blocks
+from dask_ipar.runtime.weights import join_blocks
 from dask_ipar.runtime.workers import scheduler_workers
 
 __all__ = ["BlockStore"]
@@ -140,10 +141,8 @@ class BlockStore:
         cells = self.binding.grid.cells()
         keys = [(n, *c) for n in names if n is not None for c in cells]
         blocks = dict(zip(keys, self.fetch(keys, [self.futures[k] for k in keys], name)))
-        grid = self.binding.grid
-        return [None if n is None else np.concatenate([
-            np.concatenate([np.asarray(blocks[(n, i, j)]) for j in range(grid.pc)], axis=1)
-            for i in range(grid.pr)], axis=0) for n in names]
+        return [None if n is None else join_blocks(blocks, n, self.binding.grid)
+                for n in names]
 
     def adopt(self, w_names, v_names, futures: dict):
         """Make the blocks in ``futures`` (keyed ``(name, i, j)``) the state."""

@@ -15,7 +15,8 @@ import numpy as np
 
 from dask_ipar.errors import IparError
 
-__all__ = ["initial_params", "check_params", "assemble", "weight_shape", "weight_arrays"]
+__all__ = ["initial_params", "check_params", "join_blocks", "assemble", "weight_shape",
+           "weight_arrays"]
 
 
 def _glorot(rng, n_out, n_in, dtype):
@@ -56,12 +57,17 @@ def weight_shape(engine, lay):
     return (lay.n_out, lay.n_in)
 
 
-def assemble(lay, name, blocks, grid, wshape):
-    """``(W, b)`` of a layer from its blocks ``blocks[(name, i, j)]``."""
-    full = np.concatenate([
+def join_blocks(blocks, name, grid):
+    """The whole ``n_out x (n_in + bias)`` matrix from its blocks ``blocks[(name, i, j)]``."""
+    return np.concatenate([
         np.concatenate([np.asarray(blocks[(name, i, j)]) for j in range(grid.pc)], axis=1)
         for i in range(grid.pr)
     ], axis=0)
+
+
+def assemble(lay, name, blocks, grid, wshape):
+    """``(W, b)`` of a layer from its blocks ``blocks[(name, i, j)]``."""
+    full = join_blocks(blocks, name, grid)
     W = full[:, : lay.n_in]
     if lay.name.startswith("conv"):
         W = W.reshape(wshape)
