@@ -55,8 +55,6 @@ __all__ = [
     "validate",
     "register",
     "to_yaml",
-    "TRAIN_FLAGS",
-    "config_from_args",
     "ConfigError",
 ]
 
@@ -80,10 +78,14 @@ DEFAULTS: dict = {
     "data": {
         "path": None,  # .npz, .npy, Zarr group or HDF5 file; None: bundled digits
         "test_fraction": 0.2,  # held-out share when the file has no test split
+        "val_fraction": 0.0,  # share of the training split held out for validation
+        "standardize": True,  # per-feature standardization of data.path, fitted on training
     },
-    "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1.0e-4},
+    # schedule: none | step:N[:GAMMA] | cosine[:MIN] | warmup:N[+cosine|+step:N[:GAMMA]]
+    "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1.0e-4, "schedule": None},
     # executor: programs (two dask tasks per worker and step) | graph (a dask task per kernel)
-    "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "programs"},
+    # patience: stop when the validation loss has not improved for this many epochs
+    "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "programs", "patience": None},
     "cluster": {
         "kind": "local",  # local | slurm | pbs | lsf | sge
         "scheduler_address": None,  # join this running cluster instead
@@ -369,18 +371,33 @@ def validate(cfg: dict) -> dict:
           "a file or directory path, or null for the bundled digits")
     tf = d.get("test_fraction")
     _need(_is_num(tf) and 0 <= tf < 1, "data.test_fraction", tf, "a number in [0, 1)")
+    vf = d.get("val_fraction", 0.0)
+    _need(_is_num(vf) and 0 <= vf < 1, "data.val_fraction", vf, "a number in [0, 1)")
+    _need(isinstance(d.get("standardize", True), bool), "data.standardize",
+          d.get("standardize"), "true or false")
 
     o = cfg.get("optimizer", {})
     for k in ("lr", "momentum", "weight_decay"):
         _need(_is_num(o.get(k)) and o.get(k) >= 0, f"optimizer.{k}", o.get(k),
               "a number >= 0")
     _need(o["momentum"] < 1, "optimizer.momentum", o["momentum"], "a number < 1")
+    if o.get("schedule") is not None:
+        from dask_ipar.optim import parse_schedule
+
+        try:
+            parse_schedule(str(o["schedule"]), 1000)
+        except IparError:
+            raise ConfigError("optimizer.schedule", o["schedule"], "none, step:N[:GAMMA], "
+                              "cosine[:MIN_FACTOR], warmup:N or warmup:N+cosine") from None
 
     t = cfg.get("train", {})
     for k in ("epochs", "batch"):
         _need(_is_int(t.get(k)) and t.get(k) >= 1, f"train.{k}", t.get(k),
               "a positive integer")
     _need(_is_int(t.get("seed")), "train.seed", t.get("seed"), "an integer")
+    pt = t.get("patience")
+    _need(pt is None or (_is_int(pt) and pt >= 1), "train.patience", pt,
+          "a positive integer (epochs) or null")
     _need(t.get("executor") in ("graph", "programs"), "train.executor", t.get("executor"),
           "'graph' or 'programs'")
 
@@ -431,66 +448,4 @@ def validate(cfg: dict) -> dict:
     kp = ck.get("keep")
     _need(kp is None or (_is_int(kp) and kp >= 1), "checkpoint.keep", kp,
           "a positive integer or null (keep all)")
-    return cfg
-
-
-#: ``dask-ipar train`` flags (argparse ``dest``) and the config key each one overrides.
-TRAIN_FLAGS = {
-    "grid": "grid",
-    "hidden": "model.hidden",
-    "model": "model.kind",
-    "filters": "model.filters",
-    "conv": "model.conv",
-    "dtype": "model.dtype",
-    "lr": "optimizer.lr",
-    "momentum": "optimizer.momentum",
-    "weight_decay": "optimizer.weight_decay",
-    "epochs": "train.epochs",
-    "batch": "train.batch",
-    "seed": "train.seed",
-    "executor": "train.executor",
-    "data": "data.path",
-    "machine": "machine",
-    "cluster": "cluster.kind",
-    "workers": "cluster.workers",
-    "scheduler_address": "cluster.scheduler_address",
-    "connect_timeout": "cluster.connect_timeout",
-    "wait_timeout": "cluster.wait_timeout",
-    "checkpoint_dir": "checkpoint.dir",
-    "checkpoint_every": "checkpoint.every",
-}
-
-
-def config_from_args(args) -> dict:
-    """The effective configuration of a command: ``--config FILE`` (or the usual file),
-    ``DASK_IPAR__*`` variables, then every flag of :data:`TRAIN_FLAGS` that is not None.
-
-    Flags the parser lacks are skipped; ``--no-dashboard`` sets ``cluster.dashboard``
-    to false. The result is validated and registered into ``dask.config``.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-        Flags must default to None so that unset ones leave the config alone.
-    """
-    cfg = load_config(getattr(args, "config", None), register_config=False, check=False)
-    over = {key: getattr(args, dest) for dest, key in TRAIN_FLAGS.items() if hasattr(args, dest)}
-    if getattr(args, "no_dashboard", False):
-        over["cluster.dashboard"] = False
-    source = cfg.pop("_file", None)
-    cfg = apply_overrides(cfg, over)
-    try:
-        validate(cfg)
-    except ConfigError as exc:  # a flag's value: said in the flag's terms
-        flag = next((dest for dest, key in TRAIN_FLAGS.items()
-                     if key == exc.key and over.get(key) is not None), None)
-        if flag is None:
-            raise
-        value = exc.value
-        if isinstance(value, list):
-            value = ",".join(map(str, value)) or "''"
-        raise IparError(f"--{flag.replace('_', '-')} {value}: expected {exc.expected}."
-                        f"{(' ' + exc.fix) if exc.fix else ''}") from None
-    register(cfg)
-    cfg["_file"] = source
     return cfg

@@ -6,7 +6,7 @@ import uuid
 
 import numpy as np
 
-from dask_ipar.io.data import as_inputs, as_labels
+from dask_ipar.io.data import as_inputs
 from dask_ipar.kernels import blocks as B
 from dask_ipar.nn.dense import Engine, LayerLayout, check_dense_grid
 from dask_ipar.nn.front import Front, front_layouts
@@ -18,7 +18,8 @@ from dask_ipar.runtime.executors import GraphExecutor, make_executor
 from dask_ipar.runtime.placement import batches, check_batch, min_samples, place_batch
 from dask_ipar.runtime.state import BlockStore
 from dask_ipar.runtime.stepmodel import predict_step_s
-from dask_ipar.runtime.training import History, StepStats, run_epochs, submit_step
+from dask_ipar.runtime.loop import History, StepStats
+from dask_ipar.runtime.training import fit as _fit, submit_step
 from dask_ipar.runtime.weights import (assemble, check_params, initial_params, weight_arrays,
                                        weight_shape)
 from dask_ipar.layout.grid import Grid, GridBinding, parse_grid
@@ -100,23 +101,20 @@ class Sequential:
         self.embed_bytes = 2**20
         #: Seconds between checks that every grid worker is still alive while waiting.
         self.liveness_check_s = 5.0
-        #: Every this many training steps the weights and momentum get new keys without
-        #: task history (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`, one wait
-        #: for the steps in flight); None never does. Each step's weights are computed from
-        #: the step before, and dask keeps the records of finished tasks that lead to data
-        #: still held: without the cut the workers and the scheduler keep every past step's
-        #: (see :mod:`dask_ipar.runtime.lineage`).
+        #: Every this many steps the state gets new keys without task history, else dask
+        #: keeps every past step's records (:mod:`dask_ipar.runtime.lineage`); None: never.
         self.lineage_steps: int | None = 100
-        #: How a training step runs (:mod:`dask_ipar.runtime.executors`): ``"programs"``,
-        #: the step's kernels run as one dask task per worker and phase that pushes the
-        #: blocks to the other workers itself, or ``"graph"``, every kernel a dask task of
-        #: its own (the dashboard's task stream shows each layer and phase, dask moves the
-        #: blocks). The same results bit for bit and the same bytes moved; programs cost
-        #: the scheduler a fraction of the work per step.
+        #: How a training step runs (:mod:`dask_ipar.runtime.executors`): ``"programs"``
+        #: (one dask task per worker and phase, pushing blocks itself) or ``"graph"`` (a
+        #: task per kernel, each layer and phase in the dashboard). Same results bit for
+        #: bit, same bytes; programs cost the scheduler a fraction of the work.
         self.executor: str = "programs"
         #: Seconds a worker program waits without receiving a block before it fails.
         self.program_timeout_s: float = 300.0
         self._since_cut = 0  # training steps since the last cut
+        #: Input standardization (:class:`dask_ipar.io.scaling.Standardizer`) applied to
+        #: every input of ``fit``, ``predict``, ``evaluate`` and ``gradients``, or None.
+        self.scaling = None
 
     # ---------------------------------------------------------------- shape
     @property
@@ -206,6 +204,8 @@ class Sequential:
         self.engine = self._make_engine(self.binding)
         if self._init_params is None:
             self._init_params = initial_params(self, self.engine)
+        elif self._w is None:  # given before distribute (a loaded model file): check them
+            self._init_params = check_params(self.engine, self._init_params)
         self._scatter_weights(self._init_params, self._init_velocity)
         self._init_params = self._init_velocity = None
 
@@ -230,10 +230,12 @@ class Sequential:
                 self.input_dim = n_features
             self._build()
 
-    def _as_inputs(self, X):
-        """Checked inputs: ``(n, features)``, or ``(n, C, H, W)`` images for a CNN."""
-        return as_inputs(X, self.input_dim, self.input_shape if self._n_front else None,
-                         self.dtype)
+    def _as_inputs(self, X, scaled=True):
+        """Checked inputs: ``(n, features)``, or ``(n, C, H, W)`` images for a CNN,
+        standardized by :attr:`scaling` (unless ``scaled=False``)."""
+        X = as_inputs(X, self.input_dim, self.input_shape if self._n_front else None,
+                      self.dtype)
+        return X if self.scaling is None or not scaled else self.scaling.apply(X)
 
     def _next_step(self) -> int:
         self._step += 1
@@ -302,46 +304,40 @@ class Sequential:
 
     def fit(self, X, y, *, epochs: int = 1, batch_size: int = 32, optimizer: SGD | None = None,
             shuffle: bool = True, seed: int | None = None, progress=False,
-            max_inflight: int = 2, measure: bool = True, machine=None) -> History:
-        """Train with minibatch SGD; returns a :class:`History` of per-epoch loss and accuracy.
+            max_inflight: int = 2, measure: bool = True, machine=None, validation_data=None,
+            standardize: bool = False, callbacks=(), checkpoint=None, log_file=None) -> History:
+        """Train with minibatch SGD; returns a :class:`History` of per-epoch records.
+
+        Runs :class:`dask_ipar.runtime.loop.TrainLoop`, the loop of every training run:
+        step ``s`` trains on :class:`~dask_ipar.runtime.loop.BatchPlan`'s batch ``s`` (a
+        pure function of the seed and ``s``), so the same seed gives the same weights
+        with or without checkpoints, and a resumed run those of an uninterrupted one.
 
         Parameters
         ----------
-        X : array (n_samples, n_features), NumPy or dask
-        y : array (n_samples,) of integer labels in ``[0, classes)``
+        X, y : inputs ``(n, features)`` or ``(n, C, H, W)`` images, integer labels ``(n,)``
         epochs, batch_size : int
-            Batches with fewer samples than grid columns (a short last batch) are dropped.
-        optimizer : SGD
-        progress : bool or callable
-            True shows a tqdm bar (loss, accuracy, samples/s) on stderr; a callable
-            gets each :class:`StepStats`.
-        max_inflight : int
-            Steps submitted ahead of the one being waited for (hides graph build and
-            data transfer behind compute).
+            A short last batch is kept when the grid can split it, else dropped.
+        optimizer : SGD, with its learning-rate schedule if any (:mod:`dask_ipar.optim`)
+        shuffle, seed : each epoch's sample order (``seed`` defaults to the model's)
+        progress : True for a tqdm bar on stderr, or a callable given each :class:`StepStats`
+        max_inflight : int, steps submitted ahead of the one waited for
         measure : bool
-            Drain the workers' transfer logs (every 32 steps and at each epoch end) and
-            put the per-layer, per-phase predicted-vs-measured table in ``history.comm``.
-        machine : dask_ipar.cost.Machine, optional
-            Alpha-beta figures for the predicted seconds (default: rough loopback values).
+            Put the per-layer, per-phase predicted-vs-measured bytes in ``history.comm``
+            (predicted seconds from ``machine``, a :class:`dask_ipar.cost.Machine`).
+        validation_data : ``(X_val, y_val)``: ``val_loss``, ``val_accuracy`` per epoch
+        standardize : bool
+            Fit a per-feature (per-channel for images) :attr:`scaling` on ``X`` unless
+            the model has one; every later input goes through it, and it is saved.
+        callbacks : :class:`dask_ipar.runtime.loop.Callback` list (e.g. ``EarlyStopping``)
+        checkpoint : :class:`dask_ipar.io.checkpoint.Checkpointing`: saves, resume, recovery
+        log_file : a metrics log, a row per epoch (CSV for ``.csv``, else JSON lines)
         """
-        optimizer = optimizer or SGD()
-        if not isinstance(epochs, int) or epochs < 1:
-            raise IparError(f"epochs must be a positive integer, got {epochs!r}.")
-        self._require_bound()
-        X = self._as_inputs(X)
-        y = as_labels(y, X.shape[0], self.n_classes)
-        self._require(X.shape[1])
-        batch = self._check_batch(batch_size, X.shape[0])
-        rng = np.random.default_rng(self.seed if seed is None else seed)
-        meter = None
-        if measure:
-            from dask_ipar.runtime.meter import CommMeter
-
-            meter = CommMeter(self.client, self.binding, self.engine,
-                              self.dtype.itemsize, machine)
-        return run_epochs(self, X, y, epochs=epochs, batch=batch, optimizer=optimizer,
-                          shuffle=shuffle, rng=rng, progress=progress,
-                          max_inflight=max_inflight, meter=meter)
+        return _fit(self, X, y, epochs=epochs, batch_size=batch_size, optimizer=optimizer,
+                    shuffle=shuffle, seed=seed, progress=progress, max_inflight=max_inflight,
+                    measure=measure, machine=machine, validation_data=validation_data,
+                    standardize=standardize, callbacks=callbacks, checkpoint=checkpoint,
+                    log_file=log_file)
 
     def _require_bound(self):
         """Raise a clear error unless the model is on a cluster with its state intact."""
@@ -356,9 +352,6 @@ class Sequential:
                 "the model is not on a cluster yet: call model.distribute(client, grid) first."
             )
         self._store.require_intact()
-
-    def _gather_step(self, futs, step):
-        return self._store.gather_step(futs, step)
 
     def _gather(self, futures):
         return self._store.gather(futures)
@@ -416,6 +409,20 @@ class Sequential:
         blocks = dict(zip(keys, self._fetch(keys, [self._futures[k] for k in keys])))
         return [self._assemble(lay, name, blocks) for lay, name in zip(self.engine.param_layouts, self._w)]
 
+    def save(self, path) -> str:
+        """Write the model (layers, weights, :attr:`scaling`; no optimizer state, no
+        pickle) to one ``.npz`` file (:mod:`dask_ipar.io.modelfile`)."""
+        from dask_ipar.io.modelfile import save_model
+
+        return save_model(self, path)
+
+    @classmethod
+    def load(cls, path, **kwargs) -> "Sequential":
+        """The model saved by :meth:`save`, to ``distribute`` (``kwargs``: ``device``)."""
+        from dask_ipar.io.modelfile import load_model
+
+        return load_model(cls, path, **kwargs)
+
     def set_weights(self, params):
         """Replace all weights (``[(W, b), ...]``, ``W`` is ``d_out x d_in``); resets momentum."""
         self._require()
@@ -431,17 +438,11 @@ class Sequential:
 
     # ------------------------------------------------------- state blocks
     def state_blocks(self) -> dict:
-        """Where the training state lives, block by block (for checkpoints).
-
-        Returns ``{"step", "grid": (pr, pc), "dtype", "layers": [...]}`` where each
-        layer is ``{"name", "n_in", "n_out", "bias", "activation", "rows", "wcols",
-        "w": {(i, j): Future}, "v": {(i, j): Future} or None, "workers": {(i, j): addr}}``.
-        Weight block ``(i, j)`` holds rows ``rows[i]`` and columns ``wcols[j]`` of the
-        ``n_out x (n_in + bias)`` matrix whose last column is the bias; ``v`` is the
-        momentum buffer of the same shape (None before the first step). A step's
-        update rewrites the weight and momentum blocks in place: they hold that step's
-        values once the weight futures have finished, so wait for those before reading
-        the momentum, and read both before submitting another step.
+        """Where the training state lives, block by block (for checkpoints): ``{"step",
+        "grid", "dtype", "layers": [...]}``, each layer with its ``rows``/``wcols`` ranges
+        and ``w``/``v``/``workers`` dicts keyed by cell (see
+        :meth:`dask_ipar.runtime.state.BlockStore.state_blocks`). The next step rewrites
+        the blocks in place: read them (weights first) before submitting it.
         """
         self._require()
         return self._store.state_blocks(self.engine.param_layouts, self._step, self.dtype)

@@ -135,7 +135,7 @@ def test_config_show(tmp_path, capsys):
 
 
 def test_config_from_args(tmp_path):
-    from dask_ipar.config import TRAIN_FLAGS, config_from_args
+    from dask_ipar.cli.config import TRAIN_FLAGS, config_from_args
 
     f = _write(tmp_path / "c.yaml", {"grid": "2x2", "train": {"epochs": 7},
                                      "checkpoint": {"dir": "ck", "every": 5}})

@@ -102,6 +102,11 @@ def check_resume(args, directory, settings: dict) -> None:
         old, new = saved.get("optimizer", {}).get(k), settings["optimizer"][k]
         if old is not None and old != new:
             changed.append(f"{flag} {new:g} (the checkpoint's run used {old:g})")
+    old_s = saved.get("optimizer", {}).get("schedule")
+    new_s = settings["optimizer"].get("schedule")
+    if "schedule" in saved.get("optimizer", {}) and old_s != new_s:
+        changed.append(f"--lr-schedule {new_s or 'none'} (the checkpoint's run used "
+                       f"{old_s or 'none'})")
     for k, flag in (("batch_size", "--batch"), ("seed", "--seed")):
         if saved.get(k) is not None and saved[k] != settings[k]:
             changed.append(f"{flag} {settings[k]} (the checkpoint's run used {saved[k]})")

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import sys
 
-__all__ = ["add_parser", "run"]
+from dask_ipar.config import ConfigError, apply_overrides, load_config, register, validate
+from dask_ipar.errors import IparError
+
+__all__ = ["add_parser", "run", "TRAIN_FLAGS", "config_from_args"]
 
 
 def add_parser(subparsers):
@@ -30,7 +33,7 @@ def add_parser(subparsers):
 
 def run(args) -> int:
     """Run ``dask-ipar config ...``; returns the exit status (IparError propagates)."""
-    from dask_ipar.config import load_config, to_yaml
+    from dask_ipar.config import to_yaml
 
     if getattr(args, "config_command", None) != "show":
         print("usage: dask-ipar config show [--config FILE] [--json]", file=sys.stderr)
@@ -44,3 +47,70 @@ def run(args) -> int:
         print(f"# effective dask-ipar configuration (file: {source or 'none, defaults'})")
         print(to_yaml(clean), end="")
     return 0
+
+
+#: ``dask-ipar train`` flags (argparse ``dest``) and the config key each one overrides.
+TRAIN_FLAGS = {
+    "grid": "grid",
+    "hidden": "model.hidden",
+    "model": "model.kind",
+    "filters": "model.filters",
+    "conv": "model.conv",
+    "dtype": "model.dtype",
+    "lr": "optimizer.lr",
+    "momentum": "optimizer.momentum",
+    "weight_decay": "optimizer.weight_decay",
+    "epochs": "train.epochs",
+    "batch": "train.batch",
+    "seed": "train.seed",
+    "executor": "train.executor",
+    "data": "data.path",
+    "machine": "machine",
+    "cluster": "cluster.kind",
+    "workers": "cluster.workers",
+    "scheduler_address": "cluster.scheduler_address",
+    "connect_timeout": "cluster.connect_timeout",
+    "wait_timeout": "cluster.wait_timeout",
+    "checkpoint_dir": "checkpoint.dir",
+    "checkpoint_every": "checkpoint.every",
+    "val_fraction": "data.val_fraction",
+    "lr_schedule": "optimizer.schedule",
+    "early_stopping": "train.patience",
+}
+
+
+def config_from_args(args) -> dict:
+    """The effective configuration of a command: ``--config FILE`` (or the usual file),
+    ``DASK_IPAR__*`` variables, then every flag of :data:`TRAIN_FLAGS` that is not None.
+
+    Flags the parser lacks are skipped; ``--no-dashboard`` sets ``cluster.dashboard``
+    to false. The result is validated and registered into ``dask.config``.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Flags must default to None so that unset ones leave the config alone.
+    """
+    cfg = load_config(getattr(args, "config", None), register_config=False, check=False)
+    over = {key: getattr(args, dest) for dest, key in TRAIN_FLAGS.items() if hasattr(args, dest)}
+    if getattr(args, "no_dashboard", False):
+        over["cluster.dashboard"] = False
+    if getattr(args, "no_standardize", False):
+        over["data.standardize"] = False
+    source = cfg.pop("_file", None)
+    cfg = apply_overrides(cfg, over)
+    try:
+        validate(cfg)
+    except ConfigError as exc:  # a flag's value: said in the flag's terms
+        flag = next((dest for dest, key in TRAIN_FLAGS.items()
+                     if key == exc.key and over.get(key) is not None), None)
+        if flag is None:
+            raise
+        value = exc.value
+        if isinstance(value, list):
+            value = ",".join(map(str, value)) or "''"
+        raise IparError(f"--{flag.replace('_', '-')} {value}: expected {exc.expected}."
+                        f"{(' ' + exc.fix) if exc.fix else ''}") from None
+    register(cfg)
+    cfg["_file"] = source
+    return cfg

@@ -35,31 +35,30 @@ missing chunks, edited metadata) raises :class:`CheckpointCorrupt`; with
 ``fallback=True`` the next older one is tried. Another model's checkpoint raises
 :class:`~dask_ipar.errors.IparError`.
 
-:func:`train_with_checkpoints` is a training loop that saves every N steps and, when a
-worker dies (its blocks are lost), says so, re-binds the model to the live workers and
+:class:`Checkpointing` is the training loop's callback that saves every N steps and, when
+a worker dies (its blocks are lost), says so, re-binds the model to the live workers and
 resumes from the last checkpoint: the final weights equal an uninterrupted run's.
+:func:`train_with_checkpoints` runs the loop with it for a number of steps.
 
 This module is the public API; the work is done in :mod:`.checkpoint_save` (writing),
 :mod:`.checkpoint_load` (reading and verifying), :mod:`.checkpoint_tasks` (what runs on
 the workers), :mod:`.checkpoint_dirs` (the directory: listing, publishing, cleaning up)
 and :mod:`.checkpoint_faults` (:class:`WorkerLost` and waiting while watching the
-workers). Here: the public names, :func:`recover` and the training loop.
+workers). Here: the public names, :func:`recover` and the checkpointing callback.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
-import numpy as np
-
 from dask_ipar.io.checkpoint_dirs import checkpoints, latest
-from dask_ipar.io.checkpoint_faults import WorkerLost, _faults_as_worker_lost, _wait_alive
+from dask_ipar.io.checkpoint_faults import WorkerLost, _faults_as_worker_lost, _gone_soon
 from dask_ipar.io.checkpoint_format import FORMAT, VERSION, CheckpointCorrupt, CheckpointStorageError
 from dask_ipar.io.checkpoint_load import load, read_metadata
 from dask_ipar.io.checkpoint_save import save
 from dask_ipar.runtime.workers import wait_for_workers
 from dask_ipar.errors import IparError
+from dask_ipar.runtime.loop import Callback
 
 __all__ = [
     "FORMAT",
@@ -74,6 +73,7 @@ __all__ = [
     "read_metadata",
     "recover",
     "batch_indices",
+    "Checkpointing",
     "train_with_checkpoints",
 ]
 
@@ -102,20 +102,126 @@ def recover(model, directory, *, grid=None, wait_timeout_s: float = 120.0, log=N
     return load(model, directory, fallback=True, log=log)
 
 
-def batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
-    """Sample indices of training step ``step`` (0-based): a pure function of its arguments.
+def batch_indices(n: int, batch_size: int, step: int, seed: int, least: int | None = None):
+    """Sample indices of training step ``step`` (0-based): a pure function of its arguments,
+    the batches every training run uses (:class:`dask_ipar.runtime.loop.BatchPlan`).
 
-    Epoch ``e = step // (n // batch_size)`` shuffles the samples with
-    ``default_rng([seed, e])``; the step takes the next ``batch_size`` of them (a short
-    last batch is dropped), so a resumed run sees exactly the batches of an
-    uninterrupted one.
+    Epoch ``e`` shuffles the samples with ``default_rng([seed, e])`` and the step takes
+    the next ``batch_size`` of them; a short last batch is kept when it has at least
+    ``least`` samples (default ``batch_size``: dropped).
     """
-    per_epoch = n // batch_size
-    if per_epoch < 1:
-        raise IparError(f"batch size {batch_size} exceeds the {n} samples.")
-    epoch, k = divmod(step, per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(n)
-    return order[k * batch_size:(k + 1) * batch_size]
+    from dask_ipar.runtime.loop import BatchPlan
+
+    return BatchPlan(n, batch_size, seed, least).indices(step)
+
+
+class Checkpointing(Callback):
+    """The training loop's checkpoints (:class:`dask_ipar.runtime.loop.TrainLoop`).
+
+    Saves every ``every`` steps, at the end, and at an interrupt; with ``resume`` it
+    starts from :func:`latest` in ``directory`` (else from step 0, saved first as
+    ``ckpt-0`` so that a fault before the first checkpoint is recoverable). When a grid
+    worker dies, the step (or save) in flight fails; the callback says so through
+    ``log``, calls :func:`recover` (re-bind to the live workers, load the newest
+    checkpoint) and the loop replays the steps since that checkpoint, up to
+    ``max_restarts`` times. ``settings`` (JSON) is stored in every checkpoint's
+    ``extra``.
+    """
+
+    def __init__(self, directory, *, every: int | None = None, resume: bool = True,
+                 keep: int | None = 2, max_restarts: int = 3, wait_timeout_s: float = 120.0,
+                 save_timeout_s: float | None = None, settings: dict | None = None, log=None):
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool)
+                                  or every < 1):
+            raise IparError(f"every must be an integer >= 1, got {every!r}.")
+        self.directory = os.fspath(directory)
+        self.every, self.resume, self.keep = every, resume, keep
+        self.max_restarts, self.wait_timeout_s = max_restarts, wait_timeout_s
+        self.save_timeout_s = save_timeout_s
+        self.settings = dict(settings or {})
+        self.say = log or (lambda msg: None)
+        self.restarts = 0
+        self.start = 0
+        self.last = None
+        self._saved_step = None
+
+    def on_train_begin(self, loop):
+        model = loop.model
+        self.grid = model.grid
+        self.settings.setdefault("optimizer", loop.optimizer.settings())
+        self.settings.setdefault("batch_size", loop.plan.batch)
+        self.settings.setdefault("seed", loop.plan.seed)
+        if self.resume and latest(self.directory) is not None:
+            meta = load(model, self.directory, fallback=True, log=self.say)
+            self.start = int(meta["step"])
+            self.last = meta["path"]
+            self.say(f"resumed from {self.last} (step {self.start})")
+            loop._rewind(self.start)
+            loop.start_step = self.start
+            self._saved_step = self.start
+            return
+        found = checkpoints(self.directory)
+        if found:
+            raise IparError(
+                f"{self.directory!r} already holds checkpoints (steps {found[0][0]} to "
+                f"{found[-1][0]}) and resume is off. Resume from them (resume=True, "
+                "--resume), or use an empty directory."
+            )
+        model.state_blocks()  # builds the initial weights
+        self._save(loop, loop.step)
+
+    def _save(self, loop, step):
+        with _faults_as_worker_lost(loop.model, f"checkpoint of step {step}"):
+            self.last = save(loop.model, self.directory, step=step, keep=self.keep,
+                             extra=self.settings, timeout_s=self.save_timeout_s)
+        self._saved_step = step
+        if step:
+            self.say(f"checkpoint {self.last} (step {step})")
+
+    def wants_sync(self, loop, step):
+        return step == loop.total_steps or (self.every is not None and step % self.every == 0)
+
+    def on_sync(self, loop, step):
+        self._save(loop, step)
+
+    def on_interrupt(self, loop, step):
+        if step != self._saved_step:
+            self._save(loop, step)
+
+    def on_train_end(self, loop):
+        if loop.step != self._saved_step:  # stopped early (early stopping)
+            self._save(loop, loop.step)
+
+    def on_error(self, loop, exc):
+        if isinstance(exc, (CheckpointStorageError, CheckpointCorrupt)):
+            return None  # storage and data faults end the run at once: no worker to wait for
+        model = loop.model
+        if not isinstance(exc, WorkerLost):
+            gone = _gone_soon(model.client, model.binding.workers)
+            if not gone:
+                return None
+            exc = WorkerLost(gone, f"training step {loop._submitted}")
+        fault = exc
+        # worker programs still waiting for the lost worker's blocks hold their threads
+        model.abort_programs(str(fault))
+        while True:  # a replacement worker may die too: recover again
+            self.restarts += 1
+            self.say(f"step {loop.step + 1}: {fault}")
+            if self.restarts > self.max_restarts:
+                raise fault
+            try:
+                with _faults_as_worker_lost(model, "recovery"):
+                    meta = recover(model, self.directory, grid=self.grid,
+                                   wait_timeout_s=self.wait_timeout_s, log=self.say)
+                break
+            except WorkerLost as again:
+                fault = again
+        self.last = meta["path"]
+        self._saved_step = step = int(meta["step"])
+        self.say(f"recovered on workers {', '.join(model.binding.workers)}; resuming after "
+                 f"step {step} from {self.last} (restart {self.restarts} of at most "
+                 f"{self.max_restarts})")
+        return step
 
 
 def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
@@ -123,45 +229,19 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
                            resume: bool = True, keep: int | None = 2, max_restarts: int = 3,
                            wait_timeout_s: float = 120.0, step_timeout_s: float | None = None,
                            log=None, on_step=None) -> dict:
-    """Train ``steps`` SGD steps, saving a checkpoint every ``every`` steps and at the end.
+    """Train ``steps`` steps with :class:`Checkpointing` (a checkpoint every ``every``
+    steps and at the end, resume, recovery from a lost worker) in the training loop of
+    :meth:`Sequential.fit`: the same batches, so the same weights as ``fit`` with the
+    same seed.
 
-    When a grid worker dies, the step (or save) in flight fails with :class:`WorkerLost`;
-    the loop reports it through ``log``, calls :func:`recover` (re-bind to the live
-    workers, load :func:`latest`) and replays the steps since that checkpoint. Batches
-    come from :func:`batch_indices`, so the result equals an uninterrupted run's.
-
-    Parameters
-    ----------
-    model : Sequential
-        Distributed (``model.distribute(client, grid)``).
-    X, y : arrays
-        Features ``(n, d)`` and integer labels ``(n,)``.
-    steps, every : int
-        Total steps, and steps between checkpoints (``every >= 1``).
-    directory : str or path-like
-        Checkpoint directory.
-    batch_size, optimizer, seed
-        As for :meth:`Sequential.fit`; ``seed`` drives the batch order.
-    resume : bool
-        Start from :func:`latest` in ``directory`` when there is one (else from step 0,
-        saved first as ``ckpt-0`` so a fault before the first checkpoint is recoverable).
-    keep : int or None
-        Checkpoints kept on disk.
-    max_restarts : int
-        Worker faults survived before the last one is re-raised.
-    log : callable, optional
-        Gets one line per checkpoint, fault and recovery.
-    on_step : callable, optional
-        ``on_step(step, loss)`` after each step completes (1-based step).
-
-    Returns
-    -------
-    dict
-        ``{"steps", "start" (the step it resumed from, 0 for a fresh run), "restarts",
-        "losses" (per step, final run), "checkpoint"}``.
+    ``on_step(step, loss)`` is called after each step (1-based); ``step_timeout_s``
+    bounds each save. Returns ``{"steps", "start" (the step it resumed from, 0 for a
+    fresh run), "restarts", "losses" (per step of the final run), "checkpoint"}``.
     """
-    from dask_ipar.io.data import as_features, as_labels
+    from dask_ipar.io.data import as_labels
     from dask_ipar.optim import SGD
+    from dask_ipar.runtime.callbacks import OnStep
+    from dask_ipar.runtime.loop import BatchPlan, TrainLoop
 
     optimizer = optimizer or SGD()
     for name, v, lo in (("steps", steps, 1), ("every", every, 1), ("batch_size", batch_size, 1)):
@@ -169,86 +249,18 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
             raise IparError(f"{name} must be an integer >= {lo}, got {v!r}.")
     if model.binding is None:
         raise IparError("train_with_checkpoints needs model.distribute(client, grid) first.")
-    X = as_features(X, model.input_dim, model.dtype)
+    X = model._as_inputs(X)
     y = as_labels(y, X.shape[0], model.n_classes)
-    if model.input_dim is None:
-        model.input_dim = X.shape[1]
-    grid = model.grid
-    if batch_size < grid.pc:
-        raise IparError(
-            f"batch size {batch_size} is smaller than the grid's Pc = {grid.pc} columns; use "
-            f"a batch of at least {grid.pc}."
-        )
-    say = log or (lambda msg: None)
-    extra = {"optimizer": {"lr": optimizer.lr, "momentum": optimizer.momentum,
-                           "weight_decay": optimizer.weight_decay},
-             "batch_size": batch_size, "seed": seed}
-    directory = os.fspath(directory)
-    start = 0
-    if resume and latest(directory) is not None:
-        meta = load(model, directory, fallback=True, log=say)
-        start = int(meta["step"])
-        last_ckpt = meta["path"]
-        say(f"resumed from {last_ckpt} (step {start})")
-    else:
-        found = checkpoints(directory)
-        if found:
-            raise IparError(
-                f"{directory!r} already holds checkpoints (steps {found[0][0]} to "
-                f"{found[-1][0]}) and resume is off. Resume from them (resume=True, "
-                "--resume), or use an empty directory."
-            )
-        model.state_blocks()  # builds the initial weights
-        last_ckpt = save(model, directory, step=0, keep=keep, extra=extra)
-    losses: dict[int, float] = {}
-    restarts = 0
-    step = start
-    while True:
-        try:
-            while step < steps:
-                idx = batch_indices(X.shape[0], batch_size, step, seed)
-                with _faults_as_worker_lost(model, f"training step {step + 1}"):
-                    futs = model.train_step(X[idx], y[idx], optimizer)
-                    _wait_alive(model.client, futs, model.binding.workers,
-                                f"training step {step + 1}", step_timeout_s)
-                    loss_sum, correct = np.sum(model.client.gather(futs), axis=0)
-                if not math.isfinite(loss_sum):
-                    raise IparError(
-                        f"training diverged at step {step + 1}: the loss is {loss_sum}. "
-                        "Lower the learning rate or standardize the inputs."
-                    )
-                step += 1
-                losses[step] = float(loss_sum / len(idx))
-                if on_step is not None:
-                    on_step(step, losses[step])
-                if step % every == 0 or step == steps:
-                    with _faults_as_worker_lost(model, f"checkpoint of step {step}"):
-                        last_ckpt = save(model, directory, step=step, keep=keep, extra=extra,
-                                         timeout_s=step_timeout_s)
-                    say(f"checkpoint {last_ckpt} (step {step})")
-            break
-        except WorkerLost as exc:
-            fault = exc
-            # worker programs still waiting for the lost worker's blocks hold their threads
-            model.abort_programs(str(fault))
-            while True:  # a replacement worker may die too: recover again
-                restarts += 1
-                say(f"step {step + 1}: {fault}")
-                if restarts > max_restarts:
-                    raise fault
-                try:
-                    with _faults_as_worker_lost(model, "recovery"):
-                        meta = recover(model, directory, grid=grid,
-                                       wait_timeout_s=wait_timeout_s, log=say)
-                    break
-                except WorkerLost as again:
-                    fault = again
-            step = int(meta["step"])
-            last_ckpt = meta["path"]
-            say(f"recovered on workers {', '.join(model.binding.workers)}; resuming after "
-                f"step {step} from {last_ckpt} (restart {restarts} of at most {max_restarts})")
-            for s in [s for s in losses if s > step]:
-                del losses[s]
-    return {"steps": step, "start": start, "restarts": restarts,
-            "losses": [losses[s] for s in sorted(losses)], "checkpoint": last_ckpt}
-
+    model._require(X.shape[1])
+    batch = model._check_batch(batch_size, X.shape[0])
+    ck = Checkpointing(directory, every=every, resume=resume, keep=keep,
+                       max_restarts=max_restarts, wait_timeout_s=wait_timeout_s,
+                       save_timeout_s=step_timeout_s, log=log)
+    cbs = [ck]
+    if on_step is not None:
+        cbs.append(OnStep(lambda st: on_step(st.step, st.loss)))
+    loop = TrainLoop(model, X, y, BatchPlan(X.shape[0], batch, seed, model._min_samples()),
+                     optimizer, total_steps=steps, callbacks=cbs)
+    history = loop.run()
+    return {"steps": loop.step, "start": ck.start, "restarts": ck.restarts,
+            "losses": [s.loss for s in history.steps], "checkpoint": ck.last}

@@ -249,6 +249,28 @@ def worker_environment(reuse_memory: bool = True):
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _workers_ignore_sigint():
+    """Start worker processes that ignore SIGINT: Ctrl-C in a terminal goes to the whole
+    process group, and the workers must outlive it so that the command can stop after
+    the step in flight, write its checkpoint and shut them down itself. A signal ignored
+    at ``exec`` stays ignored, and Python installs its KeyboardInterrupt handler only
+    where SIGINT was at its default; this process's handler is back on exit (during the
+    few seconds of the start, Ctrl-C waits)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 def _n_jobs(n_workers: int, processes: int) -> int:
     return math.ceil(n_workers / processes)
 
@@ -334,7 +356,7 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
         if cluster_cls is LocalCluster:
             kwargs["processes"] = True
         with warnings.catch_warnings(), worker_environment(c.get("reuse_memory", True)), \
-                dask.config.set(QUIET_LOOP_CONFIG):
+                dask.config.set(QUIET_LOOP_CONFIG), _workers_ignore_sigint():
             warnings.filterwarnings("ignore", message="Port .* is already in use")
             cluster = cluster_cls(**kwargs)
     elif kind in JOBQUEUE_CLASSES:

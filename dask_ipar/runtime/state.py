@@ -157,7 +157,18 @@ class BlockStore:
         self.w, self.v = list(w_names), list(v_names)
 
     def state_blocks(self, layouts, step: int, dtype) -> dict:
-        """The state block by block: see :meth:`dask_ipar.model.Sequential.state_blocks`."""
+        """Where the training state lives, block by block (for checkpoints).
+
+        Returns ``{"step", "grid": (pr, pc), "dtype", "layers": [...]}`` where each
+        layer is ``{"name", "n_in", "n_out", "bias", "activation", "rows", "wcols",
+        "w": {(i, j): Future}, "v": {(i, j): Future} or None, "workers": {(i, j): addr}}``.
+        Weight block ``(i, j)`` holds rows ``rows[i]`` and columns ``wcols[j]`` of the
+        ``n_out x (n_in + bias)`` matrix whose last column is the bias; ``v`` is the
+        momentum buffer of the same shape (None before the first step). A step's
+        update rewrites the weight and momentum blocks in place: they hold that step's
+        values once the weight futures have finished, so wait for those before reading
+        the momentum, and read both before submitting another step.
+        """
         cells = self.binding.grid.cells()
         layers = []
         for lay, wn, vn in zip(layouts, self.w, self.v):

@@ -1,59 +1,14 @@
-"""The minibatch training loop of :meth:`dask_ipar.model.Sequential.fit`: steps submitted
-ahead of the one waited for, per-step statistics, progress, the byte meter, and the
-per-epoch record.
+"""One training step (:func:`submit_step`) and :func:`fit`, what
+:meth:`dask_ipar.model.Sequential.fit` runs: the training loop
+(:class:`dask_ipar.runtime.loop.TrainLoop`) with the callbacks its arguments ask for.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from dataclasses import dataclass, field
-
-import numpy as np
-
 from dask_ipar.errors import IparError
 from dask_ipar.nn.graph import StepGraph
 
-__all__ = ["StepStats", "History", "run_epochs", "submit_step"]
-
-
-
-@dataclass
-class StepStats:
-    """What one training step reports: its batch, loss and the time it completed."""
-
-    step: int
-    batch: int
-    loss: float
-    accuracy: float
-    done_s: float
-
-
-
-@dataclass
-class History:
-    """Per-epoch training record returned by :meth:`Sequential.fit`."""
-
-    epochs: list = field(default_factory=list)
-    steps: list = field(default_factory=list)
-    #: Predicted beside measured communication (:class:`~dask_ipar.runtime.meter.CommReport`),
-    #: when ``fit(measure=True)``.
-    comm: object = None
-
-    @property
-    def last(self) -> dict:
-        return self.epochs[-1] if self.epochs else {}
-
-
-
-def _make_bar(progress, total):
-    if progress is not True:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm comes with the train extra
-        return None
-    return tqdm(total=total, unit="step", dynamic_ncols=True, leave=True)
+__all__ = ["fit", "submit_step"]
 
 
 
@@ -85,78 +40,54 @@ def submit_step(model, Xb, yb, optimizer):
     return futs[len(keys):]
 
 
-def run_epochs(model, X, y, *, epochs, batch, optimizer, shuffle, rng, progress, max_inflight,
-               meter) -> History:
-    """Train ``model`` (distributed, checked inputs) for ``epochs`` over ``(X, y)``.
+def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, seed=None,
+        progress=False, max_inflight=2, measure=True, machine=None, validation_data=None,
+        standardize=False, callbacks=(), checkpoint=None, log_file=None):
+    """:meth:`dask_ipar.model.Sequential.fit` (its docstring says what each argument does)."""
+    from dask_ipar.io.data import as_labels
+    from dask_ipar.optim import SGD
+    from dask_ipar.runtime import callbacks as cbs
+    from dask_ipar.runtime.loop import BatchPlan, TrainLoop
 
-    Batches with fewer samples than the grid takes are skipped; each epoch ends when its
-    last step's update has, and ``meter`` (a :class:`~dask_ipar.runtime.meter.CommMeter`
-    or None) is drained every 32 steps and at each epoch's end.
-    """
-    n = X.shape[0]
-    least = model._min_samples()
-    history = History()
-    bar = _make_bar(progress, epochs * (n // batch + (n % batch >= least)))
-    callback = progress if callable(progress) else None
-    try:
-        for epoch in range(epochs):
-            t0 = time.perf_counter()
-            order = rng.permutation(n) if shuffle else np.arange(n)
-            pending: deque = deque()
-            totals = np.zeros(3)
-            for start in range(0, n, batch):
-                idx = order[start:start + batch]
-                if len(idx) < least:
-                    continue
-                stats = model.train_step(X[idx], y[idx], optimizer)
-                pending.append((model._step, len(idx), stats))
-                while len(pending) > max_inflight:
-                    _finish(model, pending.popleft(), totals, history, bar, callback, t0, meter)
-            while pending:
-                _finish(model, pending.popleft(), totals, history, bar, callback, t0, meter)
-            secs = time.perf_counter() - t0
-            # The loss statistics arrive after the forward pass: wait for the last
-            # step's update too, so an epoch (and fit) ends when training has.
-            from distributed import wait
+    optimizer = optimizer or SGD()
+    if not isinstance(optimizer, SGD):
+        raise IparError(f"optimizer must be dask_ipar.SGD, got {optimizer!r}.")
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise IparError(f"epochs must be a positive integer, got {epochs!r}.")
+    model._require_bound()
+    if standardize and model.scaling is None:
+        from dask_ipar.io.scaling import Standardizer
 
-            wait(model._store.state(model._w + model._v))
-            if meter is not None:
-                meter.drain()
-            history.epochs.append({
-                "epoch": epoch + 1,
-                "loss": totals[0] / totals[2],
-                "accuracy": totals[1] / totals[2],
-                "seconds": secs,
-                "samples_per_s": totals[2] / secs,
-            })
-    finally:
-        if bar is not None:
-            bar.close()
-    if meter is not None:
-        history.comm = meter.report()
-    return history
+        raw = model._as_inputs(X, scaled=False)
+        model.scaling = Standardizer.fit(raw)
+    X = model._as_inputs(X)
+    y = as_labels(y, X.shape[0], model.n_classes)
+    model._require(X.shape[1])
+    batch = model._check_batch(batch_size, X.shape[0])
+    plan = BatchPlan(X.shape[0], batch, model.seed if seed is None else seed,
+                     model._min_samples(), shuffle)
+    pre = []
+    if checkpoint is not None:
+        pre.append(checkpoint)  # first: resuming sets the step the others start from
+    post = []
+    if validation_data is not None:
+        try:
+            Xv, yv = validation_data
+        except (TypeError, ValueError):
+            raise IparError("validation_data must be a pair (X_val, y_val).") from None
+        post.append(cbs.Validation(Xv, yv))  # evaluate() checks and scales it
+    if measure:
+        from dask_ipar.runtime.meter import CommMeter
 
-
-def _finish(model, item, totals, history, bar, callback, t0, meter):
-    step, nb, futs = item
-    loss_sum, correct = np.sum(model._store.gather_step(futs, step), axis=0)
-    if not np.isfinite(loss_sum):
-        raise IparError(
-            f"training diverged at step {step}: the loss is {loss_sum}. "
-            "Lower the learning rate or standardize the inputs."
-        )
-    totals += (loss_sum, correct, nb)
-    if meter is not None:
-        meter.add_step(nb)
-        if step % 32 == 0:  # the logs hold far more; fit drains them at each epoch end
-            meter.drain()
-    st = StepStats(step, nb, loss_sum / nb, correct / nb, time.perf_counter())
-    history.steps.append(st)
-    if bar is not None:
-        el = time.perf_counter() - t0
-        bar.set_postfix(loss=f"{totals[0] / totals[2]:.4f}",
-                        acc=f"{totals[1] / totals[2]:.3f}",
-                        samples_s=f"{totals[2] / max(el, 1e-9):.0f}", refresh=False)
-        bar.update(1)
-    if callback is not None:
-        callback(st)
+        post.append(cbs.Meter(CommMeter(model.client, model.binding, model.engine,
+                                        model.dtype.itemsize, machine)))
+    post.extend(callbacks)  # the user's see the validation figures in the epoch record
+    if log_file is not None:
+        post.append(cbs.MetricsLog(log_file))
+    if progress is True:
+        post.append(cbs.ProgressBar())
+    elif callable(progress):
+        post.append(cbs.OnStep(progress))
+    loop = TrainLoop(model, X, y, plan, optimizer, total_steps=epochs * plan.steps_per_epoch,
+                     callbacks=pre + post, max_inflight=max_inflight)
+    return loop.run()

@@ -1,0 +1,408 @@
+"""``dask-ipar train``: the main job. Every run, with or without checkpoints, is one
+:meth:`dask_ipar.model.Sequential.fit` (the training loop of
+:mod:`dask_ipar.runtime.loop`), with the callbacks the flags ask for."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from dask_ipar.cli import checks
+from dask_ipar.cli.args import eprint, fraction, positive_int, resolve_grid, widths
+from dask_ipar.errors import IparError
+from dask_ipar.runtime.loop import Callback, Interrupted
+
+__all__ = ["add_parser", "run", "Stopped"]
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "train",
+        help="train an MLP on the bundled digits data set (the main job)",
+        description="Train an MLP classifier (by default on scikit-learn's bundled 8x8 digits) "
+        "with the integrated model+batch (1.5D) scheme on a Pr x Pc grid of dask workers. "
+        "Settings come from dask-ipar.yaml (see `dask-ipar config show`); flags override it.",
+    )
+    p.add_argument("--config", metavar="FILE",
+                   help="dask-ipar.yaml (default: $DASK_IPAR_CONFIG, else ./dask-ipar.yaml)")
+    p.add_argument("--grid", help="process grid PRxPC, e.g. 2x1 (default: 1xP, pure batch)")
+    p.add_argument("--workers", type=positive_int,
+                   help="number of worker processes P (default: the grid's size, else 2)")
+    p.add_argument("--epochs", type=positive_int, help="passes over the data (default 10)")
+    p.add_argument("--batch", type=positive_int, help="global mini-batch size B (default 64)")
+    p.add_argument("--lr", type=float, help="learning rate (default 0.05)")
+    p.add_argument("--lr-schedule", metavar="SPEC",
+                   help="none (default), step:N[:GAMMA] (x GAMMA every N steps), cosine[:MIN] "
+                   "(to MIN x lr at the end), warmup:N (linear over N steps), warmup:N+cosine")
+    p.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
+    p.add_argument("--weight-decay", type=float, help="L2 weight decay (default 1e-4)")
+    p.add_argument("--model", choices=["mlp", "cnn"],
+                   help="mlp (default): dense layers; cnn: domain-parallel 3x3 conv + 2x2 "
+                   "max-pool blocks (--filters), then the dense layers (digits upsampled to "
+                   "16x16)")
+    p.add_argument("--hidden", type=widths,
+                   help="hidden layer widths, comma separated (default 128,64)")
+    p.add_argument("--filters", type=widths,
+                   help="cnn: conv filters per block, comma separated (default 16,32)")
+    p.add_argument("--conv", choices=["domain", "model", "batch", "auto"],
+                   help="cnn: conv layers domain-parallel (default), model-parallel (filters "
+                   "over Pr), batch-parallel (samples over all P), or auto: the cost model "
+                   "picks each layer's scheme and, without --grid, the grid of --workers "
+                   "processes")
+    p.add_argument("--dtype", choices=["float32", "float64"], help="default float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: CuPy blocks in GPU memory (needs the gpu extra); the local "
+                   "cluster then uses dask-cuda's LocalCUDACluster when there is a GPU per "
+                   "worker, else workers that share the GPUs")
+    p.add_argument("--seed", type=int, help="data split, initialization, shuffling (default 0)")
+    p.add_argument("--executor", choices=["programs", "graph"],
+                   help="programs: two dask tasks per worker and step (default); graph: a dask "
+                        "task per kernel, every layer and phase in the dashboard's task stream, "
+                        "same results, far more scheduler work")
+    p.add_argument("--data", metavar="PATH",
+                   help=".npz, .npy, Zarr or HDF5 with X and y (default: the bundled digits)")
+    p.add_argument("--cluster", choices=["local", "slurm", "pbs", "lsf", "sge"],
+                   help="where the workers run (default local; batch systems need the hpc "
+                   "extra and the cluster section of the config)")
+    p.add_argument("--scheduler-address",
+                   help="use the dask cluster at this address instead of starting one")
+    p.add_argument("--connect-timeout", type=float,
+                   help="seconds to try reaching --scheduler-address (default 10)")
+    p.add_argument("--wait-timeout", type=float,
+                   help="seconds to wait for enough workers (default 60)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save model and optimizer state to Zarr checkpoints here")
+    p.add_argument("--checkpoint-every", type=positive_int, metavar="N",
+                   help="steps between checkpoints (default: at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--resume-changed", action="store_true",
+                   help="with --resume: allow other --lr, --lr-schedule, --momentum, "
+                        "--weight-decay, --batch or --seed than the run that saved the "
+                        "checkpoints")
+    p.add_argument("--machine", metavar="FILE",
+                   help="YAML machine file (alpha, bandwidth) for the predicted seconds")
+    p.add_argument("--report", metavar="FILE.html",
+                   help="write a self-contained HTML run card (model, grid, predicted vs "
+                   "measured communication, dask's performance report)")
+    p.add_argument("--val-fraction", type=fraction, metavar="F",
+                   help="hold out this share of the training split for validation: "
+                   "val_loss and val_accuracy per epoch (default 0: none)")
+    p.add_argument("--early-stopping", type=positive_int, metavar="EPOCHS",
+                   help="with --val-fraction: stop when the validation loss has not improved "
+                   "for EPOCHS epochs, and keep the best epoch's weights")
+    p.add_argument("--no-standardize", action="store_true",
+                   help="train on --data as it is (default: standardize each feature with "
+                   "the training split's mean and deviation; stored with --save)")
+    p.add_argument("--save", metavar="FILE.npz",
+                   help="write the trained model (layers, weights, scaling) for `dask-ipar "
+                   "predict` / `evaluate` and Sequential.load")
+    p.add_argument("--log", metavar="FILE",
+                   help="metrics log, one row per epoch: CSV for .csv, else JSON lines")
+    p.add_argument("--no-dashboard", action="store_true", help="start no dashboard")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--json", action="store_true",
+                   help="end with one JSON object on stdout (everything else goes to stderr)")
+    p.set_defaults(func=run)
+
+
+@contextlib.contextmanager
+def _performance_report(path):
+    """Record dask's performance report (inline bokeh) when a run card is asked for."""
+    from dask_ipar.runtime.cluster import _has_bokeh
+
+    out = {}
+    if not path or not _has_bokeh():
+        yield out
+        return
+    from distributed import performance_report
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fname = os.path.join(tmp, "dask-report.html")
+        with performance_report(filename=fname, mode="inline"):
+            yield out
+        with open(fname, encoding="utf-8") as fh:
+            out["html"] = fh.read()
+
+
+def _load_data(cfg):
+    """Training and test data: a file from the config, else the bundled digits."""
+    import numpy as np
+
+    from dask_ipar.io.data import load_digits_images, load_digits_split
+
+    t = cfg["train"]
+    if not cfg["data"]["path"]:
+        if cfg["model"].get("kind") == "cnn":
+            return (*load_digits_images(upsample=2, seed=t["seed"]), 10, "digits 16x16")
+        return (*load_digits_split(seed=t["seed"]), 10, "digits")
+    from dask_ipar.io.data import load_dataset, train_test_split
+
+    X, y = load_dataset(cfg["data"]["path"], chunk_rows=64 * t["batch"])
+    Xtr, ytr, Xte, yte = train_test_split(X, y, cfg["data"]["test_fraction"], t["seed"])
+    return Xtr, ytr, Xte, yte, int(np.max(np.asarray(y))) + 1, cfg["data"]["path"]
+
+
+def _val_split(args, cfg, Xtr, ytr, grid):
+    """The validation share of the training split (``--val-fraction``), or None."""
+    from dask_ipar.io.data import train_test_split
+
+    vf = cfg["data"]["val_fraction"]
+    if not vf:
+        return Xtr, ytr, None
+    Xa, ya, Xv, yv = train_test_split(Xtr, ytr, vf, cfg["train"]["seed"] + 1)
+    if len(yv) < grid.pc:
+        raise IparError(
+            f"--val-fraction {vf:g} holds out {len(yv)} of the {len(ytr)} training samples, "
+            f"fewer than the grid's {grid.pc} batch-parallel columns; use a larger fraction "
+            "or more data.")
+    return Xa, ya, (Xv, yv)
+
+
+class _Signals:
+    """SIGINT and SIGTERM during a run: the first stops the training loop after the step in
+    flight (a checkpoint is written there when the run has a directory); before the loop
+    runs, or a second time, they end the command at once. Handlers are restored on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.loop = None
+        self.signum = None
+        self._saved = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._saved[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._saved.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum, frame):
+        first = self.signum is None
+        self.signum = signum
+        if first and self.loop is not None:
+            self.loop.request_stop(signal.Signals(signum).name, signum)
+            return
+        raise Stopped(signum)
+
+    def callback(self):
+        signals = self
+
+        class _Watch(Callback):
+            def on_train_begin(self, loop):
+                signals.loop = loop
+                if signals.signum is not None:
+                    loop.request_stop(signal.Signals(signals.signum).name, signals.signum)
+
+            def on_train_end(self, loop):
+                signals.loop = None
+
+        return _Watch()
+
+
+class Stopped(KeyboardInterrupt):
+    """A signal ended the command outside the training loop (exit status 128 + signum)."""
+
+    def __init__(self, signum):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def _build_model(cfg, args, Xtr, grid, n_classes, machine):
+    """The network the flags describe; returns ``(model, grid, kind, widths)``."""
+    from dask_ipar.model import Sequential
+    from dask_ipar.nn.layers import Dense
+
+    t = cfg["train"]
+    layers = [Dense(w, "relu") for w in cfg["model"]["hidden"]] + [Dense(n_classes)]
+    kind = cfg["model"].get("kind", "mlp")
+    if kind != "cnn":
+        model = Sequential(layers, input_dim=Xtr.shape[1], dtype=cfg["model"]["dtype"],
+                           seed=t["seed"], device=args.device)
+        return model, grid, kind, "-".join(map(str, model.sizes))
+    if np.ndim(Xtr) != 4:
+        raise IparError(
+            f"--model cnn needs images (n, channels, height, width); the data has shape "
+            f"{tuple(np.shape(Xtr))}. Save X with that shape, or train an MLP.")
+    from dask_ipar.nn.layers import Conv2d, Flatten, MaxPool2d
+
+    conv = cfg["model"].get("conv", "domain")
+    front = [lay for f in cfg["model"]["filters"]
+             for lay in (Conv2d(f, 3, activation="relu",
+                                parallel="domain" if conv == "auto" else conv), MaxPool2d(2))]
+    layers = front + [Flatten()] + layers
+    if conv == "auto":
+        from dask_ipar.cost import LOOPBACK_MACHINE
+        from dask_ipar.nn.planning import plan_layers
+
+        grid, layers, chosen = plan_layers(layers, tuple(Xtr.shape[1:]), grid.size, t["batch"],
+                                           machine, grid=cfg["grid"])
+        used = machine or LOOPBACK_MACHINE
+        eprint(f"dask-ipar: planner (conv auto): grid {grid}, " + ", ".join(
+            f"{n} {s}" for n, s in chosen.schemes if n.startswith("conv"))
+            + f"; machine alpha {used.alpha_s:g} s, {used.bandwidth_Bps:.3g} B/s ("
+            + (cfg["machine"] if machine else "the loopback default; --machine FILE from "
+               "`dask-ipar calibrate` for this cluster's own") + ")")
+    model = Sequential(layers, input_shape=tuple(Xtr.shape[1:]), dtype=cfg["model"]["dtype"],
+                       seed=t["seed"], device=args.device)
+    dense = model.dense_layers
+    widths = "conv " + "-".join(map(str, cfg["model"]["filters"])) + " / dense " + \
+        "-".join(map(str, model.sizes[-len(dense) - 1:]))
+    return model, grid, kind, widths
+
+
+def _settings(cfg) -> dict:
+    """What a checkpoint stores of the run and ``--resume`` checks."""
+    o, t = cfg["optimizer"], cfg["train"]
+    return {"optimizer": {"lr": o["lr"], "momentum": o["momentum"],
+                          "weight_decay": o["weight_decay"], "schedule": o.get("schedule")},
+            "batch_size": t["batch"], "seed": t["seed"]}
+
+
+def run(args) -> int:
+    with _Signals() as signals:
+        return _run(args, signals)
+
+
+def _run(args, signals) -> int:
+    from dask_ipar.cli.config import config_from_args
+    from dask_ipar.optim import SGD, parse_schedule
+    from dask_ipar.runtime.cluster import dashboard_link, make_cluster
+
+    cfg = config_from_args(args)
+    t, o, ck = cfg["train"], cfg["optimizer"], cfg["checkpoint"]
+    grid = resolve_grid(cfg["grid"], cfg["cluster"]["workers"])
+    if args.resume and not ck["dir"]:
+        raise IparError("--resume needs --checkpoint-dir DIR (or checkpoint.dir in the config).")
+    if t["patience"] and not cfg["data"]["val_fraction"]:
+        raise IparError(f"--early-stopping {t['patience']} watches the validation loss: add "
+                        "--val-fraction F (e.g. 0.1) to hold out validation data.")
+    checks.check_scheduler_address(args, cfg["cluster"]["scheduler_address"])
+    if ck["dir"]:
+        checks.check_resume(args, ck["dir"], _settings(cfg))
+    machine = None
+    if cfg["machine"]:
+        from dask_ipar.cost import load_machine
+
+        try:
+            machine = load_machine(cfg["machine"])
+        except ValueError as exc:
+            raise IparError(str(exc)) from None
+    if t["batch"] < grid.pc:
+        raise IparError(
+            f"--batch {t['batch']} is smaller than the grid's Pc = {grid.pc} batch-parallel "
+            f"columns; use --batch {grid.pc} or more, or a grid with fewer columns.")
+    Xtr, ytr, Xte, yte, n_classes, data_name = _load_data(cfg)
+    checks.check_data(args, data_name, Xtr, ytr, Xte, yte, n_classes, t["batch"], grid,
+                      cfg["data"]["test_fraction"] if cfg["data"]["path"] else 0.2)
+    Xtr, ytr, val = _val_split(args, cfg, Xtr, ytr, grid)
+    model, grid, kind, widths = _build_model(cfg, args, Xtr, grid, n_classes, machine)
+    standardize = bool(cfg["data"]["path"]) and cfg["data"]["standardize"]
+    per_epoch = len(ytr) // t["batch"] + 1  # an upper bound; the loop knows the exact count
+    schedule = parse_schedule(o.get("schedule"), t["epochs"] * per_epoch)
+    optimizer = SGD(lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"],
+                    schedule=schedule)
+    t_start = time.perf_counter()
+    logging.getLogger("distributed").setLevel(logging.ERROR)  # start-up chatter is not theirs
+    interrupted = None
+    with make_cluster(cfg, grid.size, device=args.device, log=eprint) as client:
+        link = dashboard_link(client) if cfg["cluster"]["dashboard"] else None
+        rows = "domain/model-parallel" if kind == "cnn" else "model-parallel"
+        eprint(f"dask-ipar: {kind.upper()} {widths} on {data_name}, grid {grid} ({grid.pr} "
+               f"{rows} rows x {grid.pc} batch-parallel columns), batch {t['batch']}, "
+               f"{cfg['model']['dtype']}, executor {t['executor']}"
+               + (", inputs standardized" if standardize else ""))
+        if link:
+            eprint(f"dask-ipar: dashboard at {link}")
+        model.distribute(client, grid)
+        model.executor = t["executor"]
+        callbacks = [signals.callback()]
+        if t["patience"]:
+            from dask_ipar.runtime.callbacks import EarlyStopping
+
+            callbacks.append(EarlyStopping(t["patience"]))
+        checkpoint = None
+        if ck["dir"]:
+            from dask_ipar.io.checkpoint import Checkpointing
+
+            checkpoint = Checkpointing(ck["dir"], every=ck["every"] or None, resume=args.resume,
+                                       keep=ck["keep"], settings=_settings(cfg),
+                                       wait_timeout_s=cfg["cluster"]["wait_timeout"],
+                                       log=lambda m: eprint(f"dask-ipar: {m}"))
+        t_fit = time.perf_counter()
+        history = None
+        try:
+            with _performance_report(args.report) as perf:
+                history = model.fit(Xtr, ytr, epochs=t["epochs"], batch_size=t["batch"],
+                                    optimizer=optimizer, seed=t["seed"],
+                                    progress=not args.no_progress, machine=machine,
+                                    validation_data=val, standardize=standardize,
+                                    callbacks=callbacks, checkpoint=checkpoint,
+                                    log_file=args.log)
+        except Interrupted as exc:
+            interrupted = exc
+        if interrupted is not None:
+            if checkpoint is None:
+                where = "; nothing saved (no --checkpoint-dir)"
+            elif interrupted.saved:
+                where = f"; checkpoint {checkpoint.last} written, continue with --resume"
+            else:
+                where = f"; the last checkpoint is {checkpoint.last}, continue with --resume"
+            eprint(f"dask-ipar: stopped by {interrupted.reason} after step {interrupted.step}"
+                   f"{where}")
+            model.close()
+            return 128 + (interrupted.signum or signal.SIGINT)
+        fit_s = time.perf_counter() - t_fit
+        result = model.evaluate(Xte, yte)
+        n_seen = sum(s.batch for s in history.steps)
+        summary = {
+            "grid": str(grid), "pr": grid.pr, "pc": grid.pc, "model": widths,
+            "data": data_name, "dtype": cfg["model"]["dtype"], "device": args.device,
+            "batch": t["batch"], "epochs": t["epochs"], "executor": t["executor"],
+            "standardized": standardize,
+            "train_loss": history.last.get("loss"), "train_accuracy": history.last.get("accuracy"),
+            "test_loss": result["loss"], "test_accuracy": result["accuracy"],
+            "fit_seconds": fit_s, "samples_per_s": n_seen / fit_s,
+            "history": [{k: float(v) if isinstance(v, (float, np.floating)) else v
+                         for k, v in e.items()} for e in history.epochs],
+            "stopped": history.stopped,
+        }
+        if checkpoint is not None:
+            summary["checkpoint"] = checkpoint.last
+        if history.stopped:
+            eprint(f"dask-ipar: {history.stopped}")
+        if history.comm is not None:
+            summary["comm"] = [r.to_dict() for r in history.comm.rows]
+            eprint(history.comm.table())
+        if args.save:
+            summary["saved"] = model.save(args.save)
+            eprint(f"dask-ipar: model written to {args.save}")
+        if args.report:
+            from dask_ipar.io.report import write_run_card
+
+            write_run_card(args.report, summary, history, model, perf.get("html"))
+            eprint(f"dask-ipar: run card written to {args.report}")
+        model.close()
+    summary["seconds"] = time.perf_counter() - t_start
+    epochs_run = len(history.epochs)
+    line = (f"test accuracy {result['accuracy']:.4f} (loss {result['loss']:.4f}) after "
+            f"{epochs_run} epoch{'s' if epochs_run != 1 else ''}, "
+            f"{summary['samples_per_s']:.0f} samples/s, {summary['seconds']:.1f} s total")
+    if args.json:
+        eprint(line)
+        print(json.dumps(summary))
+    else:
+        print(line)
+    return 0

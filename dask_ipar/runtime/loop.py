@@ -1,0 +1,313 @@
+"""The one training loop: :meth:`Sequential.fit`, :func:`dask_ipar.io.checkpoint.
+train_with_checkpoints` and ``dask-ipar train`` all run :class:`TrainLoop`.
+
+What a run does beyond stepping comes from callbacks (:mod:`dask_ipar.runtime.callbacks`
+and the checkpointing one, :class:`dask_ipar.io.checkpoint.Checkpointing`): progress,
+validation, early stopping, the metrics log, the byte meter, checkpoints and recovery
+from a lost worker. The loop itself owns three things only:
+
+- **Which samples step ``s`` trains on**: :class:`BatchPlan`, a pure function of
+  ``(n, batch, seed, s)``. Epoch ``e`` shuffles the samples with ``default_rng([seed,
+  e])`` and cuts them into batches in order; a short last batch is kept when the grid
+  can split it (at least :func:`~dask_ipar.runtime.placement.min_samples` samples), else
+  dropped. A run resumed at step ``k`` therefore sees the batches an uninterrupted run
+  does, with or without checkpoints.
+- **The learning rate of step ``s``**: the optimizer's schedule
+  (:mod:`dask_ipar.optim`), also a pure function of ``s``.
+- **When the state may be read**: steps are submitted ``max_inflight`` ahead of the one
+  waited for; before a callback reads the weights (a checkpoint, validation, the end of
+  an epoch) the loop waits for every submitted step (:meth:`Callback.wants_sync`).
+
+A stop requested with :meth:`TrainLoop.request_stop` (what the CLI's SIGINT/SIGTERM
+handlers do) ends the run after the step in flight: the loop waits for it, gives the
+callbacks :meth:`Callback.on_interrupt` (a checkpoint is written there) and raises
+:class:`Interrupted`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dask_ipar.errors import IparError
+
+__all__ = ["BatchPlan", "Callback", "History", "Interrupted", "StepStats", "TrainLoop",
+           "Diverged"]
+
+
+@dataclass
+class StepStats:
+    """What one training step reports: its batch, loss and the time it completed."""
+
+    step: int
+    batch: int
+    loss: float
+    accuracy: float
+    done_s: float
+    lr: float = float("nan")
+    epoch: int = 0
+
+
+@dataclass
+class History:
+    """Per-epoch training record returned by :meth:`Sequential.fit`.
+
+    ``epochs`` holds one dict per epoch: ``epoch``, ``loss``, ``accuracy`` (over the
+    epoch's training batches), ``lr`` (of its last step), ``seconds``, ``samples_per_s``,
+    ``steps`` and, with validation data, ``val_loss`` and ``val_accuracy``.
+    """
+
+    epochs: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+    #: Predicted beside measured communication (:class:`~dask_ipar.runtime.meter.CommReport`),
+    #: when ``fit(measure=True)``.
+    comm: object = None
+    #: Why training ended before its last epoch (early stopping), else None.
+    stopped: str | None = None
+
+    @property
+    def last(self) -> dict:
+        return self.epochs[-1] if self.epochs else {}
+
+
+class Diverged(IparError):
+    """Training stopped: the loss became non-finite or rose far above its start."""
+
+
+class Interrupted(Exception):
+    """The run stopped after step ``step`` because :meth:`TrainLoop.request_stop` was
+    called (by a signal handler: ``signum``). The state of that step is intact, and
+    saved when the run checkpoints, unless ``saved`` is False (the cluster failed while
+    stopping: the last checkpoint written before is what there is)."""
+
+    def __init__(self, step: int, reason: str, signum: int | None = None, saved: bool = True):
+        self.step, self.reason, self.signum, self.saved = step, reason, signum, saved
+        super().__init__(f"stopped after step {step}: {reason}")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The samples of every training step: a pure function of the step (see the module).
+
+    ``least`` is the smallest batch the grid can split; a shorter last batch of an epoch
+    is dropped. ``shuffle=False`` keeps the sample order in every epoch.
+    """
+
+    n: int
+    batch: int
+    seed: int = 0
+    least: int | None = None
+    shuffle: bool = True
+
+    def __post_init__(self):
+        if self.batch > self.n:
+            raise IparError(f"batch size {self.batch} exceeds the {self.n} samples.")
+        if self.batch < 1:
+            raise IparError(f"batch size must be >= 1, got {self.batch}.")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        least = self.batch if self.least is None else self.least
+        return self.n // self.batch + (0 < self.n % self.batch and self.n % self.batch >= least)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The sample order of ``epoch`` (0-based)."""
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def indices(self, step: int) -> np.ndarray:
+        """Sample indices of training step ``step`` (0-based)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return self.order(epoch)[k * self.batch:(k + 1) * self.batch]
+
+
+class Callback:
+    """Hooks of :class:`TrainLoop`; every method is optional. ``loop.history`` and
+    ``loop.step`` (steps done) are there to read; ``loop.stop(reason)`` ends the run at
+    the end of the current epoch (early stopping)."""
+
+    def on_train_begin(self, loop): ...
+
+    def on_step_end(self, loop, stats: StepStats): ...
+
+    def wants_sync(self, loop, step: int) -> bool:
+        """Whether the callback reads the state right after step ``step`` (1-based) was
+        submitted; the loop then waits for every step and calls :meth:`on_sync`."""
+        return False
+
+    def on_sync(self, loop, step: int): ...
+
+    def on_epoch_end(self, loop, record: dict): ...
+
+    def on_interrupt(self, loop, step: int): ...
+
+    def on_error(self, loop, exc: BaseException) -> int | None:
+        """A step or callback failed with ``exc``: return the step to go on from (after
+        restoring the state of that step), or None to let the error end the run."""
+        return None
+
+    def on_train_end(self, loop): ...
+
+
+class TrainLoop:
+    """Run ``total_steps`` steps of ``optimizer`` on ``(X, y)`` (checked arrays), from
+    ``start_step`` (0 for a fresh run). See the module for what it guarantees."""
+
+    def __init__(self, model, X, y, plan: BatchPlan, optimizer, *, total_steps: int,
+                 start_step: int = 0, callbacks=(), max_inflight: int = 2,
+                 diverge_factor: float = 10.0):
+        if not isinstance(max_inflight, int) or max_inflight < 0:
+            raise IparError(f"max_inflight must be an integer >= 0, got {max_inflight!r}.")
+        self.model, self.X, self.y, self.plan = model, X, y, plan
+        self.optimizer = optimizer
+        self.total_steps, self.step = total_steps, start_step
+        self.start_step = start_step
+        self.callbacks = list(callbacks)
+        self.max_inflight = max_inflight
+        self.diverge_factor = diverge_factor
+        self.history = History()
+        self._stop_request: tuple[str, int | None] | None = None
+        self._stop_at_epoch: str | None = None
+        self._first_loss: float | None = None
+        self._pending: deque = deque()
+        self._submitted = start_step
+        self._epoch_totals = np.zeros(3)
+        self._epoch_t0 = time.perf_counter()
+
+    # ------------------------------------------------------------ control
+    def request_stop(self, reason: str, signum: int | None = None) -> None:
+        """Stop after the step in flight (safe to call from a signal handler)."""
+        self._stop_request = (reason, signum)
+
+    def stop(self, reason: str) -> None:
+        """End the run at the end of the current epoch (early stopping)."""
+        self._stop_at_epoch = reason
+
+    @property
+    def epoch(self) -> int:
+        """The epoch (0-based) of the next step."""
+        return self._submitted // self.plan.steps_per_epoch
+
+    def _each(self, hook, *args):
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, *args)
+
+    # ---------------------------------------------------------------- run
+    def run(self) -> History:
+        self._each("on_train_begin")
+        while True:
+            try:
+                self._steps()
+                break
+            except Interrupted:
+                raise
+            except BaseException as exc:
+                if isinstance(exc, (KeyboardInterrupt, Diverged)):
+                    raise
+                if self._stop_request is not None:  # e.g. the workers got the signal too
+                    reason, signum = self._stop_request
+                    raise Interrupted(self.step, f"{reason} ({type(exc).__name__} while "
+                                      "stopping)", signum, saved=False) from exc
+                again = None
+                for cb in self.callbacks:
+                    again = cb.on_error(self, exc)
+                    if again is not None:
+                        break
+                if again is None:
+                    raise
+                self._rewind(int(again))
+        self._each("on_train_end")
+        return self.history
+
+    def _rewind(self, step: int):
+        """Go on from ``step`` (its state restored by the callback that handled a fault)."""
+        self._pending.clear()
+        self.history.steps = [s for s in self.history.steps if s.step <= step]
+        self.step = self._submitted = step
+        self._epoch_totals = np.zeros(3)
+        self._epoch_t0 = time.perf_counter()
+
+    def _steps(self):
+        spe = self.plan.steps_per_epoch
+        while self._submitted < self.total_steps:
+            if self._stop_request is not None:
+                self.drain()
+                self._each("on_interrupt", self._submitted)
+                reason, signum = self._stop_request
+                raise Interrupted(self._submitted, reason, signum)
+            s = self._submitted
+            idx = self.plan.indices(s)
+            opt = self.optimizer.at_step(s)
+            futs = self.model.train_step(self.X[idx], self.y[idx], opt)
+            self._submitted = s + 1
+            self._pending.append((s + 1, len(idx), futs, opt.lr))
+            if any(cb.wants_sync(self, s + 1) for cb in self.callbacks):
+                self.drain()
+                self._each("on_sync", s + 1)
+            while len(self._pending) > self.max_inflight:
+                self._finish(self._pending.popleft())
+            if (s + 1) % spe == 0 or s + 1 == self.total_steps:
+                self._end_epoch((s + 1 - 1) // spe)
+                if self._stop_at_epoch is not None:
+                    self.history.stopped = self._stop_at_epoch
+                    return
+
+    def drain(self):
+        """Wait for every submitted step (losses gathered, callbacks told) and its update."""
+        while self._pending:
+            self._finish(self._pending.popleft())
+        store = self.model._store  # a worker that died fails the wait within seconds
+        store.wait_alive(store.state(store.w + store.v), self._submitted)
+
+    def _finish(self, item):
+        step, nb, futs, lr = item
+        loss_sum, correct = np.sum(self.model._store.gather_step(futs, step), axis=0)
+        loss = loss_sum / nb
+        if self._first_loss is None:
+            self._first_loss = loss
+        if not math.isfinite(loss) or loss > self.diverge_factor * max(self._first_loss, 1.0):
+            what = ("is " + str(loss)) if not math.isfinite(loss) else (
+                f"rose to {loss:.4g}, over {self.diverge_factor:g}x its start "
+                f"({self._first_loss:.4g})")
+            raise Diverged(
+                f"training diverged at step {step}: the loss {what} with learning rate "
+                f"{lr:g}. Lower the learning rate, or standardize the inputs (features of "
+                "very different scales need it)."
+            )
+        self.step = step
+        self._epoch_totals += (loss_sum, correct, nb)
+        st = StepStats(step, nb, loss, correct / nb, time.perf_counter(), lr,
+                       (step - 1) // self.plan.steps_per_epoch)
+        self.history.steps.append(st)
+        self._each("on_step_end", st)
+
+    def _end_epoch(self, epoch: int):
+        self.drain()
+        secs = time.perf_counter() - self._epoch_t0
+        loss_sum, correct, n = self._epoch_totals
+        record = {
+            "epoch": epoch + 1,
+            "loss": loss_sum / n if n else float("nan"),
+            "accuracy": correct / n if n else float("nan"),
+            "lr": self.history.steps[-1].lr if self.history.steps else float("nan"),
+            "seconds": secs,
+            "samples_per_s": n / secs if secs > 0 else float("nan"),
+            "steps": self.step,
+        }
+        self._each("on_epoch_end", record)
+        self.history.epochs.append(record)
+        self._epoch_totals = np.zeros(3)
+        self._epoch_t0 = time.perf_counter()
+
+    @property
+    def epoch_running(self) -> dict:
+        """Loss, accuracy and samples/s so far in the current epoch."""
+        loss_sum, correct, n = self._epoch_totals
+        el = max(time.perf_counter() - self._epoch_t0, 1e-9)
+        return {"loss": loss_sum / max(n, 1), "accuracy": correct / max(n, 1),
+                "samples_per_s": n / el}
