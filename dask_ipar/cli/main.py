@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dask_ipar.cli import train as train_cli
 
     train_cli.add_parser(sub)
+    from dask_ipar.cli import infer as infer_cli
+
+    infer_cli.add_parsers(sub)
     _add_calibrate(sub)
     _add_verify(sub)
     try:

@@ -61,14 +61,18 @@ class ProgressBar(Callback):
 
 class Validation(Callback):
     """Loss and accuracy on ``(X, y)`` at each epoch's end, as ``val_loss`` and
-    ``val_accuracy`` in the epoch's record (computed on the grid, no update)."""
+    ``val_accuracy`` in the epoch's record (computed on the grid, no update). With a
+    ``meter`` (a :class:`~dask_ipar.runtime.meter.CommMeter`) the validation's transfers
+    are drained unrecorded: the meter compares training steps with the cost model."""
 
-    def __init__(self, X, y, batch_size: int | None = 4096):
-        self.X, self.y, self.batch_size = X, y, batch_size
+    def __init__(self, X, y, batch_size: int | None = 4096, meter=None):
+        self.X, self.y, self.batch_size, self.meter = X, y, batch_size, meter
 
     def on_epoch_end(self, loop, record):
         r = loop.model.evaluate(self.X, self.y, batch_size=self.batch_size)
         record["val_loss"], record["val_accuracy"] = r["loss"], r["accuracy"]
+        if self.meter is not None:
+            self.meter.drain(record=False)
 
 
 class EarlyStopping(Callback):

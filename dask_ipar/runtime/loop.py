@@ -160,7 +160,7 @@ class TrainLoop:
 
     def __init__(self, model, X, y, plan: BatchPlan, optimizer, *, total_steps: int,
                  start_step: int = 0, callbacks=(), max_inflight: int = 2,
-                 diverge_factor: float = 10.0):
+                 diverge_factor: float = 2.0):
         if not isinstance(max_inflight, int) or max_inflight < 0:
             raise IparError(f"max_inflight must be an integer >= 0, got {max_inflight!r}.")
         self.model, self.X, self.y, self.plan = model, X, y, plan
@@ -270,9 +270,13 @@ class TrainLoop:
         loss = loss_sum / nb
         if self._first_loss is None:
             self._first_loss = loss
-        if not math.isfinite(loss) or loss > self.diverge_factor * max(self._first_loss, 1.0):
+        # chance level is ln(classes); a rise to twice the first step's loss (and well
+        # above chance) is divergence, as is a non-finite loss
+        limit = max(3 * math.log(max(self.model.n_classes, 2)),
+                    self.diverge_factor * self._first_loss)
+        if not math.isfinite(loss) or loss > limit:
             what = ("is " + str(loss)) if not math.isfinite(loss) else (
-                f"rose to {loss:.4g}, over {self.diverge_factor:g}x its start "
+                f"rose to {loss:.4g}, over {self.diverge_factor:g}x its first step's "
                 f"({self._first_loss:.4g})")
             raise Diverged(
                 f"training diverged at step {step}: the loss {what} with learning rate "
@@ -299,6 +303,16 @@ class TrainLoop:
             "samples_per_s": n / secs if secs > 0 else float("nan"),
             "steps": self.step,
         }
+        chance = math.log(max(self.model.n_classes, 2))
+        if (self.start_step == 0 and epoch == 0 and self._first_loss is not None
+                and self._first_loss > 3 * chance and record["loss"] > 0.95 * chance):
+            raise Diverged(
+                f"training is not learning: the first epoch's mean loss is "
+                f"{record['loss']:.4f}, no better than uniform guessing (ln "
+                f"{self.model.n_classes} = {chance:.4f}), after a first step's loss of "
+                f"{self._first_loss:.4g}, with learning "
+                f"rate {record['lr']:g}. The inputs are far from unit scale: standardize them "
+                "(drop --no-standardize, or fit(standardize=True)), or lower the learning rate.")
         self._each("on_epoch_end", record)
         self.history.epochs.append(record)
         self._epoch_totals = np.zeros(3)

@@ -70,17 +70,19 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
     if checkpoint is not None:
         pre.append(checkpoint)  # first: resuming sets the step the others start from
     post = []
+    meter = None
+    if measure:  # before validation: the epoch's training traffic is drained first
+        from dask_ipar.runtime.meter import CommMeter
+
+        meter = CommMeter(model.client, model.binding, model.engine, model.dtype.itemsize,
+                          machine)
+        post.append(cbs.Meter(meter))
     if validation_data is not None:
         try:
             Xv, yv = validation_data
         except (TypeError, ValueError):
             raise IparError("validation_data must be a pair (X_val, y_val).") from None
-        post.append(cbs.Validation(Xv, yv))  # evaluate() checks and scales it
-    if measure:
-        from dask_ipar.runtime.meter import CommMeter
-
-        post.append(cbs.Meter(CommMeter(model.client, model.binding, model.engine,
-                                        model.dtype.itemsize, machine)))
+        post.append(cbs.Validation(Xv, yv, meter=meter))  # evaluate() checks and scales it
     post.extend(callbacks)  # the user's see the validation figures in the epoch record
     if log_file is not None:
         post.append(cbs.MetricsLog(log_file))
