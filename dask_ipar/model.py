@@ -183,6 +183,7 @@ class Sequential:
         if self._v is not None and any(n is not None for n in self._v):
             velocity = self._store.whole(self.engine.param_layouts, self._v,
                                          f"{self.uid}-s{self._next_step()}")
+        opt = (None, 0) if velocity is None else self._store.opt
         self.drop_state()
         from dask_ipar.runtime.workers import hold_replicas
 
@@ -193,7 +194,7 @@ class Sequential:
                                  submit=lambda *a, **k: self._submit(*a, **k),
                                  abort=lambda reason: self.abort_programs(reason),
                                  liveness_s=lambda: self.liveness_check_s,
-                                 cuts=self._cuts)
+                                 cuts=self._cuts, opt=opt)
         self._init_params, self._init_velocity = params, velocity
         if self.input_dim is not None:
             self._build()
@@ -305,7 +306,8 @@ class Sequential:
     def fit(self, X, y, *, epochs: int = 1, batch_size: int = 32, optimizer: SGD | None = None,
             shuffle: bool = True, seed: int | None = None, progress=False,
             max_inflight: int = 2, measure: bool = True, machine=None, validation_data=None,
-            standardize: bool = False, callbacks=(), checkpoint=None, log_file=None) -> History:
+            standardize: bool = False, callbacks=(), checkpoint=None, log_file=None,
+            diverge_factor: float = 2.0) -> History:
         """Train with minibatch SGD; returns a :class:`History` of per-epoch records.
 
         Runs :class:`dask_ipar.runtime.loop.TrainLoop`, the loop of every training run:
@@ -317,7 +319,7 @@ class Sequential:
         ----------
         X, y : inputs ``(n, features)`` or ``(n, C, H, W)`` images, integer labels ``(n,)``
         epochs, batch_size : int
-            A short last batch is kept when the grid can split it, else dropped.
+            ``n // batch_size`` steps per epoch; the last takes the samples left over too.
         optimizer : SGD, with its learning-rate schedule if any (:mod:`dask_ipar.optim`)
         shuffle, seed : each epoch's sample order (``seed`` defaults to the model's)
         progress : True for a tqdm bar on stderr, or a callable given each :class:`StepStats`
@@ -332,12 +334,14 @@ class Sequential:
         callbacks : :class:`dask_ipar.runtime.loop.Callback` list (e.g. ``EarlyStopping``)
         checkpoint : :class:`dask_ipar.io.checkpoint.Checkpointing`: saves, resume, recovery
         log_file : a metrics log, a row per epoch (CSV for ``.csv``, else JSON lines)
+        diverge_factor : when a loss counts as divergence (:class:`~dask_ipar.runtime.loop.
+            TrainLoop`; 0: only a non-finite one)
         """
         return _fit(self, X, y, epochs=epochs, batch_size=batch_size, optimizer=optimizer,
                     shuffle=shuffle, seed=seed, progress=progress, max_inflight=max_inflight,
                     measure=measure, machine=machine, validation_data=validation_data,
                     standardize=standardize, callbacks=callbacks, checkpoint=checkpoint,
-                    log_file=log_file)
+                    log_file=log_file, diverge_factor=diverge_factor)
 
     def _require_bound(self):
         """Raise a clear error unless the model is on a cluster with its state intact."""
@@ -352,9 +356,6 @@ class Sequential:
                 "the model is not on a cluster yet: call model.distribute(client, grid) first."
             )
         self._store.require_intact()
-
-    def _gather(self, futures):
-        return self._store.gather(futures)
 
     # ----------------------------------------------------------- inference
     def _batches(self, X, y, batch_size):
@@ -382,10 +383,6 @@ class Sequential:
     # -------------------------------------------------------------- weights
     def _assemble(self, lay, name, blocks):
         return assemble(lay, name, blocks, self.binding.grid, weight_shape(self.engine, lay))
-
-    def _wshape(self, lay):
-        """Shape of a layer's ``W`` as users see it (filters for a conv)."""
-        return weight_shape(self.engine, lay)
 
     def weight_arrays(self):
         """The master weights as dask arrays (``d_out x (d_in + bias)``), block (i, j) on

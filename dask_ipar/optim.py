@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from dask_ipar.errors import IparError
 
-__all__ = ["SGD", "StepLR", "CosineLR", "WarmupLR", "parse_schedule"]
+__all__ = ["SGD", "Adam", "AdamW", "StepLR", "CosineLR", "WarmupLR", "parse_schedule",
+           "make_optimizer"]
 
 
 def _check_number(owner, name, v, lo, *, integer=False):
@@ -106,29 +107,13 @@ def parse_schedule(text: str | None, total_steps: int):
     return one(spec, total_steps)
 
 
-@dataclass(frozen=True)
-class SGD:
-    """Stochastic gradient descent with momentum and weight decay (PyTorch's rule).
+class _Scheduled:
+    """The learning rate of each step, from ``lr`` and ``schedule``."""
 
-    ``v <- momentum * v + g + weight_decay * W`` and ``W <- W - lr_s * v``; weight
-    decay does not apply to biases. ``lr_s = lr * schedule.factor(s)`` at step ``s``
-    (0-based), or ``lr`` without a schedule (:class:`StepLR`, :class:`CosineLR`,
-    :class:`WarmupLR`).
-    """
-
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    schedule: StepLR | CosineLR | WarmupLR | None = None
-
-    def __post_init__(self):
-        for name, lo in (("lr", 0.0), ("momentum", 0.0), ("weight_decay", 0.0)):
-            _check_number("SGD", name, getattr(self, name), lo)
-        if self.momentum >= 1:
-            raise IparError(f"SGD momentum must be < 1, got {self.momentum}.")
+    def _check_schedule(self):
         if self.schedule is not None and not hasattr(self.schedule, "factor"):
-            raise IparError(f"SGD schedule must be StepLR, CosineLR or WarmupLR, got "
-                            f"{self.schedule!r}.")
+            raise IparError(f"{type(self).__name__} schedule must be StepLR, CosineLR or "
+                            f"WarmupLR, got {self.schedule!r}.")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of step ``step`` (0-based)."""
@@ -143,8 +128,94 @@ class SGD:
 
     def settings(self) -> dict:
         """The hyperparameters as JSON values (stored in checkpoints, checked on resume)."""
-        out = {"kind": "sgd", "lr": self.lr, "momentum": self.momentum,
-               "weight_decay": self.weight_decay}
-        if self.schedule is not None:
-            out["schedule"] = repr(self.schedule)
+        out = {"kind": self.name}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = repr(v) if f.name == "schedule" and v is not None else (
+                list(v) if isinstance(v, tuple) else v)
         return out
+
+
+@dataclass(frozen=True)
+class SGD(_Scheduled):
+    """Stochastic gradient descent with momentum and weight decay (PyTorch's rule).
+
+    ``v <- momentum * v + g + weight_decay * W`` and ``W <- W - lr_s * v`` (with
+    ``nesterov``: ``W <- W - lr_s * (g + momentum * v)``); weight decay does not apply
+    to biases. ``lr_s = lr * schedule.factor(s)`` at step ``s`` (0-based), or ``lr``
+    without a schedule (:class:`StepLR`, :class:`CosineLR`, :class:`WarmupLR`). The state
+    is one momentum block per weight slice.
+    """
+
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    schedule: StepLR | CosineLR | WarmupLR | None = None
+    nesterov: bool = False
+
+    name = "sgd"
+    #: state blocks per weight slice, for the planner's memory
+    state_slots = 1
+
+    def __post_init__(self):
+        for name, lo in (("lr", 0.0), ("momentum", 0.0), ("weight_decay", 0.0)):
+            _check_number("SGD", name, getattr(self, name), lo)
+        if self.momentum >= 1:
+            raise IparError(f"SGD momentum must be < 1, got {self.momentum}.")
+        if self.nesterov and self.momentum == 0:
+            raise IparError("Nesterov momentum needs momentum > 0.")
+        self._check_schedule()
+
+
+@dataclass(frozen=True)
+class Adam(_Scheduled):
+    """Adam (Kingma & Ba 2015) as ``torch.optim.Adam``: L2 weight decay added to the
+    gradient (not to biases). The state is the two moments of every weight slice, one
+    ``(2, rows, cols)`` block beside it (:mod:`dask_ipar.kernels.adam`)."""
+
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    schedule: StepLR | CosineLR | WarmupLR | None = None
+
+    name = "adam"
+    decoupled = False
+    state_slots = 2
+
+    def __post_init__(self):
+        kind = type(self).__name__
+        for name, lo in (("lr", 0.0), ("eps", 0.0), ("weight_decay", 0.0)):
+            _check_number(kind, name, getattr(self, name), lo)
+        b = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
+        if len(b) != 2 or not all(isinstance(x, (int, float)) and 0 <= x < 1 for x in b):
+            raise IparError(f"{kind} betas must be two numbers in [0, 1), got {self.betas!r}.")
+        object.__setattr__(self, "betas", (float(b[0]), float(b[1])))
+        self._check_schedule()
+
+    @property
+    def hp(self) -> tuple:
+        """What the kernels take: ``(beta1, beta2, eps, weight_decay, decoupled)``."""
+        return (*self.betas, self.eps, self.weight_decay, self.decoupled)
+
+
+@dataclass(frozen=True)
+class AdamW(Adam):
+    """AdamW (Loshchilov & Hutter 2019) as ``torch.optim.AdamW``: the weights (not the
+    biases) shrink by ``1 - lr * weight_decay`` before the Adam step."""
+
+    weight_decay: float = 1e-2
+
+    name = "adamw"
+    decoupled = True
+
+
+def make_optimizer(kind: str, *, lr, momentum=0.9, weight_decay=0.0, schedule=None,
+                   nesterov=False):
+    """The optimizer of ``--optimizer KIND`` (``sgd``, ``adam`` or ``adamw``)."""
+    if kind == "sgd":
+        return SGD(lr, momentum, weight_decay, schedule, nesterov)
+    if kind in ("adam", "adamw"):
+        return (Adam if kind == "adam" else AdamW)(lr=lr, weight_decay=weight_decay,
+                                                  schedule=schedule)
+    raise IparError(f"unknown optimizer {kind!r}; expected sgd, adam or adamw.")

@@ -4,14 +4,17 @@ Written directly from the definitions with whole matrices, sharing no code
 with the distributed engine, so that tests can compare the two. Layout:
 ``W`` is ``d_out x d_in``, ``X`` is ``d_in x B`` (one column per sample),
 loss is the mean softmax cross-entropy, and SGD is PyTorch's (momentum
-buffer ``v = mu v + g + wd W``; weight decay not applied to biases).
+buffer ``v = mu v + g + wd W``; weight decay not applied to biases). Adam and
+AdamW (``adam_step``) follow Kingma & Ba 2015 and Loshchilov & Hutter 2019 in
+the floating-point order of ``torch.optim.Adam``'s single-tensor path.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mlp_forward", "mlp_loss_and_grads", "sgd_step", "cnn_loss_and_grads"]
+__all__ = ["mlp_forward", "mlp_loss_and_grads", "sgd_step", "adam_step",
+           "cnn_loss_and_grads"]
 
 
 def _act(z, name):
@@ -67,8 +70,15 @@ def mlp_loss_and_grads(params, activations, X, y):
     return loss, acc, grads
 
 
-def sgd_step(params, velocity, grads, lr, momentum=0.0, weight_decay=0.0):
-    """One SGD step in place of new lists; ``velocity`` entries may be None at first."""
+def sgd_step(params, velocity, grads, lr, momentum=0.0, weight_decay=0.0, nesterov=False):
+    """One SGD step in place of new lists; ``velocity`` entries may be None at first.
+
+    As ``torch.optim.SGD`` with dampening 0: ``g <- g + wd W`` (not for biases),
+    ``v <- mu v + g`` (``v = g`` at the first step), then ``W <- W - lr d`` with
+    ``d = v``, or with ``nesterov`` (which needs ``momentum > 0``) ``d = g + mu v``.
+    """
+    if nesterov and momentum <= 0:
+        raise ValueError("Nesterov momentum requires a positive momentum")
     new_p, new_v = [], []
     for (W, b), (gW, gb), v in zip(params, grads, velocity):
         gW = gW + weight_decay * W
@@ -77,9 +87,81 @@ def sgd_step(params, velocity, grads, lr, momentum=0.0, weight_decay=0.0):
         else:
             vW = momentum * v[0] + gW
             vb = None if gb is None else momentum * v[1] + gb
-        new_p.append((W - lr * vW, None if b is None else b - lr * vb))
+        if nesterov:
+            dW = gW + momentum * vW
+            db = None if gb is None else gb + momentum * vb
+        else:
+            dW, db = vW, vb
+        new_p.append((W - lr * dW, None if b is None else b - lr * db))
         new_v.append((vW, vb))
     return new_p, new_v
+
+
+def _lerp(start, end, weight):
+    """``torch.lerp`` with a scalar weight, taking the branch it takes."""
+    if abs(weight) < 0.5:
+        return start + weight * (end - start)
+    return end - (end - start) * (1 - weight)
+
+
+def _adam_tensor(p, g, mv, lr, b1, b2, eps, wd, decoupled, step):
+    if wd != 0:
+        if decoupled:
+            p = p * (1 - lr * wd)
+        else:
+            g = g + wd * p
+    m, v = (np.zeros_like(p), np.zeros_like(p)) if mv is None else mv
+    m = _lerp(m, g, 1 - b1)
+    v = v * b2 + (1 - b2) * g * g
+    bias_correction1 = 1 - b1 ** step
+    bias_correction2 = 1 - b2 ** step
+    step_size = lr / bias_correction1
+    denom = np.sqrt(v) / bias_correction2 ** 0.5 + eps
+    return p + (-step_size) * m / denom, (m, v)
+
+
+def adam_step(params, state, grads, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+              decoupled=False, step=1):
+    """One Adam (or, with ``decoupled``, AdamW) step; returns ``(new_params, new_state)``.
+
+    ``state`` has one entry per layer: None before the first step, else
+    ``((mW, vW), (mb, vb))`` (``(mb, vb)`` None when ``b`` is None); ``step`` is the
+    1-based step count ``t`` of the bias corrections. Weight decay acts on ``W`` only,
+    never on biases. Per tensor, with ``b1, b2 = betas`` and ``m = v = 0`` before the
+    first step, the floating-point operations are those, in that order, of
+    ``torch.optim.Adam`` / ``AdamW``'s single-tensor (``foreach=False``) path with
+    amsgrad and maximize off:
+
+    1. only when ``weight_decay != 0`` (and only for ``W``):
+       Adam (Kingma & Ba 2015, L2 folded into the gradient): ``g = g + wd * W``;
+       AdamW (Loshchilov & Hutter 2019, decoupled): ``W = W * (1 - lr * wd)``;
+    2. ``m = m + (1 - b1) * (g - m)``: ``torch.lerp(m, g, 1 - b1)``, which is
+       ``b1 m + (1 - b1) g``; for ``1 - b1 >= 0.5`` lerp's other branch,
+       ``g - (g - m) * (1 - (1 - b1))``;
+    3. ``v = v * b2 + ((1 - b2) * g) * g``: ``v.mul_(b2).addcmul_(g, g, value=1 - b2)``;
+    4. ``bias_correction1 = 1 - b1 ** t``, ``bias_correction2 = 1 - b2 ** t`` (floats);
+    5. ``step_size = lr / bias_correction1``;
+    6. ``denom = sqrt(v) / bias_correction2 ** 0.5 + eps``;
+    7. ``W = W + ((-step_size) * m) / denom``: ``W.addcdiv_(m, denom, value=-step_size)``.
+
+    That is Algorithm 1's ``W - lr * m_hat / (sqrt(v_hat) + eps)`` with ``eps`` added to
+    ``sqrt(v) / sqrt(bias_correction2)``, as PyTorch does. PyTorch's vectorised CPU
+    kernels fuse some multiply-adds (lerp, ``add(alpha=)``, at times addcmul), which
+    NumPy rounds twice, so the two can differ in the last bits (about 1e-16 in float64).
+    """
+    b1, b2 = float(betas[0]), float(betas[1])
+    step = float(step)
+    new_p, new_s = [], []
+    for (W, b), (gW, gb), st in zip(params, grads, state):
+        sW, sb = (None, None) if st is None else st
+        W, sW = _adam_tensor(W, gW, sW, lr, b1, b2, eps, weight_decay, decoupled, step)
+        if b is not None:
+            b, sb = _adam_tensor(b, gb, sb, lr, b1, b2, eps, 0.0, decoupled, step)
+        else:
+            sb = None
+        new_p.append((W, b))
+        new_s.append((sW, sb))
+    return new_p, new_s
 
 
 # ----------------------------------------------------------------------- CNNs

@@ -54,20 +54,6 @@ def test_help_lists_subcommands():
     assert "train" in proc.stdout and "plan" in proc.stdout
 
 
-def test_train_checkpoints_and_resume(tmp_path):
-    ck = tmp_path / "ck"
-    common = ("--no-progress", "--no-dashboard", "--json", "--checkpoint-dir", str(ck),
-              "--checkpoint-every", "10", "--batch", "128")
-    proc, first = _train("--epochs", "1", *common)
-    assert "checkpoint" in proc.stderr and (ck / "LATEST").exists()
-    proc, resumed = _train("--epochs", "2", "--resume", *common)
-    from dask_ipar.io.data import load_digits_split
-
-    steps_per_epoch = load_digits_split()[0].shape[0] // 128
-    assert (ck / f"ckpt-{2 * steps_per_epoch}").is_dir()  # resumed to the end of epoch 2
-    assert resumed["test_accuracy"] > first["test_accuracy"] - 0.05
-
-
 def test_train_cnn_on_digits(client):
     """``--model cnn --conv auto``: the planner picks each conv layer's scheme on 2x1.
 

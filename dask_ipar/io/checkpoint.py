@@ -102,17 +102,17 @@ def recover(model, directory, *, grid=None, wait_timeout_s: float = 120.0, log=N
     return load(model, directory, fallback=True, log=log)
 
 
-def batch_indices(n: int, batch_size: int, step: int, seed: int, least: int | None = None):
+def batch_indices(n: int, batch_size: int, step: int, seed: int):
     """Sample indices of training step ``step`` (0-based): a pure function of its arguments,
     the batches every training run uses (:class:`dask_ipar.runtime.loop.BatchPlan`).
 
     Epoch ``e`` shuffles the samples with ``default_rng([seed, e])`` and the step takes
-    the next ``batch_size`` of them; a short last batch is kept when it has at least
-    ``least`` samples (default ``batch_size``: dropped).
+    the next ``batch_size`` of them; the epoch's last step also takes the ``n %
+    batch_size`` left over.
     """
     from dask_ipar.runtime.loop import BatchPlan
 
-    return BatchPlan(n, batch_size, seed, least).indices(step)
+    return BatchPlan(n, batch_size, seed).indices(step)
 
 
 class Checkpointing(Callback):
@@ -259,7 +259,7 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
     cbs = [ck]
     if on_step is not None:
         cbs.append(OnStep(lambda st: on_step(st.step, st.loss)))
-    loop = TrainLoop(model, X, y, BatchPlan(X.shape[0], batch, seed, model._min_samples()),
+    loop = TrainLoop(model, X, y, BatchPlan(X.shape[0], batch, seed),
                      optimizer, total_steps=steps, callbacks=cbs)
     history = loop.run()
     return {"steps": loop.step, "start": ck.start, "restarts": ck.restarts,

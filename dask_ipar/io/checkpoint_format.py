@@ -9,7 +9,10 @@ A checkpoint's group metadata (the attributes of its ``zarr.json``) is a JSON ob
     dtype         "float32" or "float64"
     sizes         layer widths [d_0, ..., d_L]
     layers        [{name, n_in, n_out, bias, activation}, ...], one per weight matrix
-    has_velocity  whether every layer's momentum array ``<name>/v`` is stored
+    has_velocity  whether every layer's optimizer state is stored: the momentum ``<name>/v``,
+                  or with ``optimizer_state: "adam"`` Adam's moments ``<name>/m`` and ``<name>/s``
+    optimizer_state  (optional) "momentum" (the default) or "adam"
+    optimizer_steps  (optional) updates that made the state (Adam's bias correction)
     input_shape   (CNNs) [C, H, W]
     created       ISO time of the save
     extra         the caller's JSON metadata
@@ -96,7 +99,9 @@ def expected_arrays(meta: dict) -> dict[str, tuple[int, int]]:
         shape = (lay["n_out"], lay["n_in"] + int(lay["bias"]))
         out[f"{lay['name']}/w"] = shape
         if meta["has_velocity"]:
-            out[f"{lay['name']}/v"] = shape
+            kinds = ("m", "s") if meta.get("optimizer_state") == "adam" else ("v",)
+            for kind in kinds:
+                out[f"{lay['name']}/{kind}"] = shape
     return out
 
 
@@ -150,6 +155,10 @@ def validate_metadata(attrs, where: str, dir_step: int | None = None) -> dict:
         bad(f"dtype is {attrs['dtype']!r}, expected one of {', '.join(_DTYPES)}")
     if not isinstance(attrs["has_velocity"], bool):
         bad(f"has_velocity is {attrs['has_velocity']!r}, expected true or false")
+    if attrs.get("optimizer_state", "momentum") not in ("momentum", "adam"):
+        bad(f"optimizer_state is {attrs['optimizer_state']!r}, expected momentum or adam")
+    if not _is_int(attrs.get("optimizer_steps", 0)):
+        bad(f"optimizer_steps is {attrs['optimizer_steps']!r}, expected an integer >= 0")
     sizes = attrs["sizes"]
     if not (isinstance(sizes, list) and sizes and all(v is None or _is_int(v, 1) for v in sizes)):
         bad(f"sizes is {sizes!r}, expected a list of layer widths")

@@ -17,7 +17,7 @@ from dask_ipar.io.checkpoint_dirs import _NAME, _ckpt_dirs, _resolve
 from dask_ipar.io.checkpoint_faults import _wait_alive
 from dask_ipar.io.checkpoint_format import CheckpointCorrupt
 from dask_ipar.io.checkpoint_save import _model_meta, _zarr
-from dask_ipar.io.checkpoint_tasks import _describe, _read_block, _read_status
+from dask_ipar.io.checkpoint_tasks import _describe, _read_block, _read_status, _stack_moments
 from dask_ipar.errors import IparError
 
 __all__ = ["load", "read_metadata"]
@@ -194,8 +194,11 @@ def _load_one(model, path, timeout_s):
     client = model.client
     futures, status = {}, []
     label = os.path.basename(os.path.normpath(path))
+    adam = has_v and meta.get("optimizer_state") == "adam"
+    moments = {}  # Adam: (v name, i, j) -> the futures of its two moments
     for lay, wn, vn in zip(sb["layers"], w_names, v_names):
-        for kind, key_name in (("w", wn), ("v", vn)):
+        kinds = (("w", wn), ("m", vn), ("s", vn)) if adam else (("w", wn), ("v", vn))
+        for kind, key_name in kinds:
             if key_name is None:
                 continue
             name = f"{lay['name']}/{kind}"
@@ -205,12 +208,18 @@ def _load_one(model, path, timeout_s):
                 r0, r1 = lay["rows"][i]
                 c0, c1 = lay["wcols"][j]
                 key = (key_name, i, j)
-                futures[key] = client.submit(
+                part = kind in ("m", "s")
+                fut = client.submit(
                     _read_block, apath, f"{label}/{name}", r0, r1, c0, c1, meta["dtype"],
-                    digests, model.block_module, key=key, workers=[owner],
+                    digests, None if part else model.block_module, workers=[owner],
                     allow_other_workers=False,
+                    **({"pure": False} if part else {"key": key}),
                 )
-                status.append(client.submit(_read_status, futures[key], workers=[owner],
+                if part:
+                    moments.setdefault(key, []).append(fut)
+                else:
+                    futures[key] = fut
+                status.append(client.submit(_read_status, fut, workers=[owner],
                                             allow_other_workers=False, pure=False,
                                             key=f"ckpt-check-{uuid.uuid4().hex}"))
     workers = sorted({w for lay in sb["layers"] for w in lay["workers"].values()})
@@ -220,7 +229,14 @@ def _load_one(model, path, timeout_s):
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise CheckpointCorrupt(f"checkpoint {path!r}: {problems[0]}{more}; it is damaged. "
                                 "Load an older one.")
+    for key, (m, s_) in moments.items():
+        futures[key] = client.submit(_stack_moments, m, s_, model.block_module, key=key,
+                                     workers=[model.binding.worker(*key[1:])],
+                                     allow_other_workers=False)
+    del moments
     model.adopt_state(w_names, v_names, futures)
+    model._store.opt = (("adam" if adam else "sgd") if has_v else None,
+                        int(meta.get("optimizer_steps", meta["step"])))
     meta = dict(meta)
     meta["path"] = path
     return meta

@@ -19,7 +19,8 @@ import numpy as np
 from dask_ipar.io import checkpoint_format as fmt
 from dask_ipar.io.checkpoint_dirs import _fsync_tree, _publish, _remove_stale, checkpoints
 from dask_ipar.io.checkpoint_faults import _wait_alive
-from dask_ipar.io.checkpoint_tasks import _storage_error, _storage_errors, _take, _write_region
+from dask_ipar.io.checkpoint_tasks import (_moment, _storage_error, _storage_errors, _take,
+                                           _write_region)
 from dask_ipar.errors import IparError
 
 __all__ = ["save"]
@@ -123,9 +124,12 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
                 f"the steps before checkpoint {step}", timeout_s)
     pr, pc = sb["grid"]
     has_v = all(lay["v"] is not None for lay in sb["layers"])
+    opt_kind, opt_steps = model._store.opt
+    adam = has_v and opt_kind == "adam"
     meta = {
         "format": fmt.FORMAT, "version": fmt.VERSION, "step": step, "grid": [pr, pc],
         "has_velocity": has_v, **_model_meta(model),
+        "optimizer_state": "adam" if adam else "momentum", "optimizer_steps": int(opt_steps),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "extra": extra or {},
     }
@@ -144,6 +148,15 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
         with _storage_errors(directory, what):
             group = zarr.create_group(tmp, zarr_format=3, attributes=meta, overwrite=False)
         arrays = {}
+        if adam:  # the moments of each state block, as 2-D host copies on its owner
+            for lay in sb["layers"]:
+                for k, kind in enumerate(("m", "s")):
+                    lay[kind] = {c: client.submit(_moment, f, k, workers=[lay["workers"][c]],
+                                                  allow_other_workers=False, pure=False,
+                                                  key=f"ckpt-moment-{uuid.uuid4().hex}")
+                                 for c, f in lay["v"].items()}
+                    slices.extend(lay[kind].values())
+        kinds = ("w", "m", "s") if adam else ("w", "v") if has_v else ("w",)
         for lay in sb["layers"]:
             n_rows, n_cols = lay["n_out"], lay["n_in"] + int(lay["bias"])
             rows, cols = lay["rows"], lay["wcols"]
@@ -151,7 +164,7 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
             cw = max(b - a for a, b in cols)
             with _storage_errors(directory, what):
                 g = group.require_group(lay["name"])
-            for kind in ("w", "v") if has_v else ("w",):
+            for kind in kinds:
                 with _storage_errors(directory, what):
                     g.create_array(kind, shape=(n_rows, n_cols), chunks=(ch, cw),
                                    dtype=sb["dtype"], fill_value=np.nan,

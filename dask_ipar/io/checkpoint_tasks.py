@@ -44,6 +44,22 @@ def _take(block, r0, r1, c0, c1):
     return np.array(to_host(block[r0:r1, c0:c1]), copy=True)
 
 
+def _moment(state, k):
+    """Adam's moment ``k`` (0: first, 1: second) of a ``(2, rows, cols)`` state block, as
+    a 2-D host copy made on the owner (released after the save, like :func:`_take`'s)."""
+    from dask_ipar.kernels.blocks import to_host
+
+    return np.array(to_host(state[k]), copy=True)
+
+
+def _stack_moments(m, s, module=None):
+    """The ``(2, rows, cols)`` Adam state block of a cell from its two moments."""
+    from dask_ipar.kernels.blocks import to_device
+
+    out = np.stack([np.asarray(m), np.asarray(s)])
+    return out if module is None else to_device(out, module)
+
+
 def _write_region(path, r0, r1, c0, c1, bounds, *blocks):
     """Write rows ``r0:r1`` x columns ``c0:c1`` of the array at ``path`` and fsync its chunks.
 

@@ -328,6 +328,23 @@ def sgd_update(w, v, lr, momentum, weight_decay, n_decay, in_place, n_after, dz,
     return sgd_weight(w, v, lr)
 
 
+def nesterov_update(w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1, n_in, *rest):
+    """Nesterov momentum on the owned slice (``torch.optim.SGD(nesterov=True)``):
+    ``g = dW + weight_decay * w``, ``v <- momentum * v + g`` (in place), and the new
+    slice ``w - lr * (g + momentum * v)`` (a new array). ``rest`` as for
+    :func:`sgd_update` (no readers: the slice is not rewritten)."""
+    g = dw_reduce(dz, xb, c0, c1, n_in, *rest)
+    if weight_decay and n_decay:
+        axpy_(g[:, :n_decay], weight_decay, w[:, :n_decay])
+    if _writable(v):
+        v *= momentum
+        axpy_(v, 1.0, g)
+    else:
+        v[...] = v * momentum + g
+    d = axpy_(g, momentum, v)  # g is this task's own array
+    return sgd_weight(w, d, lr)
+
+
 def _writable(x):
     """Whether a NumPy or CuPy block may be overwritten in place: writeable, aligned and
     C-contiguous (CuPy blocks have no writeable/aligned flags: always both)."""
@@ -371,6 +388,16 @@ def block_sgd_velocity(wfull, r0, r1, c0, c1, momentum, weight_decay, n_decay, v
     if weight_decay and n_decay:
         axpy_(g[:, :n_decay], weight_decay, wfull[r0:r1, c0:c0 + n_decay])
     return g if v is None else axpy_(g, momentum, v)
+
+
+def block_nesterov_weight(wfull, r0, r1, c0, c1, v, v_old, lr, momentum):
+    """Nesterov's step for block ``[r0:r1, c0:c1]`` of ``wfull``: the direction
+    ``g + momentum * v`` is ``(1 + momentum) * v - momentum * v_old`` (``v = momentum *
+    v_old + g``; ``v_old`` None on the first step, when ``v = g``)."""
+    d = v * (1 + momentum)
+    if v_old is not None:
+        d -= momentum * v_old
+    return block_sgd_weight(wfull, r0, r1, c0, c1, d, lr)
 
 
 def block_sgd_weight(wfull, r0, r1, c0, c1, v, lr):

@@ -18,7 +18,7 @@ forward     ``A(i, j) = f(W(i, :) X(:, j))``                 local (kernels.dens
 fwd_gather  ``X_next(:, j)`` = the column's ``A(i', j)``     ``all_gather`` over Pr
 dx_reduce   pieces ``W(i, k)^T dZ(i, j)`` go to cell (k, j)  ``reduce_scatter`` over Pr
 dw_reduce   pieces ``dZ(i, j) X(j', j)^T`` go to (i, j')     ``reduce_scatter`` over Pc
-update      momentum SGD on the owned slice ``W(i, j')``     local (kernels.dense)
+update      the optimizer on the owned slice ``W(i, j')``    local (nn.updates)
 =========== ================================================ ==============================
 
 Each phase's cost formula is :func:`dask_ipar.cost.model.dense_layer_phases` (the planner
@@ -72,6 +72,7 @@ from dask_ipar.errors import IparError
 from dask_ipar.kernels import blocks as B
 from dask_ipar.kernels import dense as K
 from dask_ipar.nn import collectives as C
+from dask_ipar.nn import updates as U
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.layout.grid import GridBinding
 from dask_ipar.layout.partition import split_bounds
@@ -342,8 +343,17 @@ class Engine:
 
     # ---------------------------------------------------------------- graphs
     def train_step(self, x_keys, y_keys, batch, w_names, v_names, step, lr, momentum,
-                   weight_decay, g=None):
-        """Graph of one SGD step. Returns ``(StepGraph, new_w_names, new_v_names, stats_keys)``."""
+                   weight_decay, g=None, optimizer=None, t=1):
+        """Graph of one training step. Returns ``(StepGraph, new_w_names, new_v_names,
+        stats_keys)``.
+
+        The update is momentum SGD with ``lr``, ``momentum`` and ``weight_decay``, or the
+        rule of ``optimizer`` (:mod:`dask_ipar.optim`, its rate already that of this step;
+        ``t``: the 1-based update count of the state, for Adam's bias correction). Its
+        state lives under the ``v`` names either way: a momentum block, or Adam's
+        ``(2, rows, cols)`` moments (:mod:`dask_ipar.kernels.adam`).
+        """
+        rule = U.Rule.of(lr, momentum, weight_decay, optimizer, t)
         g = StepGraph() if g is None else g
         ctx, x_in = self._inputs(g, x_keys, w_names, step, batch)
         (_, w_names), (front_v, v_names) = self._split(w_names), self._split(v_names)
@@ -355,43 +365,26 @@ class Engine:
 
         def update(g, lay, l, dw_args, readers):
             w_name = self.name(lay.name, "w", step)
-            # The first step creates the momentum blocks (a task each); later steps update
-            # them in place inside the weight update, one task per cell: a momentum block
-            # is read by nothing but its owner's next update, which depends on this one
-            # through the weights, so updates of a block never overlap. The weights are
-            # rewritten in place too, after every task of the cell that reads them (their
-            # copies on other cells were fetched before: the dW pieces this update sums are
-            # computed from them).
             v_name = self.name(lay.name, "v", step) if v_names[l] is None else v_names[l]
             for i in range(pr):
                 for jj in range(pc):
-                    worker = self.binding.worker(i, jj)
-                    w_old = TaskRef((w_names[l], i, jj))
-                    if v_names[l] is None:
-                        g.add((v_name, i, jj), worker, K.sgd_velocity,
-                              w_old, momentum, weight_decay, lay.n_decay(jj), None,
-                              *dw_args(i, jj))
-                        g.add((w_name, i, jj), worker, K.sgd_weight,
-                              w_old, TaskRef((v_name, i, jj)), lr)
-                    else:
-                        after = (None if readers is None or not self.weights_in_place
-                                 else readers(i, jj))
-                        g.add((w_name, i, jj), worker, K.sgd_update, w_old,
-                              TaskRef((v_name, i, jj)), lr, momentum, weight_decay,
-                              lay.n_decay(jj), after is not None, len(after or ()),
-                              *dw_args(i, jj), *(after or ()))
+                    after = (None if readers is None or not self.weights_in_place
+                             else readers(i, jj))
+                    U.slice_update(g, self.binding.worker(i, jj), rule, lay.n_decay(jj),
+                                   TaskRef((w_names[l], i, jj)), (w_name, i, jj),
+                                   (v_name, i, jj), v_names[l] is None, dw_args(i, jj), after)
             new_w.append(w_name)
             new_v.append(v_name)
 
         dimg = self._backward(g, inputs, wparts, dz, step, update, w_names, batch)
         if self.front is not None:
-            fw, fv = self._front_update(g, ctx, dimg, front_v, step, lr, momentum, weight_decay)
+            fw, fv = self._front_update(g, ctx, dimg, front_v, step, rule)
             new_w += fw
             new_v += fv
         return g, new_w[::-1], new_v[::-1], stats
 
-    def _front_update(self, g, ctx, dimg, v_names, step, lr, momentum, weight_decay):
-        """Backward of the front with momentum SGD on every conv weight block."""
+    def _front_update(self, g, ctx, dimg, v_names, step, rule):
+        """Backward of the front with ``rule``'s update on every conv weight block."""
         new_w, new_v = [], []
 
         def update(g, lay, c, grads, wk, pieces, rows):
@@ -399,14 +392,11 @@ class Engine:
             v_name = self.name(lay.name, "v", step)
             w_name = self.name(lay.name, "w", step)
             for i, j in self.grid.cells():
-                worker = self.binding.worker(i, j)
                 (r0, r1), (c0, c1) = rows(i), wl.wcols[j]
                 old_v = None if v_names[c] is None else TaskRef((v_names[c], i, j))
-                g.add((v_name, i, j), worker, K.block_sgd_velocity, TaskRef(wk[(i, j)]),
-                      r0, r1, c0, c1, momentum, weight_decay, wl.n_decay(j), old_v,
-                      TaskRef(grads[(i, j)]), *pieces(i, j))
-                g.add((w_name, i, j), worker, K.block_sgd_weight, TaskRef(wk[(i, j)]),
-                      r0, r1, c0, c1, TaskRef((v_name, i, j)), lr)
+                U.block_update(g, self.binding.worker(i, j), rule, TaskRef(wk[(i, j)]), r0, r1,
+                               c0, c1, wl.n_decay(j), old_v, TaskRef(grads[(i, j)]),
+                               pieces(i, j), (w_name, i, j), (v_name, i, j))
             new_w.append(w_name)
             new_v.append(v_name)
 

@@ -42,7 +42,7 @@ def evaluate(model, X, y, batch_size: int | None = 4096):
     totals = np.zeros(2)
     for Xb, yb in model._batches(X, y, batch_size):
         futs, keys = _forward_batch(model, Xb, yb)
-        totals += np.sum(model._gather(futs[len(keys):]), axis=0)
+        totals += np.sum(model._store.gather(futs[len(keys):]), axis=0)
     return {"loss": totals[0] / len(y), "accuracy": totals[1] / len(y)}
 
 
@@ -63,6 +63,6 @@ def gradients(model, X, y):
     keys = [(n, i, j) for n in names for i, j in model.binding.grid.cells()]
     futs = model._submit(g, f"grad-{model.uid}-s{step}", keys + stats)
     blocks = dict(zip(keys, model._fetch(keys, futs[: len(keys)])))
-    loss_sum, correct = np.sum(model._gather(futs[len(keys):]), axis=0)
+    loss_sum, correct = np.sum(model._store.gather(futs[len(keys):]), axis=0)
     grads = [model._assemble(lay, name, blocks) for lay, name in zip(model.engine.param_layouts, names)]
     return loss_sum / len(y), correct / len(y), grads

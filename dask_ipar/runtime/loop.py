@@ -7,11 +7,12 @@ validation, early stopping, the metrics log, the byte meter, checkpoints and rec
 from a lost worker. The loop itself owns three things only:
 
 - **Which samples step ``s`` trains on**: :class:`BatchPlan`, a pure function of
-  ``(n, batch, seed, s)``. Epoch ``e`` shuffles the samples with ``default_rng([seed,
-  e])`` and cuts them into batches in order; a short last batch is kept when the grid
-  can split it (at least :func:`~dask_ipar.runtime.placement.min_samples` samples), else
-  dropped. A run resumed at step ``k`` therefore sees the batches an uninterrupted run
-  does, with or without checkpoints.
+  ``(n, batch, seed, s)``, whatever the grid. Epoch ``e`` shuffles the samples with
+  ``default_rng([seed, e])`` and cuts them into ``n // batch`` batches in order; the
+  ``n % batch`` samples left over join the epoch's last batch (so every sample is seen
+  once per epoch and no batch is too small for any grid). A run resumed at step ``k``,
+  on this grid or another, therefore sees the batches an uninterrupted run does, with or
+  without checkpoints.
 - **The learning rate of step ``s``**: the optimizer's schedule
   (:mod:`dask_ipar.optim`), also a pure function of ``s``.
 - **When the state may be read**: steps are submitted ``max_inflight`` ahead of the one
@@ -93,26 +94,24 @@ class Interrupted(Exception):
 class BatchPlan:
     """The samples of every training step: a pure function of the step (see the module).
 
-    ``least`` is the smallest batch the grid can split; a shorter last batch of an epoch
-    is dropped. ``shuffle=False`` keeps the sample order in every epoch.
+    ``n // batch`` steps per epoch, the last one taking the ``n % batch`` samples left
+    over as well; ``shuffle=False`` keeps the sample order in every epoch.
     """
 
     n: int
     batch: int
     seed: int = 0
-    least: int | None = None
     shuffle: bool = True
 
     def __post_init__(self):
-        if self.batch > self.n:
-            raise IparError(f"batch size {self.batch} exceeds the {self.n} samples.")
         if self.batch < 1:
             raise IparError(f"batch size must be >= 1, got {self.batch}.")
+        if self.batch > self.n:
+            raise IparError(f"batch size {self.batch} exceeds the {self.n} samples.")
 
     @property
     def steps_per_epoch(self) -> int:
-        least = self.batch if self.least is None else self.least
-        return self.n // self.batch + (0 < self.n % self.batch and self.n % self.batch >= least)
+        return self.n // self.batch
 
     def order(self, epoch: int) -> np.ndarray:
         """The sample order of ``epoch`` (0-based)."""
@@ -123,7 +122,8 @@ class BatchPlan:
     def indices(self, step: int) -> np.ndarray:
         """Sample indices of training step ``step`` (0-based)."""
         epoch, k = divmod(step, self.steps_per_epoch)
-        return self.order(epoch)[k * self.batch:(k + 1) * self.batch]
+        stop = self.n if k == self.steps_per_epoch - 1 else (k + 1) * self.batch
+        return self.order(epoch)[k * self.batch:stop]
 
 
 class Callback:
@@ -156,7 +156,14 @@ class Callback:
 
 class TrainLoop:
     """Run ``total_steps`` steps of ``optimizer`` on ``(X, y)`` (checked arrays), from
-    ``start_step`` (0 for a fresh run). See the module for what it guarantees."""
+    ``start_step`` (0 for a fresh run). See the module for what it guarantees.
+
+    A non-finite loss always stops the run (:class:`Diverged`). With ``diverge_factor``
+    (0 turns these off) so does a step's loss above ``diverge_factor`` times the first
+    step's (and above 3 ln(classes)), and a fresh run's first epoch of 8 steps or more
+    whose mean loss is no better than chance (ln(classes)) after a first step's loss
+    above 3 ln(classes): the signature of inputs far from unit scale.
+    """
 
     def __init__(self, model, X, y, plan: BatchPlan, optimizer, *, total_steps: int,
                  start_step: int = 0, callbacks=(), max_inflight: int = 2,
@@ -274,7 +281,7 @@ class TrainLoop:
         # above chance) is divergence, as is a non-finite loss
         limit = max(3 * math.log(max(self.model.n_classes, 2)),
                     self.diverge_factor * self._first_loss)
-        if not math.isfinite(loss) or loss > limit:
+        if not math.isfinite(loss) or (self.diverge_factor and loss > limit):
             what = ("is " + str(loss)) if not math.isfinite(loss) else (
                 f"rose to {loss:.4g}, over {self.diverge_factor:g}x its first step's "
                 f"({self._first_loss:.4g})")
@@ -304,7 +311,8 @@ class TrainLoop:
             "steps": self.step,
         }
         chance = math.log(max(self.model.n_classes, 2))
-        if (self.start_step == 0 and epoch == 0 and self._first_loss is not None
+        if (self.diverge_factor and self.start_step == 0 and epoch == 0
+                and self.step >= 8 and self._first_loss is not None
                 and self._first_loss > 3 * chance and record["loss"] > 0.95 * chance):
             raise Diverged(
                 f"training is not learning: the first epoch's mean loss is "

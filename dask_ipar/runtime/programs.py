@@ -64,10 +64,12 @@ SECEDE_AFTER_S = 2.0
 
 
 def _mutating_kernels() -> frozenset:
+    from dask_ipar.kernels import adam as KA
     from dask_ipar.kernels import dense as K
     from dask_ipar.kernels.blocks import add_rows, sum_pieces
 
-    return frozenset({K.sgd_update, K.sgd_velocity, sum_pieces, add_rows})
+    return frozenset({K.sgd_update, K.sgd_velocity, K.nesterov_update, KA.adam_update,
+                      KA.adam_state, sum_pieces, add_rows})
 
 
 #: Kernels that may write into one of their input blocks.

@@ -33,11 +33,14 @@ class BlockStore:
     layer with weights (``v[l]`` is None before the layer's first update); block ``(i, j)``
     of name ``n`` is ``futures[(n, i, j)]``. ``submit(graph, name, keys)`` runs a graph
     (the model's executor); ``abort(reason)`` stops its waiting worker programs;
-    ``liveness_s()`` is the current seconds between liveness checks.
+    ``liveness_s()`` is the current seconds between liveness checks. ``opt`` is
+    ``(kind, t)``: what the ``v`` blocks hold (``"sgd"``: momentum, ``"adam"``: the two
+    moments, ``(2, rows, cols)`` per block; None before any update) and how many updates
+    made them (Adam's bias correction).
     """
 
     def __init__(self, client, binding, uid: str, block_module, *, submit, abort,
-                 liveness_s=lambda: 5.0, cuts: int = 0):
+                 liveness_s=lambda: 5.0, cuts: int = 0, opt=(None, 0)):
         self.client = client
         self.binding = binding
         self.uid = uid
@@ -51,6 +54,7 @@ class BlockStore:
         #: lineage cuts so far in the model's life (new names end in -c<cut>): carried over
         #: from the model's previous store, so a name never comes back
         self.cuts = cuts
+        self.opt = tuple(opt)
 
     @property
     def liveness_check_s(self) -> float:
@@ -98,7 +102,7 @@ class BlockStore:
             for i, (r0, r1) in enumerate(lay.rows):
                 for j, (c0, c1) in enumerate(lay.wcols):
                     per_worker.setdefault(self.binding.worker(i, j), {})[(name, i, j)] = (
-                        np.ascontiguousarray(M[r0:r1, c0:c1]))
+                        np.ascontiguousarray(M[..., r0:r1, c0:c1]))  # Adam: (2, r, c)
 
         velocity = velocity or [None] * len(names)
         new_v = []
@@ -134,6 +138,8 @@ class BlockStore:
         self.release(old)
         self.w = list(names)
         self.v = new_v
+        if not any(n is not None for n in new_v):
+            self.opt = (None, 0)  # the state starts afresh
 
     def whole(self, layouts, names, name: str) -> list:
         """Per layer the whole ``n_out x (n_in + bias)`` matrix of the blocks named

@@ -8,14 +8,35 @@ from __future__ import annotations
 from dask_ipar.errors import IparError
 from dask_ipar.nn.graph import StepGraph
 
-__all__ = ["fit", "submit_step"]
+__all__ = ["fit", "submit_step", "check_optimizer"]
 
+
+
+def _state_kind(optimizer) -> str:
+    return "adam" if optimizer.name in ("adam", "adamw") else "sgd"
+
+
+def check_optimizer(model, optimizer):
+    """Refuse to train with an optimizer whose state is not the one the model holds."""
+    from dask_ipar.optim import SGD, Adam
+
+    if not isinstance(optimizer, (SGD, Adam)):
+        raise IparError(f"optimizer must be dask_ipar.SGD, Adam or AdamW, got {optimizer!r}.")
+    held, _ = model._store.opt
+    if held is not None and held != _state_kind(optimizer):
+        what = {"sgd": "SGD momentum", "adam": "Adam moments"}
+        raise IparError(
+            f"the model holds {what[held]} from its earlier training; {type(optimizer).__name__} "
+            f"needs {what[_state_kind(optimizer)]}. Train on with the same kind of optimizer, "
+            "or start its state afresh with model.set_weights(model.get_weights())."
+        )
 
 
 def submit_step(model, Xb, yb, optimizer):
     """Submit one SGD step of ``model`` on a prepared batch; returns the loss-statistics
     futures. Every ``model.lineage_steps`` steps the state's task history is cut first
     (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`)."""
+    check_optimizer(model, optimizer)
     if model.lineage_steps is not None and model._since_cut >= model.lineage_steps:
         model._since_cut = 0
         model._store.cut_lineage(model._step)
@@ -23,16 +44,19 @@ def submit_step(model, Xb, yb, optimizer):
     step = model._next_step()
     g = StepGraph()
     x_keys, y_keys, data = model._place_batch(Xb, yb, step, g)
+    store = model._store
+    kind, t = store.opt
     g, new_w, new_v, stats = model.engine.train_step(
-        x_keys, y_keys, Xb.shape[0], model._w, model._v, step,
-        optimizer.lr, optimizer.momentum, optimizer.weight_decay, g=g,
+        x_keys, y_keys, Xb.shape[0], model._w, model._v, step, optimizer.lr,
+        getattr(optimizer, "momentum", 0.0), optimizer.weight_decay, g=g,
+        optimizer=optimizer, t=t + 1,
     )
+    store.opt = (_state_kind(optimizer), t + 1)
     # momentum blocks updated in place keep their names (and futures)
     fresh = [n for n in new_w + new_v if n not in model._v]
     keys = [(n, i, j) for n in fresh for i, j in model.binding.grid.cells()]
     futs = model._submit(g, f"step-{model.uid}-s{step}", keys + stats, step=step,
                         first=stats)
-    store = model._store
     store.keep(keys, futs[: len(keys)])
     store.release([n for n in store.w + store.v if n not in new_v])
     store.w, store.v = new_w, new_v
@@ -42,7 +66,8 @@ def submit_step(model, Xb, yb, optimizer):
 
 def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, seed=None,
         progress=False, max_inflight=2, measure=True, machine=None, validation_data=None,
-        standardize=False, callbacks=(), checkpoint=None, log_file=None):
+        standardize=False, callbacks=(), checkpoint=None, log_file=None,
+        diverge_factor=2.0):
     """:meth:`dask_ipar.model.Sequential.fit` (its docstring says what each argument does)."""
     from dask_ipar.io.data import as_labels
     from dask_ipar.optim import SGD
@@ -50,11 +75,10 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
     from dask_ipar.runtime.loop import BatchPlan, TrainLoop
 
     optimizer = optimizer or SGD()
-    if not isinstance(optimizer, SGD):
-        raise IparError(f"optimizer must be dask_ipar.SGD, got {optimizer!r}.")
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
         raise IparError(f"epochs must be a positive integer, got {epochs!r}.")
     model._require_bound()
+    check_optimizer(model, optimizer)
     if standardize and model.scaling is None:
         from dask_ipar.io.scaling import Standardizer
 
@@ -64,8 +88,7 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
     y = as_labels(y, X.shape[0], model.n_classes)
     model._require(X.shape[1])
     batch = model._check_batch(batch_size, X.shape[0])
-    plan = BatchPlan(X.shape[0], batch, model.seed if seed is None else seed,
-                     model._min_samples(), shuffle)
+    plan = BatchPlan(X.shape[0], batch, model.seed if seed is None else seed, shuffle)
     pre = []
     if checkpoint is not None:
         pre.append(checkpoint)  # first: resuming sets the step the others start from
@@ -91,5 +114,6 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
     elif callable(progress):
         post.append(cbs.OnStep(progress))
     loop = TrainLoop(model, X, y, plan, optimizer, total_steps=epochs * plan.steps_per_epoch,
-                     callbacks=pre + post, max_inflight=max_inflight)
+                     callbacks=pre + post, max_inflight=max_inflight,
+                     diverge_factor=diverge_factor)
     return loop.run()

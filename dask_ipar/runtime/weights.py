@@ -58,11 +58,12 @@ def weight_shape(engine, lay):
 
 
 def join_blocks(blocks, name, grid):
-    """The whole ``n_out x (n_in + bias)`` matrix from its blocks ``blocks[(name, i, j)]``."""
+    """The whole ``n_out x (n_in + bias)`` matrix from its blocks ``blocks[(name, i, j)]``
+    (joined along the last two axes: Adam's state blocks are ``(2, rows, cols)``)."""
     return np.concatenate([
-        np.concatenate([np.asarray(blocks[(name, i, j)]) for j in range(grid.pc)], axis=1)
+        np.concatenate([np.asarray(blocks[(name, i, j)]) for j in range(grid.pc)], axis=-1)
         for i in range(grid.pr)
-    ], axis=0)
+    ], axis=-2)
 
 
 def assemble(lay, name, blocks, grid, wshape):

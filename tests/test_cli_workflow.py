@@ -1,0 +1,129 @@
+"""``dask-ipar train`` as one workflow (issue 18), end to end in subprocesses: user data
+without scaling, the saved model under ``predict`` and ``evaluate``, and SIGINT/SIGTERM
+during a checkpointed run, resumed to the uninterrupted result."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+CLI = [sys.executable, "-m", "dask_ipar.cli"]
+
+
+def _cli(*args, timeout=300, rc=0):
+    proc = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == rc, proc.stderr[-3000:]
+    return proc
+
+
+def _json(proc):
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def raw_digits(tmp_path_factory):
+    """The bundled digits as a user would save them: raw pixels 0..16, no scaling."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    folder = tmp_path_factory.mktemp("raw")
+    np.savez(folder / "digits.npz", X=d.data, y=d.target)
+    from dask_ipar.io.data import train_test_split
+
+    _, _, Xte, yte = train_test_split(d.data, d.target, 0.2, 0)  # the CLI's test split
+    np.savez(folder / "test.npz", X=Xte, y=yte)
+    np.save(folder / "features.npy", Xte[:7])
+    return folder
+
+
+def test_raw_data_trains_saves_and_serves(raw_digits, tmp_path):
+    """Unscaled digits through --data reach >= 0.95 with the defaults (standardized on the
+    training split); the saved model gives the same test loss under `evaluate` (on
+    another grid) and classes under `predict`; the metrics log has a row per epoch."""
+    model, log = tmp_path / "m.npz", tmp_path / "metrics.csv"
+    out = _json(_cli("train", "--data", raw_digits / "digits.npz", "--no-progress",
+                     "--no-dashboard", "--json", "--save", model, "--log", log))
+    assert out["standardized"] and out["test_accuracy"] >= 0.95, out
+    assert len(out["history"]) == 10 and out["history"][-1]["epoch"] == 10
+    rows = log.read_text().splitlines()
+    assert rows[0].startswith("epoch,loss,accuracy,lr") and len(rows) == 11
+    ev = _json(_cli("evaluate", model, "--data", raw_digits / "test.npz", "--workers", "2",
+                    "--json"))
+    assert ev["loss"] == pytest.approx(out["test_loss"], rel=1e-5)
+    assert ev["accuracy"] == pytest.approx(out["test_accuracy"], abs=1e-12)
+    pred = _cli("predict", model, "--data", raw_digits / "features.npy")
+    classes = [int(c) for c in pred.stdout.split()]
+    yte = np.load(raw_digits / "test.npz")["y"][:7]
+    assert len(classes) == 7 and np.mean(np.array(classes) == yte) >= 5 / 7
+    # the same data unscaled on request: stopped with the reason, not trained to chance
+    bad = _cli("train", "--data", raw_digits / "digits.npz", "--no-standardize",
+               "--no-progress", "--no-dashboard", "--epochs", "2", rc=2)
+    assert "standardize" in bad.stderr and "learning rate 0.05" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+COMMON = ("--no-progress", "--no-dashboard", "--json", "--dtype", "float64", "--epochs", "4",
+          "--batch", "32", "--hidden", "32", "--checkpoint-every", "10")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run the interrupted ones must reproduce, without a checkpoint directory."""
+    folder = tmp_path_factory.mktemp("ref")
+    out = _json(_cli("train", *COMMON, "--save", folder / "m.npz"))
+    return out, folder / "m.npz"
+
+
+@pytest.mark.parametrize("sig,group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["SIGINT-to-the-process-group", "SIGTERM"])
+def test_signal_stops_after_the_step_and_resume_finishes_the_same(uninterrupted, tmp_path,
+                                                                   sig, group):
+    """Ctrl-C reaches every process of the terminal's group (the workers too); a batch
+    system's SIGTERM the job's. The run stops after the step in flight: one line, exit
+    128 + signal within 10 s, no traceback, a checkpoint at that step, no process left;
+    --resume then ends with the weights and test loss of the uninterrupted run."""
+    ref, ref_model = uninterrupted
+    ckdir = tmp_path / "ck"
+    proc = subprocess.Popen([*CLI, "train", *COMMON, "--checkpoint-dir", str(ckdir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (ckdir / "ckpt-20").is_dir():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint at step 20"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        (os.killpg if group else os.kill)(proc.pid, sig)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert took < 10, took
+    assert "Traceback" not in err, err[-3000:]
+    stop = [ln for ln in err.splitlines() if "stopped by" in ln]
+    assert len(stop) == 1 and signal.Signals(sig).name in stop[0], err[-3000:]
+    step = int(stop[0].split("after step ")[1].split(";")[0])
+    assert step >= 20 and (ckdir / f"ckpt-{step}").is_dir(), err[-3000:]
+    assert f"ckpt-{step}" in (ckdir / "LATEST").read_text()
+    # nothing left running in the command's process group
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+    model = tmp_path / "m.npz"
+    out = _json(_cli("train", *COMMON, "--checkpoint-dir", ckdir, "--resume", "--save", model))
+    assert out["test_loss"] == ref["test_loss"]
+    with np.load(model) as a, np.load(ref_model) as b:
+        for k in b.files:
+            if k != "meta":
+                np.testing.assert_array_equal(a[k], b[k], err_msg=k)
