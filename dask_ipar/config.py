@@ -19,7 +19,7 @@ Example ``dask-ipar.yaml``::
 
     grid: 2x2
     model: {hidden: [256, 128], dtype: float32}
-    optimizer: {lr: 0.05, momentum: 0.9}
+    optimizer: {kind: sgd, lr: 0.05, momentum: 0.9}
     train: {epochs: 20, batch: 256}
     data: {path: /scratch/me/train.zarr}
     cluster:
@@ -81,8 +81,10 @@ DEFAULTS: dict = {
         "val_fraction": 0.0,  # share of the training split held out for validation
         "standardize": True,  # per-feature standardization of data.path, fitted on training
     },
+    # kind: sgd | adam | adamw; lr None: 0.05 for sgd, 0.001 for adam and adamw;
     # schedule: none | step:N[:GAMMA] | cosine[:MIN] | warmup:N[+cosine|+step:N[:GAMMA]]
-    "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1.0e-4, "schedule": None},
+    "optimizer": {"kind": "sgd", "lr": None, "momentum": 0.9, "nesterov": False,
+                  "weight_decay": 1.0e-4, "schedule": None},
     # executor: programs (two dask tasks per worker and step) | graph (a dask task per kernel)
     # patience: stop when the validation loss has not improved for this many epochs
     "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "programs", "patience": None},
@@ -377,9 +379,15 @@ def validate(cfg: dict) -> dict:
           d.get("standardize"), "true or false")
 
     o = cfg.get("optimizer", {})
-    for k in ("lr", "momentum", "weight_decay"):
+    _need(o.get("kind", "sgd") in ("sgd", "adam", "adamw"), "optimizer.kind", o.get("kind"),
+          "sgd, adam or adamw")
+    _need(o.get("lr") is None or (_is_num(o["lr"]) and o["lr"] >= 0), "optimizer.lr",
+          o.get("lr"), "a number >= 0 (or null: the optimizer's default)")
+    for k in ("momentum", "weight_decay"):
         _need(_is_num(o.get(k)) and o.get(k) >= 0, f"optimizer.{k}", o.get(k),
               "a number >= 0")
+    _need(isinstance(o.get("nesterov", False), bool), "optimizer.nesterov", o.get("nesterov"),
+          "true or false")
     _need(o["momentum"] < 1, "optimizer.momentum", o["momentum"], "a number < 1")
     if o.get("schedule") is not None:
         from dask_ipar.optim import parse_schedule

@@ -98,9 +98,18 @@ def check_resume(args, directory, settings: dict) -> None:
         return  # none reads: the load reports why; or the user allows the change
     flags = {"lr": "--lr", "momentum": "--momentum", "weight_decay": "--weight-decay"}
     changed = []
+    old_kind = saved.get("optimizer", {}).get("kind", "sgd")
+    if old_kind != settings["optimizer"]["kind"]:
+        changed.append(f"--optimizer {settings['optimizer']['kind']} (the checkpoint's run used "
+                       f"{old_kind})")
+    if bool(saved.get("optimizer", {}).get("nesterov", False)) != bool(
+            settings["optimizer"].get("nesterov", False)):
+        changed.append("--nesterov " + ("on" if settings["optimizer"].get("nesterov") else "off")
+                       + " (the checkpoint's run had it "
+                       + ("on)" if saved.get("optimizer", {}).get("nesterov") else "off)"))
     for k, flag in flags.items():
-        old, new = saved.get("optimizer", {}).get(k), settings["optimizer"][k]
-        if old is not None and old != new:
+        old, new = saved.get("optimizer", {}).get(k), settings["optimizer"].get(k)
+        if old is not None and new is not None and old != new:
             changed.append(f"{flag} {new:g} (the checkpoint's run used {old:g})")
     old_s = saved.get("optimizer", {}).get("schedule")
     new_s = settings["optimizer"].get("schedule")

@@ -58,6 +58,7 @@ TRAIN_FLAGS = {
     "conv": "model.conv",
     "dtype": "model.dtype",
     "lr": "optimizer.lr",
+    "optimizer": "optimizer.kind",
     "momentum": "optimizer.momentum",
     "weight_decay": "optimizer.weight_decay",
     "epochs": "train.epochs",
@@ -97,6 +98,8 @@ def config_from_args(args) -> dict:
         over["cluster.dashboard"] = False
     if getattr(args, "no_standardize", False):
         over["data.standardize"] = False
+    if getattr(args, "nesterov", False):
+        over["optimizer.nesterov"] = True
     source = cfg.pop("_file", None)
     cfg = apply_overrides(cfg, over)
     try:

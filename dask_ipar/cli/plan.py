@@ -38,6 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=None, help="training samples N; report per epoch (N/B iterations)")
     p.add_argument("--conv", choices=MODES, default="auto", help="how conv layers are parallelised (default auto)")
     p.add_argument("--overlap", action="store_true", help="hide the weight all-reduce behind backward compute")
+    p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd",
+                   help="optimizer whose state the memory per process counts: sgd (momentum, "
+                   "one copy of the owned weights), adam/adamw (two moments); default sgd")
     p.add_argument("--mem-limit", default=None, help="bytes per process, suffixes allowed (e.g. 16GiB)")
     p.add_argument("--machine", default=None, metavar="FILE", help="YAML machine file; flags override its values")
     p.add_argument("--convention", choices=("engine", "paper"), default="engine",
@@ -162,7 +165,8 @@ def run(args) -> int:
         machine = _machine_from_args(args)
         layers = get_network(args.model)
         result = plan(layers, args.procs, args.batch, machine, conv=args.conv, overlap=args.overlap,
-                      mem_limit_bytes=mem_limit, convention=args.convention, samples=args.samples)
+                      mem_limit_bytes=mem_limit, convention=args.convention, samples=args.samples,
+                      opt_slots=1 if args.optimizer == "sgd" else 2)
         title = (f"{args.model}: B={args.batch}, P={args.procs}, conv={args.conv}, convention={args.convention}"
                  f"{', overlap' if args.overlap else ''}; alpha={machine.alpha_s:g} s, "
                  f"bandwidth={machine.bandwidth_Bps:.4g} B/s, word={machine.word_bytes} B")

@@ -38,7 +38,12 @@ def add_parser(sub):
                    help="number of worker processes P (default: the grid's size, else 2)")
     p.add_argument("--epochs", type=positive_int, help="passes over the data (default 10)")
     p.add_argument("--batch", type=positive_int, help="global mini-batch size B (default 64)")
-    p.add_argument("--lr", type=float, help="learning rate (default 0.05)")
+    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"],
+                   help="sgd (default; --momentum, --nesterov), adam or adamw (Adam with "
+                   "decoupled weight decay); their state lives beside the weight slices")
+    p.add_argument("--lr", type=float,
+                   help="learning rate (default 0.05 for sgd, 0.001 for adam and adamw)")
+    p.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum")
     p.add_argument("--lr-schedule", metavar="SPEC",
                    help="none (default), step:N[:GAMMA] (x GAMMA every N steps), cosine[:MIN] "
                    "(to MIN x lr at the end), warmup:N (linear over N steps), warmup:N+cosine")
@@ -85,9 +90,9 @@ def add_parser(sub):
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--resume-changed", action="store_true",
-                   help="with --resume: allow other --lr, --lr-schedule, --momentum, "
-                        "--weight-decay, --batch or --seed than the run that saved the "
-                        "checkpoints")
+                   help="with --resume: allow another --optimizer, --lr, --lr-schedule, "
+                        "--momentum, --nesterov, --weight-decay, --batch or --seed than the "
+                        "run that saved the checkpoints")
     p.add_argument("--machine", metavar="FILE",
                    help="YAML machine file (alpha, bandwidth) for the predicted seconds")
     p.add_argument("--report", metavar="FILE.html",
@@ -263,12 +268,18 @@ def _build_model(cfg, args, Xtr, grid, n_classes, machine):
     return model, grid, kind, widths
 
 
+def _lr(o) -> float:
+    return o["lr"] if o["lr"] is not None else 0.05 if o["kind"] == "sgd" else 1e-3
+
+
 def _settings(cfg) -> dict:
     """What a checkpoint stores of the run and ``--resume`` checks."""
     o, t = cfg["optimizer"], cfg["train"]
-    return {"optimizer": {"lr": o["lr"], "momentum": o["momentum"],
-                          "weight_decay": o["weight_decay"], "schedule": o.get("schedule")},
-            "batch_size": t["batch"], "seed": t["seed"]}
+    opt = {"kind": o["kind"], "lr": _lr(o), "weight_decay": o["weight_decay"],
+           "schedule": o.get("schedule")}
+    if o["kind"] == "sgd":
+        opt.update(momentum=o["momentum"], nesterov=o["nesterov"])
+    return {"optimizer": opt, "batch_size": t["batch"], "seed": t["seed"]}
 
 
 def run(args) -> int:
@@ -278,7 +289,7 @@ def run(args) -> int:
 
 def _run(args, signals) -> int:
     from dask_ipar.cli.config import config_from_args
-    from dask_ipar.optim import SGD, parse_schedule
+    from dask_ipar.optim import make_optimizer, parse_schedule
     from dask_ipar.runtime.cluster import dashboard_link, make_cluster
 
     cfg = config_from_args(args)
@@ -312,8 +323,9 @@ def _run(args, signals) -> int:
     standardize = bool(cfg["data"]["path"]) and cfg["data"]["standardize"]
     per_epoch = len(ytr) // t["batch"] + 1  # an upper bound; the loop knows the exact count
     schedule = parse_schedule(o.get("schedule"), t["epochs"] * per_epoch)
-    optimizer = SGD(lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"],
-                    schedule=schedule)
+    optimizer = make_optimizer(o["kind"], lr=_lr(o), momentum=o["momentum"],
+                               weight_decay=o["weight_decay"], schedule=schedule,
+                               nesterov=o["nesterov"])
     t_start = time.perf_counter()
     logging.getLogger("distributed").setLevel(logging.ERROR)  # start-up chatter is not theirs
     interrupted = None

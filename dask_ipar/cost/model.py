@@ -387,7 +387,8 @@ class MemoryBreakdown:
 
 
 def layer_memory_bytes(
-    layer: LayerSpec, scheme: str, pr: int, pc: int, batch: int, machine: Machine, *, convention: str = "engine"
+    layer: LayerSpec, scheme: str, pr: int, pc: int, batch: int, machine: Machine, *, convention: str = "engine",
+    opt_slots: int = 1,
 ) -> MemoryBreakdown:
     """Per-process memory of one layer (the paper gives none; this is ours).
 
@@ -405,6 +406,9 @@ def layer_memory_bytes(
       ceil(B/Pc)*ceil(out_h/Pr)*out_w*out_c plus the halo rows of the input.
     - ``"batch"``: as domain for weights, activations ceil(B/P)*d_out.
     - pooling layers: activations only, in the layout of ``scheme``.
+
+    ``opt_slots`` multiplies the optimizer state: 1 for SGD's momentum, 2 for Adam's two
+    moments (each the size of the owned slice).
     """
     layer = as_layer_spec(layer)
     procs = pr * pc
@@ -440,4 +444,4 @@ def layer_memory_bytes(
     else:
         raise ValueError(f"scheme: got {scheme!r}; expected 'model', 'domain' or 'batch'")
     w = machine.word_bytes
-    return MemoryBreakdown(weights * w, grads * w, opt * w, acts * w)
+    return MemoryBreakdown(weights * w, grads * w, opt * opt_slots * w, acts * w)

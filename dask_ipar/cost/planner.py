@@ -247,7 +247,7 @@ def _engine_search(layers, allowed, pr, pc, batch, machine):
     return min(frontier.values(), key=lambda v: v[0]), ""
 
 
-def _memory(layers, schemes, pr, pc, batch, machine, convention) -> int:
+def _memory(layers, schemes, pr, pc, batch, machine, convention, opt_slots=1) -> int:
     chosen = dict(schemes)
     w = machine.word_bytes
     first = next((as_layer_spec(x) for x in layers), None)
@@ -257,11 +257,12 @@ def _memory(layers, schemes, pr, pc, batch, machine, convention) -> int:
         name = layer.name or str(idx)
         scheme = chosen.get(name, current)
         current = scheme
-        total += layer_memory_bytes(layer, scheme, pr, pc, batch, machine, convention=convention).total
+        total += layer_memory_bytes(layer, scheme, pr, pc, batch, machine, convention=convention,
+                                    opt_slots=opt_slots).total
     return total
 
 
-def _finish(layers, pr, pc, batch, machine, found, overlap, convention) -> GridPlan:
+def _finish(layers, pr, pc, batch, machine, found, overlap, convention, opt_slots=1) -> GridPlan:
     _, schemes, phases = found
     buckets = {"batch": 0.0, "model": 0.0, "domain": 0.0}
     for p in phases:
@@ -270,7 +271,7 @@ def _finish(layers, pr, pc, batch, machine, found, overlap, convention) -> GridP
     if overlap:  # perfect overlap of the weight-gradient all-reduce with backward compute
         buckets["batch"] = max(0.0, buckets["batch"] - _BACKWARD_SHARE * compute)
     total = compute + buckets["batch"] + buckets["model"] + buckets["domain"]
-    mem = _memory(layers, schemes, pr, pc, batch, machine, convention)
+    mem = _memory(layers, schemes, pr, pc, batch, machine, convention, opt_slots)
     return GridPlan(pr, pc, True, "", compute, buckets["batch"], buckets["model"], buckets["domain"], total, mem,
                     schemes, phases)
 
@@ -278,7 +279,7 @@ def _finish(layers, pr, pc, batch, machine, found, overlap, convention) -> GridP
 def evaluate_grid(
     layers, pr: int, pc: int, batch: int, machine: Machine, *, conv: str = "auto", overlap: bool = False,
     mem_limit_bytes: float | None = None, convention: str = "engine", dx_size: str = "paper",
-    schemes: tuple[str, ...] | None = None,
+    schemes: tuple[str, ...] | None = None, opt_slots: int = 1,
 ) -> GridPlan:
     """Price one ``Pr x Pc`` grid for a network (Eqs. 3-9).
 
@@ -289,7 +290,8 @@ def evaluate_grid(
     ``conv="auto"`` to the schemes ``dask_ipar.Sequential`` runs (for example
     ``("domain", "model")``), in its order (batch, then domain, then model); in the
     engine convention every layer is then priced as the engine runs it and a grid
-    the engine refuses is infeasible (see :mod:`dask_ipar.cost.engine`).
+    the engine refuses is infeasible (see :mod:`dask_ipar.cost.engine`). ``opt_slots``:
+    optimizer state blocks per weight slice in the memory (1: momentum, 2: Adam).
     """
     if conv not in MODES:
         raise ValueError(f"conv: got {conv!r}; expected one of {', '.join(MODES)}")
@@ -318,7 +320,7 @@ def evaluate_grid(
         if found is None:
             reasons.append(why)
             continue
-        plan_ = _finish(layers, pr, pc, batch, machine, found, overlap, convention)
+        plan_ = _finish(layers, pr, pc, batch, machine, found, overlap, convention, opt_slots)
         if mem_limit_bytes is not None and plan_.mem_bytes > mem_limit_bytes:
             reasons.append(f"needs {plan_.mem_bytes} bytes per process > limit {int(mem_limit_bytes)}")
             continue
@@ -367,7 +369,7 @@ def price_assignment(
 def plan(
     layers, procs: int, batch: int, machine: Machine, *, conv: str = "auto", overlap: bool = False,
     mem_limit_bytes: float | None = None, convention: str = "engine", samples: int | None = None,
-    dx_size: str = "paper", schemes: tuple[str, ...] | None = None,
+    dx_size: str = "paper", schemes: tuple[str, ...] | None = None, opt_slots: int = 1,
 ) -> PlanResult:
     """Evaluate every factorization of ``procs`` and pick the fastest grid.
 
@@ -390,8 +392,10 @@ def plan(
         N; when given, times are per epoch (N/B iterations).
     schemes : tuple of str, optional
         Restrict ``conv="auto"`` to these per-layer schemes (see :func:`evaluate_grid`).
+    opt_slots : int
+        Optimizer state per weight slice, in weight copies (SGD momentum 1, Adam 2).
     """
-    for nm, v in (("batch", batch),):
+    for nm, v in (("batch", batch), ("opt_slots", opt_slots)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{nm}: got {v!r}; expected a positive integer")
     if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
@@ -401,7 +405,7 @@ def plan(
     layers = [as_layer_spec(x) for x in layers]
     grids = [
         evaluate_grid(layers, pr, pc, batch, machine, conv=conv, overlap=overlap, mem_limit_bytes=mem_limit_bytes,
-                      convention=convention, dx_size=dx_size, schemes=schemes)
+                      convention=convention, dx_size=dx_size, schemes=schemes, opt_slots=opt_slots)
         for pr, pc in factorizations(procs)
     ]
     unit = "iteration"

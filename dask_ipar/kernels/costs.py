@@ -99,6 +99,29 @@ def _sgd_update(w, v, lr, momentum, weight_decay, n_decay, in_place, n_after, dz
     return w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1], passes * w[0] * w[1]
 
 
+def _adam_state(w, hp, n_decay, state, dz, xb, c0, c1, n_in, *rest):
+    # dW, then the two moments (each read and written) from the gradient (read twice)
+    out, flops, mem = _dw(dz, c0, c1, n_in, 1 + 3 * (len(rest) - len(xb)) + 7)
+    return (2, *out), flops + 5.0 * out[0] * out[1], mem
+
+
+def _adam_weight(w, state, hp, n_decay, lr, t):
+    # read both moments and the slice, a square root and a division per element, write
+    return w, 4.0 * w[0] * w[1], 4 * w[0] * w[1]
+
+
+def _adam_update(w, state, hp, n_decay, lr, t, in_place, n_after, dz, xb, c0, c1, n_in,
+                 *rest):
+    rest = rest[:len(rest) - n_after] if n_after else rest
+    out, flops, mem = _adam_state(w, hp, n_decay, state, dz, xb, c0, c1, n_in, *rest)
+    return w, flops + 4.0 * w[0] * w[1], mem + 4 * w[0] * w[1]
+
+
+def _nesterov_update(w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1, n_in, *rest):
+    passes = 1 + 3 * (len(rest) - len(xb)) + 3 + 3 + 3 + 5
+    return w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1], passes * w[0] * w[1]
+
+
 def _fetched(*blocks):
     return (), 0.0, 0.0
 
@@ -122,6 +145,10 @@ KERNEL_COSTS = {
     "sgd_velocity": _sgd_velocity,
     "sgd_weight": _sgd_weight,
     "sgd_update": _sgd_update,
+    "adam_state": _adam_state,
+    "adam_weight": _adam_weight,
+    "adam_update": _adam_update,
+    "nesterov_update": _nesterov_update,
     "fetched": _fetched,
     "to_device": _copy,
     "to_host": _copy,

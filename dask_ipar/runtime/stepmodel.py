@@ -41,13 +41,16 @@ def predict_step_s(model, batch: int, machine, *, cores: int | None = None, opti
     v_names = [f"sim.v{k}" for k in range(len(model.layers))]
     opt = optimizer
     g, _, _, _ = model.engine.train_step(x_keys, y_keys, batch, model._w, v_names, 0,
-                                        opt.lr, opt.momentum, opt.weight_decay, g=g)
+                                        opt.lr, getattr(opt, "momentum", 0.0),
+                                        opt.weight_decay, g=g, optimizer=opt, t=2)
+    lead = (2,) if opt.name in ("adam", "adamw") else ()  # Adam's state: two moments
     external = {}
     for lay, wn, vn in zip(model.engine.param_layouts, model._w, v_names):
         for i, (r0, r1) in enumerate(lay.rows):
             for j, (c0, c1) in enumerate(lay.wcols):
-                for name in (wn, vn):
-                    external[(name, i, j)] = (model.binding.worker(i, j), (r1 - r0, c1 - c0))
+                for name, pre in ((wn, ()), (vn, lead)):
+                    external[(name, i, j)] = (model.binding.worker(i, j),
+                                              (*pre, r1 - r0, c1 - c0))
     tasks, available = sim_tasks(g, external, model.dtype.itemsize)
     return simulate_step(tasks, flops_per_s=machine.flops_per_s,
                          bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
