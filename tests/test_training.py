@@ -262,9 +262,11 @@ def test_divergence_stops_with_the_rate_and_scaling_named(client, data):
     with pytest.raises(Diverged, match=r"diverged at step \d+: .*learning rate 50"):
         m.fit(X, y, epochs=5, batch_size=10, optimizer=SGD(50.0))
     m.close()
-    m = make_model().distribute(client, "1x2")
+    # pixels-like inputs (0..300) into ReLUs: a first loss far above chance, then no learning
+    m = Sequential([Dense(16, "relu"), Dense(5)], input_dim=7, dtype="float64", seed=3)
+    m.distribute(client, "1x2")
     with pytest.raises(Diverged, match="standardize"):
-        m.fit(X * 300, y, epochs=3, batch_size=5, optimizer=SGD(0.05))
+        m.fit(np.abs(X) * 100, y, epochs=3, batch_size=5, optimizer=SGD(0.05))
     m.close()
 
 

@@ -57,9 +57,10 @@ def _features(path):
         if not os.path.isfile(path) or not low.endswith((".npy", ".npz")):
             raise
     try:  # features without labels
+        if low.endswith(".npy"):
+            return np.load(path, allow_pickle=False), None
         with np.load(path, allow_pickle=False) as z:
-            X = z if low.endswith(".npy") else z["X"]
-            return np.asarray(X), None
+            return np.asarray(z["X"]), None
     except (KeyError, ValueError, OSError) as exc:
         raise IparError(f"--data {path}: no features X could be read ({exc}).") from None
 
