@@ -83,8 +83,9 @@ DEFAULTS: dict = {
     },
     # kind: sgd | adam | adamw; lr None: 0.05 for sgd, 0.001 for adam and adamw;
     # schedule: none | step:N[:GAMMA] | cosine[:MIN] | warmup:N[+cosine|+step:N[:GAMMA]]
+    # clip_norm: scale the gradients to this global 2-norm at most (null: no clipping)
     "optimizer": {"kind": "sgd", "lr": None, "momentum": 0.9, "nesterov": False,
-                  "weight_decay": 1.0e-4, "schedule": None},
+                  "weight_decay": 1.0e-4, "schedule": None, "clip_norm": None},
     # executor: programs (two dask tasks per worker and step) | graph (a dask task per kernel)
     # patience: stop when the validation loss has not improved for this many epochs
     "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "programs", "patience": None},
@@ -388,6 +389,9 @@ def validate(cfg: dict) -> dict:
               "a number >= 0")
     _need(isinstance(o.get("nesterov", False), bool), "optimizer.nesterov", o.get("nesterov"),
           "true or false")
+    cn = o.get("clip_norm")
+    _need(cn is None or (_is_num(cn) and cn > 0), "optimizer.clip_norm", cn,
+          "a number > 0 (or null: no clipping)")
     _need(o["momentum"] < 1, "optimizer.momentum", o["momentum"], "a number < 1")
     if o.get("schedule") is not None:
         from dask_ipar.optim import parse_schedule

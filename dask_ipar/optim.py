@@ -110,7 +110,15 @@ def parse_schedule(text: str | None, total_steps: int):
 class _Scheduled:
     """The learning rate of each step, from ``lr`` and ``schedule``."""
 
+    def _check_clip(self):
+        c = self.clip_norm
+        if c is not None and (not isinstance(c, (int, float)) or isinstance(c, bool)
+                              or not c > 0 or c == float("inf")):
+            raise IparError(f"{type(self).__name__} clip_norm must be a number > 0 (or None: "
+                            f"no clipping), got {c!r}.")
+
     def _check_schedule(self):
+        self._check_clip()
         if self.schedule is not None and not hasattr(self.schedule, "factor"):
             raise IparError(f"{type(self).__name__} schedule must be StepLR, CosineLR or "
                             f"WarmupLR, got {self.schedule!r}.")
@@ -142,7 +150,9 @@ class SGD(_Scheduled):
 
     ``v <- momentum * v + g + weight_decay * W`` and ``W <- W - lr_s * v`` (with
     ``nesterov``: ``W <- W - lr_s * (g + momentum * v)``); weight decay does not apply
-    to biases. ``lr_s = lr * schedule.factor(s)`` at step ``s`` (0-based), or ``lr``
+    to biases. With ``clip_norm`` the gradients are first scaled by ``min(1, clip_norm /
+    (norm + 1e-6))``, ``norm`` their global 2-norm over every layer (one one-word
+    all-reduce per step, :func:`dask_ipar.cost.model.grad_norm_phase`). ``lr_s = lr * schedule.factor(s)`` at step ``s`` (0-based), or ``lr``
     without a schedule (:class:`StepLR`, :class:`CosineLR`, :class:`WarmupLR`). The state
     is one momentum block per weight slice.
     """
@@ -152,6 +162,8 @@ class SGD(_Scheduled):
     weight_decay: float = 0.0
     schedule: StepLR | CosineLR | WarmupLR | None = None
     nesterov: bool = False
+    #: clip the gradients to this global norm first (``torch.nn.utils.clip_grad_norm_``)
+    clip_norm: float | None = None
 
     name = "sgd"
     #: state blocks per weight slice, for the planner's memory
@@ -178,6 +190,7 @@ class Adam(_Scheduled):
     eps: float = 1e-8
     weight_decay: float = 0.0
     schedule: StepLR | CosineLR | WarmupLR | None = None
+    clip_norm: float | None = None
 
     name = "adam"
     decoupled = False
@@ -211,11 +224,11 @@ class AdamW(Adam):
 
 
 def make_optimizer(kind: str, *, lr, momentum=0.9, weight_decay=0.0, schedule=None,
-                   nesterov=False):
+                   nesterov=False, clip_norm=None):
     """The optimizer of ``--optimizer KIND`` (``sgd``, ``adam`` or ``adamw``)."""
     if kind == "sgd":
-        return SGD(lr, momentum, weight_decay, schedule, nesterov)
+        return SGD(lr, momentum, weight_decay, schedule, nesterov, clip_norm)
     if kind in ("adam", "adamw"):
         return (Adam if kind == "adam" else AdamW)(lr=lr, weight_decay=weight_decay,
-                                                  schedule=schedule)
+                                                  schedule=schedule, clip_norm=clip_norm)
     raise IparError(f"unknown optimizer {kind!r}; expected sgd, adam or adamw.")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mlp_forward", "mlp_loss_and_grads", "sgd_step", "adam_step",
+__all__ = ["clip_grads", "mlp_forward", "mlp_loss_and_grads", "sgd_step", "adam_step",
            "cnn_loss_and_grads"]
 
 
@@ -293,3 +293,13 @@ def cnn_loss_and_grads(layers, params, X, y):
         else:
             d = _pool_bwd(x, d, lay.kernel_size, lay.stride, pad, lay.mode)
     return loss, acc, logits.T, grads[::-1]
+
+
+def clip_grads(grads, max_norm):
+    """Gradients ``[(dW, db), ...]`` scaled to global 2-norm at most ``max_norm`` (over
+    every array), as ``torch.nn.utils.clip_grad_norm_``: the factor ``min(1, max_norm /
+    (norm + 1e-6))``. Returns ``(clipped, norm)``."""
+    norm = float(np.sqrt(sum(float(np.sum(g * g)) for pair in grads for g in pair
+                             if g is not None)))
+    f = min(1.0, max_norm / (norm + 1e-6))
+    return [tuple(None if g is None else g * f for g in pair) for pair in grads], norm

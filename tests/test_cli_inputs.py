@@ -76,8 +76,15 @@ def files(tmp_path_factory):
                                                "scheduler address such as tcp://"]),
     (["--resume", "--checkpoint-dir", "{tmp}/nothing-here"], ["--resume:", "does not exist",
                                                               "Drop --resume"]),
+    (["--lr-schedule", "cosine:x"], ["--lr-schedule cosine:x: expected none, step:N",
+                                     "warmup:N+cosine"]),
+    (["--early-stopping", "3"], ["--early-stopping 3 watches the validation loss",
+                                 "add --val-fraction"]),
+    (["--val-fraction", "1.5"], ["--val-fraction", "expected a fraction in [0, 1)"]),
+    (["--optimizer", "lbfgs"], ["--optimizer", "invalid choice: 'lbfgs'"]),
 ], ids=["batch-too-large", "hidden-empty", "grid-malformed", "scheduler-address",
-        "resume-nothing"])
+        "resume-nothing", "schedule-malformed", "early-stopping-without-validation",
+        "val-fraction-range", "optimizer-unknown"])
 def test_flag_errors(args, needles, tmp_path, capsys):
     _one_line_error(_train_here(capsys, *[a.format(tmp=tmp_path) for a in args]), *needles)
 
@@ -99,8 +106,10 @@ def test_resume_with_other_settings_is_refused_unless_allowed(files, tmp_path, c
     base = ["--data", str(files / "ok.npz"), "--batch", "8", "--checkpoint-dir", str(ck)]
     first = _train(*base)
     assert first.returncode == 0, first.stderr[-2000:]
-    changed = _train_here(capsys, *base, "--resume", "--lr", "0.2", "--batch", "16")
+    changed = _train_here(capsys, *base, "--resume", "--lr", "0.2", "--batch", "16",
+                          "--optimizer", "adamw")
     last = _one_line_error(changed,
+                           "--optimizer adamw (the checkpoint's run used sgd)",
                            "--lr 0.2 (the checkpoint's run used 0.05)",
                            "--batch 16 (the checkpoint's run used 8)", "--resume-changed")
     assert "--seed" not in last

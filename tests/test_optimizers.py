@@ -141,3 +141,71 @@ def test_planner_counts_adam_state_twice():
     assert two.optimizer == 2 * one.optimizer > 0
     assert two.total - one.total == one.optimizer
     assert one.optimizer == -(-fc.n_params // 8) * PAPER_MACHINE.word_bytes
+
+
+@pytest.mark.parametrize("opt", [SGD(0.1, 0.9, 1e-3, clip_norm=0.5),
+                                 Adam(0.01, weight_decay=0.01, clip_norm=0.3),
+                                 SGD(0.05, 0.9, nesterov=True, clip_norm=0.4)],
+                         ids=["sgd", "adam", "nesterov"])
+@pytest.mark.parametrize("grid", ["2x2", "1x3"])
+def test_clipping_by_global_norm(client, data, opt, grid):
+    """Every step's gradients scaled to the global norm first (all layers): the weights
+    equal the reference's, and the norm's all-reduce moves exactly the words the cost
+    model prices (P (P - 1) words)."""
+    from dask_ipar.cost import Machine, grad_norm_phase
+
+    X, y = data
+    X = 3 * X  # gradients with norms of about 1-2: every step is clipped
+    m = mlp().distribute(client, grid)
+    params = m.get_weights()
+    h = m.fit(X, y, epochs=2, batch_size=12, optimizer=opt, seed=4)
+    plan = BatchPlan(40, 12, 4)
+    norms = []
+
+    def grads_of(p, idx):
+        g, norm = ref.clip_grads(ref.mlp_loss_and_grads(p, ACTS, X[idx].T, y[idx])[2],
+                                 opt.clip_norm)
+        norms.append(norm)
+        return g
+
+    want = reference_run(params, grads_of, plan, 2 * plan.steps_per_epoch, opt)
+    assert min(norms) > opt.clip_norm  # the clip did act
+    assert max_err(m.get_weights(), want) <= 1e-10
+    row = next(r for r in h.comm.rows if (r.layer, r.phase) == ("clip", "grad_norm"))
+    p = m.grid.size
+    assert row.measured_bytes == row.predicted_bytes == p * (p - 1) * 8
+    assert grad_norm_phase(p, Machine(1e-4, 1e9, 8)).total_bytes == p * (p - 1) * 8
+    m.close()
+
+
+def test_clipping_a_cnn(client):
+    rng = np.random.default_rng(2)
+    X, y = 4 * rng.standard_normal((8, 1, 6, 6)), rng.integers(0, 3, 8)
+    layers = [Conv2d(2, 3, activation="relu"), MaxPool2d(2), Flatten(), Dense(3)]
+    opt = Adam(0.01, clip_norm=0.2)
+    m = Sequential(layers, input_shape=(1, 6, 6), dtype="float64", seed=1).distribute(client,
+                                                                                   "2x2")
+    params = m.get_weights()
+    m.fit(X, y, epochs=3, batch_size=4, optimizer=opt, seed=0)
+    plan = BatchPlan(8, 4, 0)
+
+    def grads_of(p, idx):
+        return ref.clip_grads(ref.cnn_loss_and_grads(layers, p, X[idx], y[idx])[3], 0.2)[0]
+
+    want = reference_run(params, grads_of, plan, 3 * plan.steps_per_epoch, opt)
+    assert max_err(m.get_weights(), want) <= 1e-10
+    m.close()
+
+
+@pytest.mark.fast
+def test_planner_prices_the_clipping_all_reduce():
+    from dask_ipar.cost import PAPER_MACHINE, price_assignment
+    from dask_ipar.cost.layers import FC
+
+    layers = [FC(64, 32, name="dense0"), FC(32, 10, name="dense1")]
+    plain = price_assignment(layers, {}, 2, 4, 64, PAPER_MACHINE)
+    clipped = price_assignment(layers, {}, 2, 4, 64, PAPER_MACHINE, grad_clip=True)
+    extra = [p for p in clipped.phases if p.phase == "grad_norm"]
+    assert len(extra) == 1 and extra[0].total_bytes == 8 * 7 * PAPER_MACHINE.word_bytes
+    assert len(clipped.phases) == len(plain.phases) + 1
+    assert clipped.total_s > plain.total_s

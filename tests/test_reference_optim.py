@@ -148,3 +148,29 @@ def test_nesterov_closed_form():
         np.testing.assert_allclose(x1 - x2, lr * (mu * ga + gb), rtol=1e-13)
     with pytest.raises(ValueError):
         sgd_step([(W, b)], [None], [g1], lr, momentum=0.0, nesterov=True)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("max_norm", [0.5, 1e3], ids=["clipped", "untouched"])
+def test_clip_grads_matches_torch(max_norm):
+    """reference.clip_grads against torch.nn.utils.clip_grad_norm_ over W and b of two
+    layers (one without bias)."""
+    torch = pytest.importorskip("torch")
+    from dask_ipar.reference import clip_grads
+
+    rng = np.random.default_rng(4)
+    grads = [(rng.standard_normal((4, 3)), rng.standard_normal(4)),
+             (rng.standard_normal((2, 4)), None)]
+    mine, norm = clip_grads(grads, max_norm)
+    tensors = [torch.zeros(g.shape, dtype=torch.float64, requires_grad=True)
+               for pair in grads for g in pair if g is not None]
+    for t, g in zip(tensors, [g for pair in grads for g in pair if g is not None]):
+        t.grad = torch.from_numpy(g.copy())
+    total = torch.nn.utils.clip_grad_norm_(tensors, max_norm)
+    assert float(total) == pytest.approx(norm, rel=1e-14)
+    got = [g for pair in mine for g in pair if g is not None]
+    assert max(np.abs(t.grad.numpy() - g).max() for t, g in zip(tensors, got)) <= 1e-15
+    assert mine[1][1] is None
+    if max_norm > norm:
+        assert all(np.array_equal(a, b) for a, b in zip(got, [g for pair in grads for g in pair
+                                                               if g is not None]))

@@ -111,6 +111,10 @@ def check_resume(args, directory, settings: dict) -> None:
         old, new = saved.get("optimizer", {}).get(k), settings["optimizer"].get(k)
         if old is not None and new is not None and old != new:
             changed.append(f"{flag} {new:g} (the checkpoint's run used {old:g})")
+    if "clip_norm" in saved.get("optimizer", {}) and (
+            saved["optimizer"]["clip_norm"] != settings["optimizer"].get("clip_norm")):
+        changed.append(f"--clip-norm {settings['optimizer'].get('clip_norm') or 'none'} (the "
+                       f"checkpoint's run used {saved['optimizer']['clip_norm'] or 'none'})")
     old_s = saved.get("optimizer", {}).get("schedule")
     new_s = settings["optimizer"].get("schedule")
     if "schedule" in saved.get("optimizer", {}) and old_s != new_s:

@@ -59,6 +59,7 @@ TRAIN_FLAGS = {
     "dtype": "model.dtype",
     "lr": "optimizer.lr",
     "optimizer": "optimizer.kind",
+    "clip_norm": "optimizer.clip_norm",
     "momentum": "optimizer.momentum",
     "weight_decay": "optimizer.weight_decay",
     "epochs": "train.epochs",

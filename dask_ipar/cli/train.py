@@ -44,6 +44,9 @@ def add_parser(sub):
     p.add_argument("--lr", type=float,
                    help="learning rate (default 0.05 for sgd, 0.001 for adam and adamw)")
     p.add_argument("--nesterov", action="store_true", help="sgd: Nesterov momentum")
+    p.add_argument("--clip-norm", type=float, metavar="MAX",
+                   help="scale each step's gradients to global 2-norm at most MAX (one "
+                   "one-word all-reduce per step, in the comm table as clip grad_norm)")
     p.add_argument("--lr-schedule", metavar="SPEC",
                    help="none (default), step:N[:GAMMA] (x GAMMA every N steps), cosine[:MIN] "
                    "(to MIN x lr at the end), warmup:N (linear over N steps), warmup:N+cosine")
@@ -276,7 +279,7 @@ def _settings(cfg) -> dict:
     """What a checkpoint stores of the run and ``--resume`` checks."""
     o, t = cfg["optimizer"], cfg["train"]
     opt = {"kind": o["kind"], "lr": _lr(o), "weight_decay": o["weight_decay"],
-           "schedule": o.get("schedule")}
+           "schedule": o.get("schedule"), "clip_norm": o["clip_norm"]}
     if o["kind"] == "sgd":
         opt.update(momentum=o["momentum"], nesterov=o["nesterov"])
     return {"optimizer": opt, "batch_size": t["batch"], "seed": t["seed"]}
@@ -325,7 +328,7 @@ def _run(args, signals) -> int:
     schedule = parse_schedule(o.get("schedule"), t["epochs"] * per_epoch)
     optimizer = make_optimizer(o["kind"], lr=_lr(o), momentum=o["momentum"],
                                weight_decay=o["weight_decay"], schedule=schedule,
-                               nesterov=o["nesterov"])
+                               nesterov=o["nesterov"], clip_norm=o["clip_norm"])
     t_start = time.perf_counter()
     logging.getLogger("distributed").setLevel(logging.ERROR)  # start-up chatter is not theirs
     interrupted = None

@@ -33,6 +33,7 @@ from dask_ipar.cost.model import (
     layer_memory_bytes,
     network_phases,
     redistribute_phase,
+    grad_norm_phase,
 )
 from dask_ipar.cost.conv import (
     batch_model_crossover,
@@ -103,6 +104,7 @@ __all__ = [
     "batch_layer_phases",
     "batch_model_crossover",
     "redistribute_phase",
+    "grad_norm_phase",
     "network_phases",
     "MemoryBreakdown",
     "layer_memory_bytes",

@@ -44,6 +44,7 @@ __all__ = [
     "dense_layer_phases",
     "batch_layer_phases",
     "redistribute_phase",
+    "grad_norm_phase",
     "network_phases",
     "layer_memory_bytes",
     "MemoryBreakdown",
@@ -61,6 +62,7 @@ PHASE_BUCKET = {
     "dw_allreduce": "batch",
     "halo_fwd": "domain",
     "halo_bwd": "domain",
+    "grad_norm": "batch",
 }
 """Which bar of the paper's figures each phase belongs to: ``batch`` (weight
 gradients), ``model`` (activations of model-parallel layers and
@@ -299,6 +301,20 @@ def batch_layer_phases(layer: LayerSpec, procs: int, machine: Machine, *, conven
     _check_convention(convention)
     layer = as_layer_spec(layer)
     return _weight_allreduce_all(layer, name or layer.name, procs, machine, convention)
+
+
+def grad_norm_phase(procs: int, machine: Machine, *, name: str = "clip") -> PhaseCost:
+    """The all-reduce of gradient clipping by global norm (ours; the paper has none): each
+    of the P processes sums the squares of the gradient slices it owns (one word) and
+    sends it to the P - 1 others, who all compute the norm. ``P (P - 1)`` words in all,
+    ``P - 1`` messages of one word into each process (the engine's direct all-gather)."""
+    if procs < 1:
+        raise ValueError(f"procs: got {procs!r}; expected a positive integer")
+    if procs == 1:
+        return _phase(name, "grad_norm", 1, 0, 0, 0, machine)
+    w = machine.word_bytes
+    return _phase(name, "grad_norm", procs, procs * (procs - 1) * w, (procs - 1) * w,
+                  procs - 1, machine)
 
 
 # --------------------------------------------------------------------------- Eq. 6

@@ -37,6 +37,7 @@ from dask_ipar.cost.model import (
     PhaseCost,
     _matmul_phases,
     batch_layer_phases,
+    grad_norm_phase,
     layer_memory_bytes,
     redistribute_phase,
 )
@@ -262,8 +263,11 @@ def _memory(layers, schemes, pr, pc, batch, machine, convention, opt_slots=1) ->
     return total
 
 
-def _finish(layers, pr, pc, batch, machine, found, overlap, convention, opt_slots=1) -> GridPlan:
+def _finish(layers, pr, pc, batch, machine, found, overlap, convention, opt_slots=1,
+            grad_clip=False) -> GridPlan:
     _, schemes, phases = found
+    if grad_clip:  # the norm's one-word all-reduce over all P
+        phases = [*phases, grad_norm_phase(pr * pc, machine)]
     buckets = {"batch": 0.0, "model": 0.0, "domain": 0.0}
     for p in phases:
         buckets[p.bucket] += p.seconds
@@ -279,7 +283,7 @@ def _finish(layers, pr, pc, batch, machine, found, overlap, convention, opt_slot
 def evaluate_grid(
     layers, pr: int, pc: int, batch: int, machine: Machine, *, conv: str = "auto", overlap: bool = False,
     mem_limit_bytes: float | None = None, convention: str = "engine", dx_size: str = "paper",
-    schemes: tuple[str, ...] | None = None, opt_slots: int = 1,
+    schemes: tuple[str, ...] | None = None, opt_slots: int = 1, grad_clip: bool = False,
 ) -> GridPlan:
     """Price one ``Pr x Pc`` grid for a network (Eqs. 3-9).
 
@@ -291,7 +295,9 @@ def evaluate_grid(
     ``("domain", "model")``), in its order (batch, then domain, then model); in the
     engine convention every layer is then priced as the engine runs it and a grid
     the engine refuses is infeasible (see :mod:`dask_ipar.cost.engine`). ``opt_slots``:
-    optimizer state blocks per weight slice in the memory (1: momentum, 2: Adam).
+    optimizer state blocks per weight slice in the memory (1: momentum, 2: Adam);
+    ``grad_clip``: gradient clipping by global norm adds its all-reduce
+    (:func:`dask_ipar.cost.model.grad_norm_phase`).
     """
     if conv not in MODES:
         raise ValueError(f"conv: got {conv!r}; expected one of {', '.join(MODES)}")
@@ -320,7 +326,8 @@ def evaluate_grid(
         if found is None:
             reasons.append(why)
             continue
-        plan_ = _finish(layers, pr, pc, batch, machine, found, overlap, convention, opt_slots)
+        plan_ = _finish(layers, pr, pc, batch, machine, found, overlap, convention, opt_slots,
+                        grad_clip)
         if mem_limit_bytes is not None and plan_.mem_bytes > mem_limit_bytes:
             reasons.append(f"needs {plan_.mem_bytes} bytes per process > limit {int(mem_limit_bytes)}")
             continue
@@ -332,7 +339,7 @@ def evaluate_grid(
 
 def price_assignment(
     layers, schemes_by_layer, pr: int, pc: int, batch: int, machine: Machine, *,
-    overlap: bool = False,
+    overlap: bool = False, grad_clip: bool = False,
 ) -> GridPlan:
     """Price one given per-layer scheme assignment as the engine runs it (engine convention).
 
@@ -344,7 +351,7 @@ def price_assignment(
     table (``dask_ipar.runtime.meter.predict_step``), so ``.phases`` are the bytes per
     layer and phase the engine moves. Returns an infeasible :class:`GridPlan` (with
     ``reason``) for a grid the engine refuses (:func:`dask_ipar.cost.engine.engine_refusal`,
-    or ``Pc > batch``).
+    or ``Pc > batch``). ``grad_clip`` adds clipping's norm all-reduce.
     """
     layers = [as_layer_spec(x) for x in layers]
     fixed = dict(schemes_by_layer or {})
@@ -363,13 +370,15 @@ def price_assignment(
     found, why = _engine_search(layers, allowed, pr, pc, batch, machine)
     if found is None:
         return GridPlan(pr, pc, False, why)
-    return _finish(layers, pr, pc, batch, machine, found, overlap, "engine")
+    return _finish(layers, pr, pc, batch, machine, found, overlap, "engine",
+                   grad_clip=grad_clip)
 
 
 def plan(
     layers, procs: int, batch: int, machine: Machine, *, conv: str = "auto", overlap: bool = False,
     mem_limit_bytes: float | None = None, convention: str = "engine", samples: int | None = None,
     dx_size: str = "paper", schemes: tuple[str, ...] | None = None, opt_slots: int = 1,
+    grad_clip: bool = False,
 ) -> PlanResult:
     """Evaluate every factorization of ``procs`` and pick the fastest grid.
 
@@ -405,7 +414,8 @@ def plan(
     layers = [as_layer_spec(x) for x in layers]
     grids = [
         evaluate_grid(layers, pr, pc, batch, machine, conv=conv, overlap=overlap, mem_limit_bytes=mem_limit_bytes,
-                      convention=convention, dx_size=dx_size, schemes=schemes, opt_slots=opt_slots)
+                      convention=convention, dx_size=dx_size, schemes=schemes, opt_slots=opt_slots,
+                      grad_clip=grad_clip)
         for pr, pc in factorizations(procs)
     ]
     unit = "iteration"

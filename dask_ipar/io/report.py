@@ -103,7 +103,7 @@ def render_run_card(summary: dict, history, model, perf_report_html: str | None 
            f"<p class='muted'>{_dt.datetime.now().isoformat(timespec='seconds')}</p>",
            "<h2>Run</h2><table class='kv' id='summary'>"]
     for k, v in summary.items():
-        if k == "comm":
+        if k in ("comm", "history"):
             continue
         val = f"{v:.4g}" if isinstance(v, float) else str(v)
         out.append(f"<tr><th class='l'>{esc(str(k))}</th><td>{esc(val)}</td></tr>")
@@ -133,6 +133,22 @@ def render_run_card(summary: dict, history, model, perf_report_html: str | None 
                                title="loss per step"))
         out.append(_line_chart({"accuracy per step": [s.accuracy for s in history.steps]},
                                title="training accuracy per step"))
+    if history.epochs:
+        cols = [k for k in ("epoch", "loss", "accuracy", "val_loss", "val_accuracy", "lr",
+                            "samples_per_s", "seconds") if k in history.epochs[0]]
+        out.append("<table id='epochs'><tr>" + "".join(f"<th>{c}</th>" for c in cols)
+                   + "</tr>")
+        for e in history.epochs:
+            out.append("<tr>" + "".join(
+                f"<td>{e[c]:.4g}</td>" if isinstance(e.get(c), float) else f"<td>{e.get(c)}</td>"
+                for c in cols) + "</tr>")
+        out.append("</table>")
+        if "val_loss" in history.epochs[0]:
+            out.append(_line_chart({"training loss": [e["loss"] for e in history.epochs],
+                                    "validation loss": [e["val_loss"] for e in history.epochs]},
+                                   title="loss per epoch"))
+        if history.stopped:
+            out.append(f"<p>{esc(history.stopped)}</p>")
 
     comm = history.comm
     if comm is not None:

@@ -122,6 +122,19 @@ def _nesterov_update(w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1, 
     return w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1], passes * w[0] * w[1]
 
 
+def _sum_squares(*blocks):
+    n = sum(numel(b) for b in blocks)
+    return (1,), 2.0 * n, n
+
+
+def _clip_factor(max_norm, *sums):
+    return (), float(len(sums)), 0.0
+
+
+def _clip_grad(g, factor, r_off=0, c_off=0):
+    return g, float(numel(g)), 2 * numel(g)
+
+
 def _fetched(*blocks):
     return (), 0.0, 0.0
 
@@ -149,6 +162,9 @@ KERNEL_COSTS = {
     "adam_weight": _adam_weight,
     "adam_update": _adam_update,
     "nesterov_update": _nesterov_update,
+    "sum_squares": _sum_squares,
+    "clip_factor": _clip_factor,
+    "clip_grad": _clip_grad,
     "fetched": _fetched,
     "to_device": _copy,
     "to_host": _copy,

@@ -364,7 +364,12 @@ def sgd_weight(w, v, lr):
 
 
 def grad_block(grad, r0, r1, c0, c1):
-    """Block ``[r0:r1, c0:c1]`` of the weight-gradient partial ``grad[1]`` (a piece to send)."""
+    """Block ``[r0:r1, c0:c1]`` of the weight-gradient partial ``grad[1]`` (a piece to send),
+    or of a block ``(r_off, c_off, g)`` that starts at row ``r_off``, column ``c_off`` (a
+    clipped gradient block, :func:`clip_grad`)."""
+    if len(grad) == 3:
+        r_off, c_off, g = grad
+        return xp_of(g).asarray(g[r0 - r_off:r1 - r_off, c0 - c_off:c1 - c_off], copy=True)
     g = grad[1]
     return xp_of(g).asarray(g[r0:r1, c0:c1], copy=True)
 

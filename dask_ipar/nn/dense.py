@@ -344,14 +344,11 @@ class Engine:
     # ---------------------------------------------------------------- graphs
     def train_step(self, x_keys, y_keys, batch, w_names, v_names, step, lr, momentum,
                    weight_decay, g=None, optimizer=None, t=1):
-        """Graph of one training step. Returns ``(StepGraph, new_w_names, new_v_names,
-        stats_keys)``.
+        """Graph of one training step: ``(StepGraph, new_w_names, new_v_names, stats_keys)``.
 
-        The update is momentum SGD with ``lr``, ``momentum`` and ``weight_decay``, or the
-        rule of ``optimizer`` (:mod:`dask_ipar.optim`, its rate already that of this step;
-        ``t``: the 1-based update count of the state, for Adam's bias correction). Its
-        state lives under the ``v`` names either way: a momentum block, or Adam's
-        ``(2, rows, cols)`` moments (:mod:`dask_ipar.kernels.adam`).
+        The update is momentum SGD (``lr``, ``momentum``, ``weight_decay``) or the rule of
+        ``optimizer`` at this step (:mod:`dask_ipar.optim`; ``t``: the state's 1-based
+        update count), its state under the ``v`` names (:mod:`dask_ipar.nn.updates`).
         """
         rule = U.Rule.of(lr, momentum, weight_decay, optimizer, t)
         g = StepGraph() if g is None else g
@@ -363,8 +360,16 @@ class Engine:
         pr, pc = self.grid.pr, self.grid.pc
         new_w, new_v = [], []
 
+        clipped = []  # with clipping: (lay, old w, old v, w, v, dw_args), updated at the end
+
         def update(g, lay, l, dw_args, readers):
             w_name = self.name(lay.name, "w", step)
+            if rule.clip is not None:  # every update waits for the global norm
+                v_name = self.name(lay.name, "v", step)
+                clipped.append((lay, w_names[l], v_names[l], w_name, v_name, dw_args))
+                new_w.append(w_name)
+                new_v.append(v_name)
+                return
             v_name = self.name(lay.name, "v", step) if v_names[l] is None else v_names[l]
             for i in range(pr):
                 for jj in range(pc):
@@ -377,20 +382,30 @@ class Engine:
             new_v.append(v_name)
 
         dimg = self._backward(g, inputs, wparts, dz, step, update, w_names, batch)
+        front_clipped = []
         if self.front is not None:
-            fw, fv = self._front_update(g, ctx, dimg, front_v, step, rule)
+            fw, fv = self._front_update(g, ctx, dimg, front_v, step, rule, front_clipped)
             new_w += fw
             new_v += fv
+        if rule.clip is not None:
+            U.clipped_updates(g, self, rule, step, clipped, front_clipped)
         return g, new_w[::-1], new_v[::-1], stats
 
-    def _front_update(self, g, ctx, dimg, v_names, step, rule):
-        """Backward of the front with ``rule``'s update on every conv weight block."""
+    def _front_update(self, g, ctx, dimg, v_names, step, rule, clipped=None):
+        """Backward of the front with ``rule``'s update on every conv weight block (with
+        clipping, what the update needs goes to ``clipped``)."""
         new_w, new_v = [], []
 
         def update(g, lay, c, grads, wk, pieces, rows):
             wl = lay.weights
             v_name = self.name(lay.name, "v", step)
             w_name = self.name(lay.name, "w", step)
+            if rule.clip is not None:
+                clipped.append((wl, lay.name, grads, wk, pieces, rows, v_names[c], w_name,
+                                v_name))
+                new_w.append(w_name)
+                new_v.append(v_name)
+                return
             for i, j in self.grid.cells():
                 (r0, r1), (c0, c1) = rows(i), wl.wcols[j]
                 old_v = None if v_names[c] is None else TaskRef((v_names[c], i, j))

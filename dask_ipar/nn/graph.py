@@ -34,6 +34,7 @@ TASK_PHASE = {
     "dxhalo": "halo_bwd",
     "rd": "redistribute",
     "rdx": "dx_reduce",
+    "gnorm": "grad_norm",  # each cell's sum of squares, gathered by all (gradient clipping)
 }
 
 
@@ -66,6 +67,10 @@ TASK_SPAN = {
     "v": "update",
     "w": "update",
     "grad": "dw_reduce",
+    "gsq": "grad_norm",
+    "gnorm": "grad_norm",
+    "gfac": "grad_norm",
+    "gclip": "update",
     "stats": "loss",
     "x": "input",
     "y": "input",

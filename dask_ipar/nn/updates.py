@@ -9,6 +9,13 @@ through the weights, so updates of a block never overlap. The weights are rewrit
 place too (SGD, Adam), after every task of the cell that reads them (``after``: their
 copies on other cells were fetched before: the dW pieces this update sums are computed
 from them). Replicated (conv) weight blocks get a new state block each step.
+
+With gradient clipping by global norm (:func:`clipped_updates`) every update waits for
+the norm: each cell reduces its owned gradient blocks (dense slices and conv blocks),
+sums their squares into one word, all-gathers the P words (``clip.gnorm`` keys, phase
+``grad_norm``, priced by :func:`dask_ipar.cost.model.grad_norm_phase`), and scales its
+blocks by ``min(1, max_norm / (norm + 1e-6))`` before the optimizer's rule; the states
+and weights are then new blocks each step (the replicated-block path).
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ from dataclasses import dataclass
 from dask._task_spec import TaskRef
 
 from dask_ipar.kernels import adam as KA
+from dask_ipar.kernels import clip as KC
 from dask_ipar.kernels import dense as K
 
-__all__ = ["Rule", "slice_update", "block_update"]
+__all__ = ["Rule", "slice_update", "block_update", "clipped_updates"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,8 @@ class Rule:
     weight_decay: float = 0.0
     hp: tuple | None = None
     t: int = 1
+    #: gradient clipping by global norm: the largest norm, or None
+    clip: float | None = None
 
     @classmethod
     def of(cls, lr, momentum, weight_decay, optimizer=None, t=1) -> "Rule":
@@ -42,10 +52,11 @@ class Rule:
         step) when given."""
         if optimizer is None:
             return cls("sgd", lr, momentum, weight_decay)
+        clip = getattr(optimizer, "clip_norm", None)
         if optimizer.name in ("adam", "adamw"):
-            return cls("adam", optimizer.lr, 0.0, optimizer.weight_decay, optimizer.hp, t)
+            return cls("adam", optimizer.lr, 0.0, optimizer.weight_decay, optimizer.hp, t, clip)
         kind = "nesterov" if getattr(optimizer, "nesterov", False) else "sgd"
-        return cls(kind, optimizer.lr, optimizer.momentum, optimizer.weight_decay)
+        return cls(kind, optimizer.lr, optimizer.momentum, optimizer.weight_decay, clip=clip)
 
 
 def slice_update(g, worker, rule: Rule, n_decay, w_old, w_key, v_key, first, dw, after):
@@ -95,3 +106,51 @@ def block_update(g, worker, rule: Rule, wfull, r0, r1, c0, c1, n_decay, old_v, g
     else:
         g.add(w_key, worker, K.block_sgd_weight, wfull, r0, r1, c0, c1, TaskRef(v_key),
               rule.lr)
+
+
+def clipped_updates(g, engine, rule: Rule, step, dense, front):
+    """The update tasks of a clipped step, after the backward has added every gradient.
+
+    ``dense``: ``(lay, w_name_old, v_name_old, w_name, v_name, dw_args)`` per dense layer;
+    ``front``: ``(wl, grads, wk, pieces, rows, v_name_old, w_name, v_name)`` per conv layer
+    (as the front's backward hands them to its update callback).
+    """
+    from dask_ipar.nn import collectives as C
+
+    binding, cells = engine.binding, engine.grid.cells()
+    owned = {c: [] for c in cells}  # cell -> its gradient blocks, in layer order
+    todo = []
+    for lay, w_old, v_old, w_name, v_name, dw_args in dense:
+        gname = engine.name(lay.name, "grad", step)
+        for i, jj in cells:
+            key = (gname, i, jj)
+            g.add(key, binding.worker(i, jj), K.dw_reduce, *dw_args(i, jj))
+            owned[(i, jj)].append(key)
+            (r0, r1), (c0, c1) = lay.rows[i], lay.wcols[jj]
+            old_v = None if v_old is None else TaskRef((v_old, i, jj))
+            todo.append((lay.name, (i, jj), key, TaskRef((w_old, i, jj)), 0, r1 - r0, 0,
+                         c1 - c0, lay.n_decay(jj), old_v, (w_name, i, jj), (v_name, i, jj)))
+    for wl, name, grads, wk, pieces, rows, v_old, w_name, v_name in front:
+        gname = engine.name(name, "grad", step)
+        for i, j in cells:
+            (r0, r1), (c0, c1) = rows(i), wl.wcols[j]
+            key = (gname, i, j)
+            g.add(key, binding.worker(i, j), K.block_reduce, TaskRef(grads[(i, j)]), r0, r1,
+                  c0, c1, *pieces(i, j))
+            owned[(i, j)].append(key)
+            old_v = None if v_old is None else TaskRef((v_old, i, j))
+            todo.append((name, (i, j), key, TaskRef(wk[(i, j)]), r0, r1, c0, c1,
+                         wl.n_decay(j), old_v, (w_name, i, j), (v_name, i, j)))
+    sq = engine.name("clip", "gsq", step)
+    for c in cells:
+        g.add((sq, *c), binding.worker(*c), KC.sum_squares, *[TaskRef(k) for k in owned[c]])
+    factor = C.all_gather(g, binding, "all", {c: (sq, *c) for c in cells}, layer="clip",
+                          phase="grad_norm", words=lambda c: 1, join=KC.clip_factor,
+                          lead=(rule.clip,), name=engine.name("clip", "gfac", step),
+                          rename=engine.name("clip", "gnorm", step), always_join=True)
+    for name, cell, key, wfull, r0, r1, c0, c1, nd, old_v, w_key, v_key in todo:
+        ckey = (engine.name(name, "gclip", step), *cell)
+        worker = binding.worker(*cell)
+        g.add(ckey, worker, KC.clip_grad, TaskRef(key), TaskRef(factor[cell]), r0, c0)
+        block_update(g, worker, rule, wfull, r0, r1, c0, c1, nd, old_v, TaskRef(ckey), (),
+                     w_key, v_key)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from dask_ipar.cost import (FC, LOOPBACK_MACHINE, Machine, batch_layer_phases,
                             dense_layer_phases, engine_alltoall_phases, engine_model_conv_phases,
-                            redistribute_phase, window_halo_phases)
+                            grad_norm_phase, redistribute_phase, window_halo_phases)
 from dask_ipar.nn.graph import phase_of_key
 
 __all__ = ["CommMeter", "CommRow", "CommReport", "predict_step"]
@@ -103,7 +103,7 @@ class CommReport:
         return "\n".join(lines)
 
 
-def predict_step(engine, pr, pc, batch, machine, word_bytes):
+def predict_step(engine, pr, pc, batch, machine, word_bytes, grad_clip=False):
     """Cost-model phases of one training step of ``engine``'s layers (engine convention).
 
     Dense layers: Eq. 8. Conv and pooling layers on strips (domain-parallel): the halo
@@ -112,7 +112,8 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
     all-reduce alone; model-parallel convs: the gather of whole images, the filters'
     weight phases and the input-gradient reduce-scatter; then the flatten redistribution
     (Eq. 6). Every formula is :mod:`dask_ipar.cost`'s, on the layers' plain shapes, so
-    :func:`dask_ipar.cost.price_assignment` prices the same network identically.
+    :func:`dask_ipar.cost.price_assignment` prices the same network identically. With
+    ``grad_clip``, the global norm's one-word all-reduce (:func:`grad_norm_phase`) too.
     """
     m = Machine(alpha_s=machine.alpha_s, bandwidth_Bps=machine.bandwidth_Bps,
                 word_bytes=word_bytes)
@@ -153,14 +154,18 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes):
         out.extend(dense_layer_phases(FC(lay.n_in, lay.n_out, bias=lay.bias), pr, pc, batch, m,
                                       first_layer=k == 0 and front is None, convention="engine",
                                       name=lay.name))
+    if grad_clip:
+        out.append(grad_norm_phase(pr * pc, m))
     return out
 
 
 class CommMeter:
     """Accumulates measured transfers and predicted phases over the steps of a run."""
 
-    def __init__(self, client, binding, engine, word_bytes, machine: Machine | None = None):
+    def __init__(self, client, binding, engine, word_bytes, machine: Machine | None = None,
+                 grad_clip: bool = False):
         self.client = client
+        self.grad_clip = grad_clip
         self.workers = list(binding.workers)
         self.grid = binding.grid
         self.engine = engine
@@ -187,7 +192,8 @@ class CommMeter:
         self.steps += 1
         if batch not in self._phases:  # one prediction per batch size, not per step
             self._phases[batch] = predict_step(self.engine, self.grid.pr, self.grid.pc, batch,
-                                               self.machine, self.word_bytes)
+                                               self.machine, self.word_bytes,
+                                               self.grad_clip)
         for p in self._phases[batch]:
             acc = self._pred[(p.layer, p.phase)]
             acc[0] += p.total_bytes

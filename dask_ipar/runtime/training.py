@@ -98,7 +98,7 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
         from dask_ipar.runtime.meter import CommMeter
 
         meter = CommMeter(model.client, model.binding, model.engine, model.dtype.itemsize,
-                          machine)
+                          machine, grad_clip=getattr(optimizer, "clip_norm", None) is not None)
         post.append(cbs.Meter(meter))
     if validation_data is not None:
         try:
