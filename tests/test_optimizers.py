@@ -69,11 +69,14 @@ def test_mlp_steps_equal_the_reference(client, data, opt, grid):
     m.close()
 
 
-@pytest.mark.parametrize("opt", OPTIMIZERS[:1] + OPTIMIZERS[2:], ids=["adam", "nesterov"])
-def test_cnn_steps_equal_the_reference(client, opt):
-    """Conv weights are replicated blocks updated by every cell (their own update path)."""
+@pytest.mark.parametrize("opt,scale", [(OPTIMIZERS[0], 1.0), (OPTIMIZERS[2], 1.0),
+                                       (Adam(0.01, clip_norm=0.2), 4.0)],
+                         ids=["adam", "nesterov", "adam-clipped"])
+def test_cnn_steps_equal_the_reference(client, opt, scale):
+    """Conv weights are replicated blocks updated by every cell (their own update path);
+    clipped, the norm covers conv and dense gradients alike."""
     rng = np.random.default_rng(2)
-    X, y = rng.standard_normal((8, 1, 6, 6)), rng.integers(0, 3, 8)
+    X, y = scale * rng.standard_normal((8, 1, 6, 6)), rng.integers(0, 3, 8)
     layers = [Conv2d(2, 3, activation="relu"), MaxPool2d(2), Flatten(), Dense(3)]
     m = Sequential(layers, input_shape=(1, 6, 6), dtype="float64", seed=1).distribute(client,
                                                                                    "2x2")
@@ -82,7 +85,8 @@ def test_cnn_steps_equal_the_reference(client, opt):
     plan = BatchPlan(8, 4, 0)
 
     def grads_of(p, idx):
-        return ref.cnn_loss_and_grads(layers, p, X[idx], y[idx])[3]
+        g = ref.cnn_loss_and_grads(layers, p, X[idx], y[idx])[3]
+        return g if opt.clip_norm is None else ref.clip_grads(g, opt.clip_norm)[0]
 
     want = reference_run(params, grads_of, plan, 3 * plan.steps_per_epoch, opt)
     assert max_err(m.get_weights(), want) <= 1e-10
@@ -175,25 +179,6 @@ def test_clipping_by_global_norm(client, data, opt, grid):
     p = m.grid.size
     assert row.measured_bytes == row.predicted_bytes == p * (p - 1) * 8
     assert grad_norm_phase(p, Machine(1e-4, 1e9, 8)).total_bytes == p * (p - 1) * 8
-    m.close()
-
-
-def test_clipping_a_cnn(client):
-    rng = np.random.default_rng(2)
-    X, y = 4 * rng.standard_normal((8, 1, 6, 6)), rng.integers(0, 3, 8)
-    layers = [Conv2d(2, 3, activation="relu"), MaxPool2d(2), Flatten(), Dense(3)]
-    opt = Adam(0.01, clip_norm=0.2)
-    m = Sequential(layers, input_shape=(1, 6, 6), dtype="float64", seed=1).distribute(client,
-                                                                                   "2x2")
-    params = m.get_weights()
-    m.fit(X, y, epochs=3, batch_size=4, optimizer=opt, seed=0)
-    plan = BatchPlan(8, 4, 0)
-
-    def grads_of(p, idx):
-        return ref.clip_grads(ref.cnn_loss_and_grads(layers, p, X[idx], y[idx])[3], 0.2)[0]
-
-    want = reference_run(params, grads_of, plan, 3 * plan.steps_per_epoch, opt)
-    assert max_err(m.get_weights(), want) <= 1e-10
     m.close()
 
 

@@ -148,7 +148,7 @@ def test_failing_program_stops_its_peers_at_once(client):
         t0 = time.perf_counter()
         stats = model.train_step(X, y, SGD())
         with pytest.raises(Exception, match="kernel failed on purpose|stopped"):
-            model._gather_step(stats, model._step)
+            model._store.gather_step(stats, model._step)
         futs = _weight_futures(model)
         elapsed = time.perf_counter() - t0
         assert elapsed < 30, elapsed  # not the 120 s timeout: the victim told its peers

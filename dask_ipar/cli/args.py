@@ -7,7 +7,7 @@ import sys
 
 from dask_ipar.errors import IparError
 
-__all__ = ["eprint", "positive_int", "fraction", "widths", "resolve_grid"]
+__all__ = ["eprint", "positive_int", "fraction", "widths", "resolve_grid", "report"]
 
 
 def eprint(*args):
@@ -67,3 +67,16 @@ def resolve_grid(grid_text, workers):
             )
         return grid
     return Grid(1, workers or 2)
+
+
+def report(args, line: str, summary: dict) -> int:
+    """End a command: its one result line on stdout, or with ``--json`` the line on stderr
+    and ``summary`` as one JSON object on stdout. Returns 0."""
+    import json
+
+    if getattr(args, "json", False):
+        eprint(line)
+        print(json.dumps(summary))
+    else:
+        print(line)
+    return 0

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from dask_ipar.cli.args import eprint, positive_int, resolve_grid
+from dask_ipar.cli.args import eprint, positive_int, report, resolve_grid
 from dask_ipar.errors import IparError
 
 __all__ = ["add_parsers", "run_predict", "run_evaluate"]
@@ -118,10 +118,5 @@ def run_evaluate(args) -> int:
         model.close()
     out = {"samples": int(len(y)), "loss": float(r["loss"]), "accuracy": float(r["accuracy"]),
            "grid": str(grid), "seconds": time.perf_counter() - t0}
-    line = f"accuracy {out['accuracy']:.4f} (loss {out['loss']:.4f}) on {len(y)} samples"
-    if args.json:
-        eprint(line)
-        print(json.dumps(out))
-    else:
-        print(line)
-    return 0
+    return report(args, f"accuracy {out['accuracy']:.4f} (loss {out['loss']:.4f}) on "
+                  f"{len(y)} samples", out)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -16,7 +15,7 @@ import time
 import numpy as np
 
 from dask_ipar.cli import checks
-from dask_ipar.cli.args import eprint, fraction, positive_int, resolve_grid, widths
+from dask_ipar.cli.args import eprint, fraction, positive_int, report, resolve_grid, widths
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.loop import Callback, Interrupted
 
@@ -415,9 +414,4 @@ def _run(args, signals) -> int:
     line = (f"test accuracy {result['accuracy']:.4f} (loss {result['loss']:.4f}) after "
             f"{epochs_run} epoch{'s' if epochs_run != 1 else ''}, "
             f"{summary['samples_per_s']:.0f} samples/s, {summary['seconds']:.1f} s total")
-    if args.json:
-        eprint(line)
-        print(json.dumps(summary))
-    else:
-        print(line)
-    return 0
+    return report(args, line, summary)

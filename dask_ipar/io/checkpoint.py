@@ -7,7 +7,8 @@ Layout of a checkpoint directory ``<dir>/ckpt-<step>/`` (a Zarr v3 group)::
                            has_velocity, extra (user metadata, JSON), arrays (shape,
                            chunks, SHA-256 per chunk), checksum (of all the rest)
     dense0/w               float array n_out x (n_in + bias), the last column the bias
-    dense0/v               its momentum (absent before the first step)
+    dense0/v               its momentum (absent before the first step); with Adam
+                           ``dense0/m`` and ``dense0/s``, the two moments
     dense1/w ...
 
 (:mod:`dask_ipar.io.checkpoint_format` defines and validates the metadata.) Arrays are
