@@ -30,6 +30,8 @@ _LAZY = {
     "Flatten": "dask_ipar.nn.layers",
     "Sequential": "dask_ipar.model",
     "SGD": "dask_ipar.optim",
+    "Adam": "dask_ipar.optim",
+    "AdamW": "dask_ipar.optim",
     "IparError": "dask_ipar.errors",
 }
 

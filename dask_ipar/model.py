@@ -308,7 +308,7 @@ class Sequential:
             max_inflight: int = 2, measure: bool = True, machine=None, validation_data=None,
             standardize: bool = False, callbacks=(), checkpoint=None, log_file=None,
             diverge_factor: float = 2.0) -> History:
-        """Train with minibatch SGD; returns a :class:`History` of per-epoch records.
+        """Train on minibatches; returns a :class:`History` of per-epoch records.
 
         Runs :class:`dask_ipar.runtime.loop.TrainLoop`, the loop of every training run:
         step ``s`` trains on :class:`~dask_ipar.runtime.loop.BatchPlan`'s batch ``s`` (a
@@ -320,7 +320,7 @@ class Sequential:
         X, y : inputs ``(n, features)`` or ``(n, C, H, W)`` images, integer labels ``(n,)``
         epochs, batch_size : int
             ``n // batch_size`` steps per epoch; the last takes the samples left over too.
-        optimizer : SGD, with its learning-rate schedule if any (:mod:`dask_ipar.optim`)
+        optimizer : SGD, Adam or AdamW, with its schedule and clipping (:mod:`dask_ipar.optim`)
         shuffle, seed : each epoch's sample order (``seed`` defaults to the model's)
         progress : True for a tqdm bar on stderr, or a callable given each :class:`StepStats`
         max_inflight : int, steps submitted ahead of the one waited for

@@ -57,12 +57,13 @@ def test_help_lists_subcommands():
 def test_train_cnn_on_digits(client):
     """``--model cnn --conv auto``: the planner picks each conv layer's scheme on 2x1.
 
-    One epoch keeps the suite short; the default 10 epochs reach 0.97 (docs/conv.md).
+    Two epochs keep the suite short (0.81 measured); the default 10 epochs reach 0.97
+    (docs/conv.md).
     """
     proc, out = _train("--scheduler-address", client.scheduler.address, "--model", "cnn",
-                       "--conv", "auto", "--grid", "2x1", "--epochs", "1", "--no-progress",
+                       "--conv", "auto", "--grid", "2x1", "--epochs", "2", "--no-progress",
                        "--json")
-    assert out["test_accuracy"] >= 0.5, out  # it learns (chance: 0.1)
+    assert out["test_accuracy"] >= 0.7, out  # it learns (chance: 0.1)
     assert "planner (conv auto): grid 2x1, conv0 " in proc.stderr
     assert "machine alpha 0.001 s, 1e+09 B/s (the loopback default" in proc.stderr
     phases = {(c["layer"], c["phase"]) for c in out["comm"]}
