@@ -276,3 +276,51 @@ def test_validation_needs_a_pair(client, data):
     with pytest.raises(IparError, match="validation_data must be a pair"):
         m.fit(X, y, validation_data=X)
     m.close()
+
+
+def test_rewind_after_a_fault_keeps_history_log_and_early_stopping_exact(client, data,
+                                                                         tmp_path):
+    """A step fails once in epoch 3; a callback reloads the checkpoint of step 4 (epoch 1's
+    end) and the loop goes back there: epochs 2 and 3 run again. The history and the
+    metrics log hold each epoch once, early stopping counts each once, and the weights
+    equal an uninterrupted run's."""
+    X, y = data
+    rng = np.random.default_rng(1)
+    val = (rng.standard_normal((20, 7)), rng.integers(0, 5, 20))
+    opt = SGD(0.2, 0.9)
+
+    def run(extra, log):
+        m = make_model().distribute(client, "2x1")
+        stop = EarlyStopping(patience=3, restore_best=False)
+        h = m.fit(X, y, epochs=6, batch_size=12, optimizer=opt, seed=2, validation_data=val,
+                  callbacks=[stop, *extra], log_file=log,
+                  checkpoint=ck.Checkpointing(tmp_path / log.stem, every=4, keep=None))
+        return m, h, stop
+
+    class Boom(RuntimeError):
+        pass
+
+    class FailOnce(Callback):
+        failed = False
+
+        def on_step_end(self, loop, stats):
+            if stats.step == 10 and not self.failed:
+                self.failed = True
+                raise Boom("step 10 fails once")
+
+        def on_error(self, loop, exc):
+            if isinstance(exc, Boom):
+                return ck.load(loop.model, tmp_path / "faulty" / "ckpt-4")["step"]
+            return None
+
+    ref_model, ref, ref_stop = run([], tmp_path / "plain.jsonl")
+    model, h, stop = run([FailOnce()], tmp_path / "faulty.jsonl")
+    assert [e["epoch"] for e in h.epochs] == [e["epoch"] for e in ref.epochs]
+    assert [e["val_loss"] for e in h.epochs] == [e["val_loss"] for e in ref.epochs]
+    assert (stop.best_epoch, stop.wait) == (ref_stop.best_epoch, ref_stop.wait)
+    assert h.stopped == ref.stopped
+    rows = [json.loads(line) for line in (tmp_path / "faulty.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [e["epoch"] for e in ref.epochs]
+    assert same(model.get_weights(), ref_model.get_weights())
+    model.close()
+    ref_model.close()

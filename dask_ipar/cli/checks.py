@@ -115,13 +115,15 @@ def check_resume(args, directory, settings: dict) -> None:
             saved["optimizer"]["clip_norm"] != settings["optimizer"].get("clip_norm")):
         changed.append(f"--clip-norm {settings['optimizer'].get('clip_norm') or 'none'} (the "
                        f"checkpoint's run used {saved['optimizer']['clip_norm'] or 'none'})")
-    old_s = saved.get("optimizer", {}).get("schedule")
-    new_s = settings["optimizer"].get("schedule")
+    norm = lambda v: None if v is None or str(v).strip().lower() in ("", "none",  # noqa: E731
+                                                                    "constant") else str(v)
+    old_s = norm(saved.get("optimizer", {}).get("schedule"))
+    new_s = norm(settings["optimizer"].get("schedule"))
     if "schedule" in saved.get("optimizer", {}) and old_s != new_s:
         changed.append(f"--lr-schedule {new_s or 'none'} (the checkpoint's run used "
                        f"{old_s or 'none'})")
-    for k, flag in (("batch_size", "--batch"), ("seed", "--seed")):
-        if saved.get(k) is not None and saved[k] != settings[k]:
+    for k, flag in (("batch_size", "--batch"), ("seed", "--seed"), ("epochs", "--epochs")):
+        if saved.get(k) is not None and settings.get(k) is not None and saved[k] != settings[k]:
             changed.append(f"{flag} {settings[k]} (the checkpoint's run used {saved[k]})")
     if changed:
         raise IparError(

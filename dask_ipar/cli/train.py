@@ -278,10 +278,20 @@ def _settings(cfg) -> dict:
     """What a checkpoint stores of the run and ``--resume`` checks."""
     o, t = cfg["optimizer"], cfg["train"]
     opt = {"kind": o["kind"], "lr": _lr(o), "weight_decay": o["weight_decay"],
-           "schedule": o.get("schedule"), "clip_norm": o["clip_norm"]}
+           "schedule": _schedule_spec(o.get("schedule")), "clip_norm": o["clip_norm"]}
     if o["kind"] == "sgd":
         opt.update(momentum=o["momentum"], nesterov=o["nesterov"])
-    return {"optimizer": opt, "batch_size": t["batch"], "seed": t["seed"]}
+    out = {"optimizer": opt, "batch_size": t["batch"], "seed": t["seed"]}
+    if _schedule_spec(o.get("schedule")) is not None:  # its horizon is epochs x steps
+        out["epochs"] = t["epochs"]
+    return out
+
+
+def _schedule_spec(text):
+    """A schedule's spelling as compared on resume (None for none/constant/empty)."""
+    if text is None or str(text).strip().lower() in ("", "none", "constant"):
+        return None
+    return str(text).strip().lower()
 
 
 def run(args) -> int:
@@ -323,7 +333,7 @@ def _run(args, signals) -> int:
     Xtr, ytr, val = _val_split(args, cfg, Xtr, ytr, grid)
     model, grid, kind, widths = _build_model(cfg, args, Xtr, grid, n_classes, machine)
     standardize = bool(cfg["data"]["path"]) and cfg["data"]["standardize"]
-    per_epoch = len(ytr) // t["batch"] + 1  # an upper bound; the loop knows the exact count
+    per_epoch = len(ytr) // t["batch"]  # the loop's BatchPlan.steps_per_epoch
     schedule = parse_schedule(o.get("schedule"), t["epochs"] * per_epoch)
     optimizer = make_optimizer(o["kind"], lr=_lr(o), momentum=o["momentum"],
                                weight_decay=o["weight_decay"], schedule=schedule,
@@ -353,6 +363,7 @@ def _run(args, signals) -> int:
 
             checkpoint = Checkpointing(ck["dir"], every=ck["every"] or None, resume=args.resume,
                                        keep=ck["keep"], settings=_settings(cfg),
+                                       reset_other_state=args.resume_changed,
                                        wait_timeout_s=cfg["cluster"]["wait_timeout"],
                                        log=lambda m: eprint(f"dask-ipar: {m}"))
         t_fit = time.perf_counter()
@@ -367,6 +378,11 @@ def _run(args, signals) -> int:
                                     log_file=args.log)
         except Interrupted as exc:
             interrupted = exc
+        finally:
+            signals.loop = None  # a signal from now on ends the command at once
+        if interrupted is None and signals.signum is not None:  # came after the last check
+            interrupted = Interrupted(history.steps[-1].step if history.steps else 0,
+                                      signal.Signals(signals.signum).name, signals.signum)
         if interrupted is not None:
             if checkpoint is None:
                 where = "; nothing saved (no --checkpoint-dir)"

@@ -57,7 +57,7 @@ from dask_ipar.io.checkpoint_faults import WorkerLost, _faults_as_worker_lost, _
 from dask_ipar.io.checkpoint_format import FORMAT, VERSION, CheckpointCorrupt, CheckpointStorageError
 from dask_ipar.io.checkpoint_load import load, read_metadata
 from dask_ipar.io.checkpoint_save import save
-from dask_ipar.runtime.workers import wait_for_workers
+from dask_ipar.runtime.workers import scheduler_workers, wait_for_workers
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.loop import Callback
 
@@ -93,7 +93,7 @@ def recover(model, directory, *, grid=None, wait_timeout_s: float = 120.0, log=N
         raise IparError("recover needs a model that was distributed before.")
     model.drop_state()
     try:
-        wait_for_workers(client, grid.size, wait_timeout_s, log)
+        wait_for_workers(client, grid.size, wait_timeout_s, log, revive=True)
     except IparError as exc:
         raise IparError(
             f"{exc} (after a worker fault; start workers, then resume from the last "
@@ -126,12 +126,15 @@ class Checkpointing(Callback):
     ``log``, calls :func:`recover` (re-bind to the live workers, load the newest
     checkpoint) and the loop replays the steps since that checkpoint, up to
     ``max_restarts`` times. ``settings`` (JSON) is stored in every checkpoint's
-    ``extra``.
+    ``extra``. Resuming with another kind of optimizer than the checkpoint's state (SGD
+    momentum, Adam moments) is refused, unless ``reset_other_state``: then the weights are
+    kept and the state starts afresh.
     """
 
     def __init__(self, directory, *, every: int | None = None, resume: bool = True,
                  keep: int | None = 2, max_restarts: int = 3, wait_timeout_s: float = 120.0,
-                 save_timeout_s: float | None = None, settings: dict | None = None, log=None):
+                 save_timeout_s: float | None = None, settings: dict | None = None, log=None,
+                 reset_other_state: bool = False):
         if every is not None and (not isinstance(every, int) or isinstance(every, bool)
                                   or every < 1):
             raise IparError(f"every must be an integer >= 1, got {every!r}.")
@@ -141,6 +144,7 @@ class Checkpointing(Callback):
         self.save_timeout_s = save_timeout_s
         self.settings = dict(settings or {})
         self.say = log or (lambda msg: None)
+        self.reset_other_state = reset_other_state
         self.restarts = 0
         self.start = 0
         self.last = None
@@ -157,6 +161,7 @@ class Checkpointing(Callback):
             self.start = int(meta["step"])
             self.last = meta["path"]
             self.say(f"resumed from {self.last} (step {self.start})")
+            self._check_state(model, loop.optimizer)
             loop._rewind(self.start)
             loop.start_step = self.start
             self._saved_step = self.start
@@ -170,6 +175,24 @@ class Checkpointing(Callback):
             )
         model.state_blocks()  # builds the initial weights
         self._save(loop, loop.step)
+
+    def _check_state(self, model, optimizer):
+        from dask_ipar.runtime.training import check_optimizer
+
+        try:
+            check_optimizer(model, optimizer)
+        except IparError:
+            held = {"sgd": "SGD momentum", "adam": "Adam moments"}[model._store.opt[0]]
+            if not self.reset_other_state:
+                raise IparError(
+                    f"the checkpoint {self.last} holds {held}, which "
+                    f"{type(optimizer).__name__} cannot continue. Resume with the "
+                    "checkpoint's optimizer, or allow a fresh optimizer state on the "
+                    "checkpoint's weights (Checkpointing(reset_other_state=True), "
+                    "dask-ipar train --resume-changed).") from None
+            model.set_weights(model.get_weights())
+            self.say(f"the checkpoint holds {held}: {type(optimizer).__name__} starts with a "
+                     "fresh state on its weights")
 
     def _save(self, loop, step):
         with _faults_as_worker_lost(loop.model, f"checkpoint of step {step}"):
@@ -198,9 +221,14 @@ class Checkpointing(Callback):
             return None  # storage and data faults end the run at once: no worker to wait for
         model = loop.model
         if not isinstance(exc, WorkerLost):
-            gone = _gone_soon(model.client, model.binding.workers)
+            workers = model.binding.workers
+            alive = set(scheduler_workers(model.client))
+            gone = [w for w in workers if w not in alive]
+            if not gone:  # the scheduler may learn of a death late: wait longer for
+                # the errors a lost worker causes than for the run's own
+                gone = _gone_soon(model.client, workers, 20.0 if _cluster_error(exc) else 2.0)
             if not gone:
-                return None
+                return None  # the run's own error (a callback's, a bad setting): at once
             exc = WorkerLost(gone, f"training step {loop._submitted}")
         fault = exc
         # worker programs still waiting for the lost worker's blocks hold their threads
@@ -223,6 +251,17 @@ class Checkpointing(Callback):
                  f"step {step} from {self.last} (restart {self.restarts} of at most "
                  f"{self.max_restarts})")
         return step
+
+
+def _cluster_error(exc) -> bool:
+    """Whether ``exc`` is of the kinds a lost worker causes (closed comms, cancelled or
+    lost futures, dask's own errors), as opposed to the run's own (a callback's, a bad
+    setting, an IparError), which end the run at once."""
+    import asyncio
+    import concurrent.futures
+
+    kinds = (OSError, TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError)
+    return isinstance(exc, kinds) or type(exc).__module__.split(".")[0] == "distributed"
 
 
 def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,

@@ -3,7 +3,8 @@
 A checkpoint's group metadata (the attributes of its ``zarr.json``) is a JSON object::
 
     format        "dask-ipar-checkpoint"
-    version       2 (1: written before checksums; read, but nothing can be verified)
+    version       2 (1: written before checksums; read, but nothing can be verified;
+                  3: with Adam's moments, unreadable by releases before them)
     step          training steps done (equal to the <step> of the ckpt-<step> directory)
     grid          [pr, pc] of the saving grid
     dtype         "float32" or "float64"
@@ -40,6 +41,7 @@ from dask_ipar.errors import IparError
 __all__ = [
     "FORMAT",
     "VERSION",
+    "ADAM_VERSION",
     "READABLE_VERSIONS",
     "CheckpointCorrupt",
     "CheckpointStorageError",
@@ -52,7 +54,10 @@ __all__ = [
 
 FORMAT = "dask-ipar-checkpoint"
 VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: written for checkpoints of Adam's state (``optimizer_state: adam``), which older
+#: releases cannot read
+ADAM_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 _LAYER_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _DTYPES = ("float32", "float64")
 

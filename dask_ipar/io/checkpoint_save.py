@@ -127,7 +127,8 @@ def save(model, directory, *, step: int | None = None, keep: int | None = None,
     opt_kind, opt_steps = model._store.opt
     adam = has_v and opt_kind == "adam"
     meta = {
-        "format": fmt.FORMAT, "version": fmt.VERSION, "step": step, "grid": [pr, pc],
+        "format": fmt.FORMAT, "version": fmt.ADAM_VERSION if adam else fmt.VERSION,
+        "step": step, "grid": [pr, pc],
         "has_velocity": has_v, **_model_meta(model),
         "optimizer_state": "adam" if adam else "momentum", "optimizer_steps": int(opt_steps),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),

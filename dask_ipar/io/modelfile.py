@@ -66,14 +66,20 @@ def save_model(model, path) -> str:
         arrays["scaling_mean"] = model.scaling.mean
         arrays["scaling_scale"] = model.scaling.scale
     folder = os.path.dirname(os.path.abspath(path))
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
         with os.fdopen(fd, "wb") as fh:
             np.savez(fh, **arrays)
             fh.flush()
             os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would (mkstemp makes it 0600)
         os.replace(tmp, path)
     except OSError as exc:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
         raise IparError(f"cannot write the model file {path!r}: {exc.strerror or exc}.") from None
     return path
 
@@ -97,15 +103,23 @@ def load_model(cls, path, **kwargs):
         meta = json.loads(str(data["meta"]))
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}")
-        if meta.get("version", 0) > VERSION:
-            raise IparError(f"{path!r} was written by a newer dask-ipar (model file version "
-                            f"{meta['version']}, this one reads {VERSION}); upgrade dask-ipar.")
-        layers = [_layer(s) for s in meta["layers"]]
+        version = int(meta.get("version", 0))
     except (KeyError, ValueError, TypeError) as exc:
         raise IparError(f"{path!r} is not a dask-ipar model file ({exc}).") from None
-    shape = meta["input_shape"]
-    model = cls(layers, meta["input_dim"], input_shape=None if shape is None
-                       else tuple(shape), dtype=meta["dtype"], seed=meta["seed"], **kwargs)
+    if version > VERSION:
+        raise IparError(f"{path!r} was written by a newer dask-ipar (model file version "
+                        f"{version}, this one reads {VERSION}); upgrade dask-ipar.")
+    try:
+        layers = [_layer(s) for s in meta["layers"]]
+        shape, input_dim, dtype, seed = (meta["input_shape"], meta["input_dim"],
+                                         meta["dtype"], meta["seed"])
+    except IparError:
+        raise
+    except (KeyError, ValueError, TypeError) as exc:
+        raise IparError(f"{path!r} is not a dask-ipar model file ({exc!r} in its "
+                        "metadata).") from None
+    model = cls(layers, input_dim, input_shape=None if shape is None else tuple(shape),
+                dtype=dtype, seed=seed, **kwargs)
     n = sum(1 for k in data if k.startswith("W"))
     params = [(data[f"W{k}"], data.get(f"b{k}")) for k in range(n)]
     model._init_params = params  # checked against the layers by distribute()

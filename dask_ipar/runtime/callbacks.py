@@ -53,6 +53,14 @@ class ProgressBar(Callback):
     def on_interrupt(self, loop, step):
         self.close()
 
+    def on_train_abort(self, loop, exc):
+        self.close()
+
+    def on_rewind(self, loop, step):
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
     def close(self):
         if self.bar is not None:
             self.bar.close()
@@ -92,6 +100,22 @@ class EarlyStopping(Callback):
         self.best_epoch = None
         self.wait = 0
         self._weights = None
+        self._seen: list = []  # (epoch, signed value) of every epoch so far
+
+    def on_rewind(self, loop, step):
+        """Forget the epochs after ``step``; they run again and give the same figures (a
+        replayed best epoch is captured again)."""
+        kept = {e["epoch"] for e in loop.history.epochs}
+        self._seen = [(e, v) for e, v in self._seen if e in kept]
+        best_epoch = self.best_epoch
+        self.best, self.best_epoch, self.wait = math.inf, None, 0
+        for e, v in self._seen:
+            if v < self.best - self.min_delta:
+                self.best, self.best_epoch, self.wait = v, e, 0
+            else:
+                self.wait += 1
+        if self.best_epoch != best_epoch:
+            self._weights = None
 
     def on_epoch_end(self, loop, record):
         if self.monitor not in record:
@@ -100,6 +124,7 @@ class EarlyStopping(Callback):
                 f"(it has {', '.join(sorted(record))}); give validation data (validation_data=, "
                 "--val-fraction) or monitor 'loss'.")
         value = self.sign * record[self.monitor]
+        self._seen.append((record["epoch"], value))
         if value < self.best - self.min_delta:
             self.best, self.best_epoch, self.wait = value, record["epoch"], 0
             if self.restore_best:
@@ -134,7 +159,23 @@ class MetricsLog(Callback):
         except OSError as exc:
             raise IparError(f"cannot write the metrics log {self.path!r}: {exc.strerror}.") from None
 
+    def on_rewind(self, loop, step):
+        """Rewrite the file with the epochs kept (the others run again)."""
+        if self._fh is None:
+            return
+        self._fh.seek(0)
+        self._fh.truncate()
+        self._writer = None
+        for record in loop.history.epochs:
+            self._write(record)
+
+    def on_train_abort(self, loop, exc):
+        self.on_train_end(loop)
+
     def on_epoch_end(self, loop, record):
+        self._write(record)
+
+    def _write(self, record):
         row = {k: (float(v) if isinstance(v, float) else v) for k, v in record.items()}
         if self.kind == "csv":
             if self._writer is None:

@@ -22,13 +22,15 @@ import warnings
 import math
 import os
 
+from distributed.diagnostics.plugin import WorkerPlugin
+
 from dask_ipar.config import DEFAULTS
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.workers import wait_for_workers
 
 __all__ = ["make_cluster", "job_script", "jobqueue_kwargs", "local_threads", "JOBQUEUE_CLASSES",
            "QUIET_LOOP_CONFIG", "config_environ", "mute_shutdown_heartbeat_errors",
-           "open_client", "dashboard_link"]
+           "open_client", "dashboard_link", "IgnoreStopSignals"]
 
 #: dask settings of the clusters dask-ipar starts: the event-loop housekeeping of the
 #: scheduler, nannies and workers runs less often than dask's defaults (a tick every 20 ms,
@@ -249,26 +251,26 @@ def worker_environment(reuse_memory: bool = True):
                 os.environ[k] = v
 
 
-@contextlib.contextmanager
-def _workers_ignore_sigint():
-    """Start worker processes that ignore SIGINT: Ctrl-C in a terminal goes to the whole
-    process group, and the workers must outlive it so that the command can stop after
-    the step in flight, write its checkpoint and shut them down itself. A signal ignored
-    at ``exec`` stays ignored, and Python installs its KeyboardInterrupt handler only
-    where SIGINT was at its default; this process's handler is back on exit (during the
-    few seconds of the start, Ctrl-C waits)."""
-    import signal
-    import threading
+class IgnoreStopSignals(WorkerPlugin):
+    """Worker plugin: the worker process ignores SIGINT and SIGTERM.
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+    Ctrl-C in a terminal reaches the whole process group, a batch system's SIGTERM every
+    process of the job: the workers of a cluster the command started must outlive both,
+    so that the command can stop after the step in flight, write its checkpoint and shut
+    them down itself. Registered on the scheduler, so a worker that a nanny restarts gets
+    it too. (A nanny's worker runs its event loop, where plugins are set up, in its main
+    thread, the only one that may set signal handlers.)"""
+
+    name = "dask-ipar-ignore-stop-signals"
+    idempotent = True
+
+    def setup(self, worker):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(s, signal.SIG_IGN)
 
 
 def _n_jobs(n_workers: int, processes: int) -> int:
@@ -356,7 +358,7 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
         if cluster_cls is LocalCluster:
             kwargs["processes"] = True
         with warnings.catch_warnings(), worker_environment(c.get("reuse_memory", True)), \
-                dask.config.set(QUIET_LOOP_CONFIG), _workers_ignore_sigint():
+                dask.config.set(QUIET_LOOP_CONFIG):
             warnings.filterwarnings("ignore", message="Port .* is already in use")
             cluster = cluster_cls(**kwargs)
     elif kind in JOBQUEUE_CLASSES:
@@ -386,6 +388,8 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
         if kind != "local":
             cluster.scale(n=n_workers)
         client = Client(cluster, security=security)
+        if kind == "local":
+            client.register_plugin(IgnoreStopSignals(), name=IgnoreStopSignals.name)
         try:
             wait_for_workers(client, n_workers, wait_s, log)
             yield client

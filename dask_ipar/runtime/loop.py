@@ -146,6 +146,13 @@ class Callback:
 
     def on_interrupt(self, loop, step: int): ...
 
+    def on_rewind(self, loop, step: int):
+        """The run goes back to step ``step`` (a checkpoint, after a worker fault): the
+        epochs after it are gone from ``loop.history`` and will be run again."""
+
+    def on_train_abort(self, loop, exc: BaseException):
+        """The run ends with ``exc`` (close what :meth:`on_train_begin` opened)."""
+
     def on_error(self, loop, exc: BaseException) -> int | None:
         """A step or callback failed with ``exc``: return the step to go on from (after
         restoring the state of that step), or None to let the error end the run."""
@@ -206,6 +213,17 @@ class TrainLoop:
 
     # ---------------------------------------------------------------- run
     def run(self) -> History:
+        try:
+            return self._run()
+        except BaseException as exc:
+            for cb in self.callbacks:
+                try:
+                    cb.on_train_abort(self, exc)
+                except Exception:  # noqa: S110 - the run's own error is the one to see
+                    pass
+            raise
+
+    def _run(self) -> History:
         self._each("on_train_begin")
         while True:
             try:
@@ -232,12 +250,25 @@ class TrainLoop:
         return self.history
 
     def _rewind(self, step: int):
-        """Go on from ``step`` (its state restored by the callback that handled a fault)."""
+        """Go on from ``step`` (its state restored by the callback that handled a fault, or
+        loaded to resume): the records after it are dropped, the current epoch's running
+        totals rebuilt from the steps kept, and the callbacks told (:meth:`Callback.
+        on_rewind`)."""
         self._pending.clear()
-        self.history.steps = [s for s in self.history.steps if s.step <= step]
+        h = self.history
+        h.steps = [s for s in h.steps if s.step <= step]
+        h.epochs = [e for e in h.epochs if e["steps"] <= step]
         self.step = self._submitted = step
+        epoch = step // self.plan.steps_per_epoch
         self._epoch_totals = np.zeros(3)
+        for s in h.steps:
+            if s.epoch == epoch:
+                self._epoch_totals += (s.loss * s.batch, s.accuracy * s.batch, s.batch)
         self._epoch_t0 = time.perf_counter()
+        self._stop_at_epoch = None
+        h.stopped = None
+        for cb in self.callbacks:
+            cb.on_rewind(self, step)
 
     def _steps(self):
         spe = self.plan.steps_per_epoch

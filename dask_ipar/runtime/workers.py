@@ -8,7 +8,7 @@ import time
 from dask_ipar.errors import IparError
 from dask_ipar.layout.grid import Grid, GridBinding, parse_grid
 
-__all__ = ["scheduler_workers", "wait_for_workers", "bind_grid", "hold_replicas",
+__all__ = ["revive_lost_workers", "scheduler_workers", "wait_for_workers", "bind_grid", "hold_replicas",
            "release_replicas"]
 
 #: Models per scheduler address that hold dask's Active Memory Manager stopped.
@@ -64,14 +64,37 @@ def release_replicas(client) -> None:
             pass
 
 
-def wait_for_workers(client, n: int, timeout_s: float, log=None) -> None:
-    """Block until the cluster has ``n`` workers, reporting progress; IparError on timeout."""
+def revive_lost_workers(client, log=None) -> int:
+    """Ask a cluster this process started (``client.cluster``, a dask SpecCluster such as
+    LocalCluster or a dask-jobqueue cluster) to start again the workers it gave up: when a
+    killed worker does not come back within ``distributed.deploy.lost-worker-timeout``
+    (its nanny's restart can fail: dask/distributed#7312), the cluster closes its nanny
+    but keeps its spec; ``scale`` to the spec's size starts it anew (a batch cluster
+    submits a new job). Returns how many were missing."""
+    cluster = getattr(client, "cluster", None)
+    spec, running = getattr(cluster, "worker_spec", None), getattr(cluster, "workers", None)
+    if not isinstance(spec, dict) or not isinstance(running, dict):
+        return 0
+    missing = [name for name in spec if name not in running]
+    if missing:
+        if log is not None:
+            log(f"starting lost worker(s) {', '.join(map(str, missing))} again")
+        cluster.scale(len(spec))
+    return len(missing)
+
+
+def wait_for_workers(client, n: int, timeout_s: float, log=None, revive: bool = False) -> None:
+    """Block until the cluster has ``n`` workers, reporting progress; IparError on timeout.
+    With ``revive`` (after a worker fault) a cluster of this process is asked to start the
+    workers it gave up (:func:`revive_lost_workers`)."""
     deadline = time.monotonic() + timeout_s
     last = -1
     while True:
         have = len(scheduler_workers(client))
         if have >= n:
             return
+        if revive:
+            revive_lost_workers(client, log)
         if log is not None and have != last:
             log(f"waiting for workers: {have}/{n} connected")
             last = have
