@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from dask_ipar import SGD, Dense, IparError, Sequential
+from dask_ipar import SGD, Adam, Dense, IparError, Sequential
 from dask_ipar import reference as ref
 from dask_ipar.io import checkpoint as ck
 from dask_ipar.io.scaling import Standardizer
@@ -324,3 +324,23 @@ def test_rewind_after_a_fault_keeps_history_log_and_early_stopping_exact(client,
     assert same(model.get_weights(), ref_model.get_weights())
     model.close()
     ref_model.close()
+
+
+def test_resume_on_other_data_or_batches_is_refused(client, data, tmp_path):
+    X, y = data
+    m = make_model().distribute(client, "1x2")
+    m.fit(X, y, epochs=1, batch_size=12, checkpoint=ck.Checkpointing(tmp_path))
+    m.close()
+    again = make_model().distribute(client, "1x2")
+    with pytest.raises(IparError, match=r"training samples 40 \(the checkpoint's run: 50\)"):
+        again.fit(X[:40], y[:40], epochs=2, batch_size=12,
+                  checkpoint=ck.Checkpointing(tmp_path))
+    with pytest.raises(IparError, match=r"batch size 10 \(the checkpoint's run: 12\)"):
+        again.fit(X, y, epochs=2, batch_size=10, checkpoint=ck.Checkpointing(tmp_path))
+    with pytest.raises(IparError, match="holds SGD momentum, which Adam cannot continue"):
+        again.fit(X, y, epochs=2, batch_size=12, optimizer=Adam(0.01),
+                  checkpoint=ck.Checkpointing(tmp_path))
+    h = again.fit(X, y, epochs=2, batch_size=12, optimizer=Adam(0.01),
+                  checkpoint=ck.Checkpointing(tmp_path, allow_changes=True))
+    assert [s.step for s in h.steps] == [5, 6, 7, 8] and again._store.opt[0] == "adam"
+    again.close()

@@ -363,7 +363,7 @@ def _run(args, signals) -> int:
 
             checkpoint = Checkpointing(ck["dir"], every=ck["every"] or None, resume=args.resume,
                                        keep=ck["keep"], settings=_settings(cfg),
-                                       reset_other_state=args.resume_changed,
+                                       allow_changes=args.resume_changed,
                                        wait_timeout_s=cfg["cluster"]["wait_timeout"],
                                        log=lambda m: eprint(f"dask-ipar: {m}"))
         t_fit = time.perf_counter()

@@ -126,15 +126,16 @@ class Checkpointing(Callback):
     ``log``, calls :func:`recover` (re-bind to the live workers, load the newest
     checkpoint) and the loop replays the steps since that checkpoint, up to
     ``max_restarts`` times. ``settings`` (JSON) is stored in every checkpoint's
-    ``extra``. Resuming with another kind of optimizer than the checkpoint's state (SGD
-    momentum, Adam moments) is refused, unless ``reset_other_state``: then the weights are
-    kept and the state starts afresh.
+    ``extra``. Resuming a run on other data (another number of samples), with another
+    batch size or seed (so other batches), or with another kind of optimizer than the
+    checkpoint's state (SGD momentum, Adam moments) is refused, unless ``allow_changes``
+    (then another optimizer kind keeps the weights and starts a fresh state).
     """
 
     def __init__(self, directory, *, every: int | None = None, resume: bool = True,
                  keep: int | None = 2, max_restarts: int = 3, wait_timeout_s: float = 120.0,
                  save_timeout_s: float | None = None, settings: dict | None = None, log=None,
-                 reset_other_state: bool = False):
+                 allow_changes: bool = False):
         if every is not None and (not isinstance(every, int) or isinstance(every, bool)
                                   or every < 1):
             raise IparError(f"every must be an integer >= 1, got {every!r}.")
@@ -144,7 +145,7 @@ class Checkpointing(Callback):
         self.save_timeout_s = save_timeout_s
         self.settings = dict(settings or {})
         self.say = log or (lambda msg: None)
-        self.reset_other_state = reset_other_state
+        self.allow_changes = allow_changes
         self.restarts = 0
         self.start = 0
         self.last = None
@@ -156,8 +157,10 @@ class Checkpointing(Callback):
         self.settings.setdefault("optimizer", loop.optimizer.settings())
         self.settings.setdefault("batch_size", loop.plan.batch)
         self.settings.setdefault("seed", loop.plan.seed)
+        self.settings.setdefault("samples", loop.plan.n)
         if self.resume and latest(self.directory) is not None:
             meta = load(model, self.directory, fallback=True, log=self.say)
+            self._check_plan(meta, loop.plan)
             self.start = int(meta["step"])
             self.last = meta["path"]
             self.say(f"resumed from {self.last} (step {self.start})")
@@ -173,8 +176,25 @@ class Checkpointing(Callback):
                 f"{found[-1][0]}) and resume is off. Resume from them (resume=True, "
                 "--resume), or use an empty directory."
             )
+        from dask_ipar.runtime.training import check_optimizer
+
+        check_optimizer(model, loop.optimizer)
         model.state_blocks()  # builds the initial weights
         self._save(loop, loop.step)
+
+    def _check_plan(self, meta, plan):
+        """The resumed run draws the batches the saved one did: same samples, batch, seed."""
+        saved = meta.get("extra") or {}
+        now = {"samples": plan.n, "batch_size": plan.batch, "seed": plan.seed}
+        what = {"samples": "training samples", "batch_size": "batch size", "seed": "seed"}
+        changed = [f"{what[k]} {now[k]} (the checkpoint's run: {saved[k]})" for k in now
+                   if saved.get(k) is not None and saved[k] != now[k]]
+        if changed and not self.allow_changes:
+            raise IparError(
+                f"the run to resume from {meta['path']} drew other batches: "
+                f"{'; '.join(changed)}. Resume with the same data, --val-fraction, --batch and "
+                "--seed to continue it exactly, or allow the change (--resume-changed, "
+                "Checkpointing(allow_changes=True)).")
 
     def _check_state(self, model, optimizer):
         from dask_ipar.runtime.training import check_optimizer
@@ -183,12 +203,12 @@ class Checkpointing(Callback):
             check_optimizer(model, optimizer)
         except IparError:
             held = {"sgd": "SGD momentum", "adam": "Adam moments"}[model._store.opt[0]]
-            if not self.reset_other_state:
+            if not self.allow_changes:
                 raise IparError(
                     f"the checkpoint {self.last} holds {held}, which "
                     f"{type(optimizer).__name__} cannot continue. Resume with the "
                     "checkpoint's optimizer, or allow a fresh optimizer state on the "
-                    "checkpoint's weights (Checkpointing(reset_other_state=True), "
+                    "checkpoint's weights (Checkpointing(allow_changes=True), "
                     "dask-ipar train --resume-changed).") from None
             model.set_weights(model.get_weights())
             self.say(f"the checkpoint holds {held}: {type(optimizer).__name__} starts with a "

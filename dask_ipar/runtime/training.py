@@ -78,7 +78,8 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
         raise IparError(f"epochs must be a positive integer, got {epochs!r}.")
     model._require_bound()
-    check_optimizer(model, optimizer)
+    if checkpoint is None:  # a checkpoint to resume from replaces the state: it checks
+        check_optimizer(model, optimizer)
     if standardize and model.scaling is None:
         from dask_ipar.io.scaling import Standardizer
 
