@@ -211,6 +211,10 @@ class Meter(Callback):
     def on_epoch_end(self, loop, record):
         self.meter.drain()
 
+    def on_rewind(self, loop, step):
+        if loop.model.binding is not None:
+            self.meter.rebind(loop.model.binding)
+
     def on_train_end(self, loop):
         loop.history.comm = self.meter.report()
 

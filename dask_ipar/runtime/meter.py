@@ -175,6 +175,14 @@ class CommMeter:
         client.run(_widen_logs, WIDE_LOG, workers=self.workers)
         self.reset()
 
+    def rebind(self, binding):
+        """Follow the model to the workers of ``binding`` (after a recovery re-bound it to
+        a replacement worker): their transfer logs are widened and drained from now on."""
+        new = [w for w in binding.workers if w not in self.workers]
+        self.workers = list(binding.workers)
+        if new:
+            self.client.run(_widen_logs, WIDE_LOG, workers=new)
+
     def reset(self):
         """Forget everything measured so far (and whatever the logs hold now)."""
         self.drain(record=False)
