@@ -158,7 +158,7 @@ def _load_data(cfg):
     return Xtr, ytr, Xte, yte, int(np.max(np.asarray(y))) + 1, cfg["data"]["path"]
 
 
-def _val_split(args, cfg, Xtr, ytr, grid):
+def _val_split(cfg, Xtr, ytr, grid):
     """The validation share of the training split (``--val-fraction``), or None."""
     from dask_ipar.io.data import train_test_split
 
@@ -330,7 +330,7 @@ def _run(args, signals) -> int:
     Xtr, ytr, Xte, yte, n_classes, data_name = _load_data(cfg)
     checks.check_data(args, data_name, Xtr, ytr, Xte, yte, n_classes, t["batch"], grid,
                       cfg["data"]["test_fraction"] if cfg["data"]["path"] else 0.2)
-    Xtr, ytr, val = _val_split(args, cfg, Xtr, ytr, grid)
+    Xtr, ytr, val = _val_split(cfg, Xtr, ytr, grid)
     model, grid, kind, widths = _build_model(cfg, args, Xtr, grid, n_classes, machine)
     standardize = bool(cfg["data"]["path"]) and cfg["data"]["standardize"]
     per_epoch = len(ytr) // t["batch"]  # the loop's BatchPlan.steps_per_epoch

@@ -298,9 +298,9 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
     bounds each save. Returns ``{"steps", "start" (the step it resumed from, 0 for a
     fresh run), "restarts", "losses" (per step of the final run), "checkpoint"}``.
     """
-    from dask_ipar.io.data import as_labels
     from dask_ipar.optim import SGD
     from dask_ipar.runtime.callbacks import OnStep
+    from dask_ipar.runtime.training import prepare
     from dask_ipar.runtime.loop import BatchPlan, TrainLoop
 
     optimizer = optimizer or SGD()
@@ -309,10 +309,7 @@ def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,
             raise IparError(f"{name} must be an integer >= {lo}, got {v!r}.")
     if model.binding is None:
         raise IparError("train_with_checkpoints needs model.distribute(client, grid) first.")
-    X = model._as_inputs(X)
-    y = as_labels(y, X.shape[0], model.n_classes)
-    model._require(X.shape[1])
-    batch = model._check_batch(batch_size, X.shape[0])
+    X, y, batch = prepare(model, X, y, batch_size)
     ck = Checkpointing(directory, every=every, resume=resume, keep=keep,
                        max_restarts=max_restarts, wait_timeout_s=wait_timeout_s,
                        save_timeout_s=step_timeout_s, log=log)

@@ -202,11 +202,6 @@ class TrainLoop:
         """End the run at the end of the current epoch (early stopping)."""
         self._stop_at_epoch = reason
 
-    @property
-    def epoch(self) -> int:
-        """The epoch (0-based) of the next step."""
-        return self._submitted // self.plan.steps_per_epoch
-
     def _each(self, hook, *args):
         for cb in self.callbacks:
             getattr(cb, hook)(self, *args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dask_ipar.errors import IparError
 from dask_ipar.nn.graph import StepGraph
 
-__all__ = ["fit", "submit_step", "check_optimizer"]
+__all__ = ["fit", "prepare", "submit_step", "check_optimizer"]
 
 
 
@@ -64,12 +64,22 @@ def submit_step(model, Xb, yb, optimizer):
     return futs[len(keys):]
 
 
+def prepare(model, X, y, batch_size):
+    """Checked (and scaled) training data and the batch size a step of the model's grid
+    takes: ``(X, y, batch)``; builds the engine on first use."""
+    from dask_ipar.io.data import as_labels
+
+    X = model._as_inputs(X)
+    y = as_labels(y, X.shape[0], model.n_classes)
+    model._require(X.shape[1])
+    return X, y, model._check_batch(batch_size, X.shape[0])
+
+
 def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, seed=None,
         progress=False, max_inflight=2, measure=True, machine=None, validation_data=None,
         standardize=False, callbacks=(), checkpoint=None, log_file=None,
         diverge_factor=2.0):
     """:meth:`dask_ipar.model.Sequential.fit` (its docstring says what each argument does)."""
-    from dask_ipar.io.data import as_labels
     from dask_ipar.optim import SGD
     from dask_ipar.runtime import callbacks as cbs
     from dask_ipar.runtime.loop import BatchPlan, TrainLoop
@@ -85,10 +95,7 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
 
         raw = model._as_inputs(X, scaled=False)
         model.scaling = Standardizer.fit(raw)
-    X = model._as_inputs(X)
-    y = as_labels(y, X.shape[0], model.n_classes)
-    model._require(X.shape[1])
-    batch = model._check_batch(batch_size, X.shape[0])
+    X, y, batch = prepare(model, X, y, batch_size)
     plan = BatchPlan(X.shape[0], batch, model.seed if seed is None else seed, shuffle)
     pre = []
     if checkpoint is not None:
