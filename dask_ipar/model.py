@@ -234,9 +234,8 @@ class Sequential:
     def _as_inputs(self, X, scaled=True):
         """Checked inputs: ``(n, features)``, or ``(n, C, H, W)`` images for a CNN,
         standardized by :attr:`scaling` (unless ``scaled=False``)."""
-        X = as_inputs(X, self.input_dim, self.input_shape if self._n_front else None,
-                      self.dtype)
-        return X if self.scaling is None or not scaled else self.scaling.apply(X)
+        return as_inputs(X, self.input_dim, self.input_shape if self._n_front else None,
+                         self.dtype, self.scaling if scaled else None)
 
     def _next_step(self) -> int:
         self._step += 1
@@ -307,7 +306,7 @@ class Sequential:
             shuffle: bool = True, seed: int | None = None, progress=False,
             max_inflight: int = 2, measure: bool = True, machine=None, validation_data=None,
             standardize: bool = False, callbacks=(), checkpoint=None, log_file=None,
-            diverge_factor: float = 2.0) -> History:
+            diverge_factor: float = 2.0, shuffle_window: int | None = None) -> History:
         """Train on minibatches; returns a :class:`History` of per-epoch records.
 
         Runs :class:`dask_ipar.runtime.loop.TrainLoop`, the loop of every training run:
@@ -317,11 +316,14 @@ class Sequential:
 
         Parameters
         ----------
-        X, y : inputs ``(n, features)`` or ``(n, C, H, W)`` images, integer labels ``(n,)``
+        X, y : inputs ``(n, features)`` or ``(n, C, H, W)`` images, integer labels ``(n,)``;
+            NumPy, or read by the workers themselves (dask arrays, Zarr, HDF5, memmaps)
         epochs, batch_size : int
             ``n // batch_size`` steps per epoch; the last takes the samples left over too.
         optimizer : SGD, Adam or AdamW, with its schedule and clipping (:mod:`dask_ipar.optim`)
         shuffle, seed : each epoch's sample order (``seed`` defaults to the model's)
+        shuffle_window : data read from storage shuffles within windows of this many
+            chunks (default 8; 0: full shuffle; :class:`~dask_ipar.runtime.loop.BatchPlan`)
         progress : True for a tqdm bar on stderr, or a callable given each :class:`StepStats`
         max_inflight : int, steps submitted ahead of the one waited for
         measure : bool
@@ -341,7 +343,8 @@ class Sequential:
                     shuffle=shuffle, seed=seed, progress=progress, max_inflight=max_inflight,
                     measure=measure, machine=machine, validation_data=validation_data,
                     standardize=standardize, callbacks=callbacks, checkpoint=checkpoint,
-                    log_file=log_file, diverge_factor=diverge_factor)
+                    log_file=log_file, diverge_factor=diverge_factor,
+                    shuffle_window=shuffle_window)
 
     def _require_bound(self):
         """Raise a clear error unless the model is on a cluster with its state intact."""

@@ -158,6 +158,8 @@ class Checkpointing(Callback):
         self.settings.setdefault("batch_size", loop.plan.batch)
         self.settings.setdefault("seed", loop.plan.seed)
         self.settings.setdefault("samples", loop.plan.n)
+        if loop.plan.window:  # a local shuffle draws other batches than a full one
+            self.settings.setdefault("shuffle_window", [loop.plan.window, loop.plan.chunk])
         if self.resume and latest(self.directory) is not None:
             meta = load(model, self.directory, fallback=True, log=self.say)
             self._check_plan(meta, loop.plan)
@@ -185,8 +187,10 @@ class Checkpointing(Callback):
     def _check_plan(self, meta, plan):
         """The resumed run draws the batches the saved one did: same samples, batch, seed."""
         saved = meta.get("extra") or {}
-        now = {"samples": plan.n, "batch_size": plan.batch, "seed": plan.seed}
-        what = {"samples": "training samples", "batch_size": "batch size", "seed": "seed"}
+        now = {"samples": plan.n, "batch_size": plan.batch, "seed": plan.seed,
+               "shuffle_window": [plan.window, plan.chunk] if plan.window else None}
+        what = {"samples": "training samples", "batch_size": "batch size", "seed": "seed",
+                "shuffle_window": "shuffle window (chunks, samples per chunk)"}
         changed = [f"{what[k]} {now[k]} (the checkpoint's run: {saved[k]})" for k in now
                    if saved.get(k) is not None and saved[k] != now[k]]
         if changed and not self.allow_changes:

@@ -77,11 +77,20 @@ def as_features(X, n_features: int | None, dtype) -> np.ndarray:
     return X
 
 
-def as_inputs(X, input_dim, input_shape, dtype) -> np.ndarray:
+def as_inputs(X, input_dim, input_shape, dtype, scaling=None):
     """Checked model inputs: ``(n, features)``, or ``(n, C, H, W)`` images when
-    ``input_shape`` (C, H, W) is given (images may come flattened)."""
+    ``input_shape`` (C, H, W) is given (images may come flattened), standardized by
+    ``scaling``. Data outside the client's memory (dask arrays, Zarr, HDF5, memmaps)
+    comes back as :class:`dask_ipar.io.lazy.LazyInputs`, checked from its metadata: the
+    cells read and check its values block by block."""
+    from dask_ipar.io.lazy import LazyInputs, is_lazy, lazy_inputs
+
+    if isinstance(X, LazyInputs) or is_lazy(X):
+        X = X if isinstance(X, LazyInputs) else lazy_inputs(X, dtype, input_dim, input_shape)
+        return X if scaling is None else X.scaled(scaling)
     if input_shape is None:
-        return as_features(X, input_dim, dtype)
+        X = as_features(X, input_dim, dtype)
+        return X if scaling is None else scaling.apply(X)
     shape = getattr(X, "shape", None)
     if shape is not None and len(shape) == 4:
         if tuple(shape[1:]) != input_shape:
@@ -91,11 +100,20 @@ def as_inputs(X, input_dim, input_shape, dtype) -> np.ndarray:
             )
         X = X.reshape(shape[0], -1)
     X = as_features(X, input_dim, dtype)
-    return X.reshape(X.shape[0], *input_shape)
+    X = X.reshape(X.shape[0], *input_shape)
+    return X if scaling is None else scaling.apply(X)
 
 
 def as_labels(y, n_samples: int, n_classes: int) -> np.ndarray:
-    """Check and convert integer class labels in ``[0, n_classes)``."""
+    """Check and convert integer class labels in ``[0, n_classes)`` (labels outside the
+    client's memory: :class:`dask_ipar.io.lazy.LazyLabels`, their values checked as the
+    cells read them)."""
+    from dask_ipar.io.lazy import LazyLabels, is_lazy, lazy_labels
+
+    if isinstance(y, LazyLabels):
+        return y
+    if is_lazy(y):
+        return lazy_labels(y, n_samples, n_classes)
     y = _materialize(y, "y")
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]

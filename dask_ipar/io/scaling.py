@@ -31,7 +31,11 @@ class Standardizer:
     scale: np.ndarray
 
     @classmethod
-    def fit(cls, X) -> "Standardizer":
+    def fit(cls, X, client=None) -> "Standardizer":
+        """Fitted on ``X``; data the cells read (:class:`dask_ipar.io.lazy.LazyInputs`)
+        is reduced on ``client``'s workers (only the moments come back)."""
+        if hasattr(X, "to_dask"):
+            return cls._fit_lazy(X, client)
         X = np.asarray(X)
         if X.ndim not in (2, 4) or X.shape[0] == 0:
             raise IparError(f"standardization needs (n, d) features or (n, C, H, W) images "
@@ -40,6 +44,22 @@ class Standardizer:
         Xd = X.astype(np.float64, copy=False)
         mean = Xd.mean(axis=axes)
         scale = Xd.std(axis=axes)
+        scale[~(scale > 1e-12 * np.maximum(1.0, np.abs(mean)))] = 1.0
+        return cls(mean, scale)
+
+    @classmethod
+    def _fit_lazy(cls, X, client):
+        D = X.to_dask()
+        axes = (0,) if D.ndim == 2 else (0, 2, 3)
+        D = D.astype(np.float64)
+        moments = [D.mean(axis=axes), D.std(axis=axes)]
+        if client is not None:
+            mean, scale = client.gather(client.compute(moments))
+        else:
+            import dask
+
+            mean, scale = dask.compute(*moments)
+        mean, scale = np.asarray(mean), np.array(scale)
         scale[~(scale > 1e-12 * np.maximum(1.0, np.abs(mean)))] = 1.0
         return cls(mean, scale)
 

@@ -96,18 +96,30 @@ class BatchPlan:
 
     ``n // batch`` steps per epoch, the last one taking the ``n % batch`` samples left
     over as well; ``shuffle=False`` keeps the sample order in every epoch.
+
+    ``window`` (chunks, for data read from storage in chunks of ``chunk`` samples) makes
+    the shuffle local: each epoch permutes the chunks, groups them ``window`` at a time in
+    that order, and permutes the samples within each group. A batch then draws from
+    ``window`` chunks (about ``window * chunk`` samples) instead of the whole data set, so
+    the cells read each chunk once per epoch; ``window`` = number of chunks is a full
+    shuffle again. 0: full shuffle.
     """
 
     n: int
     batch: int
     seed: int = 0
     shuffle: bool = True
+    window: int = 0
+    chunk: int = 0
 
     def __post_init__(self):
         if self.batch < 1:
             raise IparError(f"batch size must be >= 1, got {self.batch}.")
         if self.batch > self.n:
             raise IparError(f"batch size {self.batch} exceeds the {self.n} samples.")
+        if self.window < 0 or (self.window and self.chunk < 1):
+            raise IparError(f"shuffle window must be >= 0 chunks (of >= 1 samples), got "
+                            f"{self.window} chunks of {self.chunk}.")
 
     @property
     def steps_per_epoch(self) -> int:
@@ -117,7 +129,16 @@ class BatchPlan:
         """The sample order of ``epoch`` (0-based)."""
         if not self.shuffle:
             return np.arange(self.n)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        rng = np.random.default_rng([self.seed, epoch])
+        if not self.window:
+            return rng.permutation(self.n)
+        starts = rng.permutation(-(-self.n // self.chunk)) * self.chunk
+        out = []
+        for w in range(0, len(starts), self.window):
+            group = np.concatenate([np.arange(s, min(self.n, s + self.chunk))
+                                    for s in starts[w:w + self.window]])
+            out.append(rng.permutation(group))
+        return np.concatenate(out)
 
     def indices(self, step: int) -> np.ndarray:
         """Sample indices of training step ``step`` (0-based)."""
@@ -274,11 +295,11 @@ class TrainLoop:
                 reason, signum = self._stop_request
                 raise Interrupted(self._submitted, reason, signum)
             s = self._submitted
-            idx = self.plan.indices(s)
+            Xb, yb = self.batch(s)
             opt = self.optimizer.at_step(s)
-            futs = self.model.train_step(self.X[idx], self.y[idx], opt)
+            futs = self.model.train_step(Xb, yb, opt)
             self._submitted = s + 1
-            self._pending.append((s + 1, len(idx), futs, opt.lr))
+            self._pending.append((s + 1, Xb.shape[0], futs, opt.lr))
             if any(cb.wants_sync(self, s + 1) for cb in self.callbacks):
                 self.drain()
                 self._each("on_sync", s + 1)
@@ -289,6 +310,20 @@ class TrainLoop:
                 if self._stop_at_epoch is not None:
                     self.history.stopped = self._stop_at_epoch
                     return
+
+    def batch(self, step: int):
+        """Inputs and labels of training step ``step``: arrays, or for data the cells
+        read themselves (:mod:`dask_ipar.io.lazy`) descriptions of their blocks."""
+        X, y = self.X, self.y
+        idx = None
+        if hasattr(X, "batch"):
+            Xb = X.batch(self.plan, step)
+        else:
+            idx = self.plan.indices(step)
+            Xb = X[idx]
+        if hasattr(y, "batch"):
+            return Xb, y.batch(self.plan, step)
+        return Xb, y[self.plan.indices(step) if idx is None else idx]
 
     def drain(self):
         """Wait for every submitted step (losses gathered, callbacks told) and its update."""

@@ -11,6 +11,8 @@ each worker, never between workers.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from dask._task_spec import TaskRef
 
@@ -67,6 +69,10 @@ def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
     labels (labels inline when embedded), and the futures of scattered blocks, which the
     caller holds until the graph is submitted.
     """
+    from dask_ipar.io.lazy import LazyBatch
+
+    if isinstance(Xb, LazyBatch):
+        return _place_lazy(engine, client, Xb, yb, step, g, uid, block_module)
     binding = engine.binding
     if engine.in_process:
         Xb = np.array(Xb, copy=True)
@@ -112,6 +118,51 @@ def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
     else:
         y_keys = {(i, j): TaskRef((yname, i, j)) for i, j in grid.cells()}
     return x_keys, y_keys, futures
+
+
+def _place_lazy(engine, client, Xb, yb, step, g, uid, block_module):
+    """:func:`place_batch` for data the cells read themselves (:mod:`dask_ipar.io.lazy`):
+    per cell a task on its worker that reads the cell's block (the same samples, rows and
+    memory layout as the blocks the client would send)."""
+    from dask_ipar.io.lazy import LazyBatch, read_inputs, read_labels
+
+    binding, grid = engine.binding, engine.grid
+    xname = f"input.x-{uid}-s{step}"
+    yname = f"input.y-{uid}-s{step}"
+    where = None if engine.front is None else engine.front.input_placement
+    n = Xb.shape[0]
+    sub = None
+    if where == SAMPLES_RC:
+        engine.front.check_batch(n)
+        sub = engine.front.samples(n)
+    rows = split_bounds(Xb.shape[2], grid.pr) if where == STRIPS else None
+    src, held = Xb.of.placed(client, binding, uid)
+    held = dict(held)
+    for i, j in grid.cells():
+        take = replace(Xb.take, pc=grid.pc, j=j, sub=None if sub is None else sub[j][i],
+                       strip=None if rows is None else rows[i], transpose=where is None)
+        g.add((xname, i, j), binding.worker(i, j), read_inputs, TaskRef((src, i, j)), take)
+    keys = [(xname, i, j) for i, j in grid.cells()]
+    if isinstance(yb, LazyBatch):
+        ysrc, yheld = yb.of.placed(client, binding, uid)
+        held.update(yheld)
+        for i, j in grid.cells():
+            g.add((yname, i, j), binding.worker(i, j), read_labels, TaskRef((ysrc, i, j)),
+                  replace(yb.take, pc=grid.pc, j=j))
+    elif yb is not None:  # labels in memory, features read by the cells
+        for (i, j), (b0, b1) in zip(grid.cells(), [split_bounds(n, grid.pc)[j]
+                                                 for _, j in grid.cells()]):
+            g.add_data((yname, i, j), binding.worker(i, j), np.asarray(yb[b0:b1]))
+    if yb is not None:
+        keys += [(yname, i, j) for i, j in grid.cells()]
+    if block_module:
+        for key in keys:
+            g.add((key[0] + "-dev", *key[1:]), binding.worker(*key[1:]), B.to_device,
+                  TaskRef(key), block_module)
+        xname, yname = xname + "-dev", yname + "-dev"
+    x_keys = {(i, j): TaskRef((xname, i, j)) for i, j in grid.cells()}
+    y_keys = None if yb is None else {(i, j): TaskRef((yname, i, j)) for i, j in grid.cells()}
+    return x_keys, y_keys, held
 
 
 def min_samples(engine, grid) -> int:

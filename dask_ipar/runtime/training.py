@@ -75,10 +75,33 @@ def prepare(model, X, y, batch_size):
     return X, y, model._check_batch(batch_size, X.shape[0])
 
 
+#: Chunks per shuffle window of data the cells read from storage, unless fit says otherwise.
+DEFAULT_WINDOW = 8
+
+
+def _window(X, y, window):
+    """The local shuffle of data read from storage (:class:`~dask_ipar.runtime.loop.
+    BatchPlan` ``window``): its plan arguments, and the chunk cache of the cells' copies."""
+    from dask_ipar.io.lazy import LazyInputs
+
+    if not isinstance(X, LazyInputs) or window is False or window == 0:
+        return {}
+    chunk = X.data.chunk_rows
+    w = DEFAULT_WINDOW if window in (None, True) else int(window)
+    if w < 1:
+        raise IparError(f"shuffle_window must be a number of chunks >= 1 (or 0: the order "
+                        f"as stored), got {window!r}.")
+    w = min(w, -(-X.shape[0] // chunk))
+    X.window = w
+    if hasattr(y, "window"):
+        y.window = w
+    return {"window": w, "chunk": chunk}
+
+
 def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, seed=None,
         progress=False, max_inflight=2, measure=True, machine=None, validation_data=None,
         standardize=False, callbacks=(), checkpoint=None, log_file=None,
-        diverge_factor=2.0):
+        diverge_factor=2.0, shuffle_window=None):
     """:meth:`dask_ipar.model.Sequential.fit` (its docstring says what each argument does)."""
     from dask_ipar.optim import SGD
     from dask_ipar.runtime import callbacks as cbs
@@ -94,9 +117,10 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
         from dask_ipar.io.scaling import Standardizer
 
         raw = model._as_inputs(X, scaled=False)
-        model.scaling = Standardizer.fit(raw)
+        model.scaling = Standardizer.fit(raw, client=model.client)
     X, y, batch = prepare(model, X, y, batch_size)
-    plan = BatchPlan(X.shape[0], batch, model.seed if seed is None else seed, shuffle)
+    plan = BatchPlan(X.shape[0], batch, model.seed if seed is None else seed, shuffle,
+                     **_window(X, y, shuffle and shuffle_window))
     pre = []
     if checkpoint is not None:
         pre.append(checkpoint)  # first: resuming sets the step the others start from
