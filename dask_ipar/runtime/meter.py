@@ -87,6 +87,8 @@ class CommReport:
     received_bytes: dict = field(default_factory=dict)  # worker -> bytes received
     sent_by_phase: dict = field(default_factory=dict)  # (layer, phase) -> {worker: bytes}
     unattributed_bytes: int = 0
+    #: worker -> bytes it read from storage over the run (data the cells read themselves)
+    storage_read_bytes: dict = field(default_factory=dict)
 
     def table(self) -> str:
         """A plain-text table: one row per layer and phase."""
@@ -163,8 +165,10 @@ class CommMeter:
     """Accumulates measured transfers and predicted phases over the steps of a run."""
 
     def __init__(self, client, binding, engine, word_bytes, machine: Machine | None = None,
-                 grad_clip: bool = False):
+                 grad_clip: bool = False, inputs=None, labels=None):
         self.client = client
+        #: data the cells read themselves (:mod:`dask_ipar.io.lazy`), else None: in memory
+        self.inputs, self.labels = inputs, labels
         self.grad_clip = grad_clip
         self.workers = list(binding.workers)
         self.grid = binding.grid
@@ -193,6 +197,7 @@ class CommMeter:
         self._sent = defaultdict(int)
         self._recv = defaultdict(int)
         self._sent_phase = defaultdict(lambda: defaultdict(int))
+        self._read = defaultdict(int)  # worker -> bytes read from storage
         self._other = 0
 
     def add_step(self, batch: int):
@@ -206,6 +211,39 @@ class CommMeter:
             acc = self._pred[(p.layer, p.phase)]
             acc[0] += p.total_bytes
             acc[1] += p.seconds
+        client, storage = self._input_bytes(batch)
+        self._pred[("input", "client")][0] += client
+        if storage:
+            self._pred[("input", "storage")][0] += storage
+
+    def _input_bytes(self, batch: int) -> tuple[int, int]:
+        """Predicted data bytes of a step: what the client sends, and what the cells read
+        from storage (the rows they need, as stored: uncompressed, no chunk rounding)."""
+        from dask_ipar.runtime.placement import input_copies
+
+        import numpy as np
+
+        pr = self.grid.pr
+        copies = input_copies(self.engine)
+        client = storage = 0
+        if self.inputs is None:
+            client += batch * int(np.prod(self.engine_input_shape())) * self.word_bytes * copies
+        else:
+            src = self.inputs.data.src
+            flat = self.inputs.image_shape is not None and len(src.shape) == 2
+            reads = pr if flat else copies
+            storage += batch * int(np.prod(src.shape[1:])) * src.dtype.itemsize * reads
+        if self.labels is None:
+            client += batch * 8 * pr  # int64 labels of its column to every cell
+        else:
+            storage += batch * self.labels.data.src.dtype.itemsize * pr
+        return client, storage
+
+    def engine_input_shape(self) -> tuple:
+        front = self.engine.front
+        if front is not None:
+            return tuple(front.layouts[0].in_shape)
+        return (self.engine.layouts[0].n_in,)
 
     def drain(self, record: bool = True):
         """Empty the workers' transfer logs, attributing every key to its layer and phase.
@@ -214,10 +252,18 @@ class CommMeter:
         the call wait for a connection timeout; its log is lost with it)."""
         from dask_ipar.runtime.workers import scheduler_workers
 
+        from dask_ipar.runtime.placement import take_sent_bytes
+
         alive = scheduler_workers(self.client)
         logs = self.client.run(_drain_logs, workers=[w for w in self.workers if w in alive])
+        sent = take_sent_bytes(self.engine.uid)
+        read = self._drain_reads([w for w in self.workers if w in alive])
         if not record:
             return
+        self._bytes[("input", "client")] += sent
+        for w, nbytes in read.items():
+            self._bytes[("input", "storage")] += nbytes
+            self._read[w] += nbytes
         for entries in logs.values():
             for sender, receiver, duration, keys in entries:
                 total = sum(n for _, n in keys) or 1
@@ -231,6 +277,19 @@ class CommMeter:
                     self._bytes[lp] += nbytes
                     self._secs[(*lp, receiver)] += duration * nbytes / total
                     self._sent_phase[lp][sender] += nbytes
+
+    def _drain_reads(self, workers) -> dict:
+        """Bytes each worker read from storage for this run's data since the last drain."""
+        tags = [d.tag for d in (self.inputs, self.labels) if d is not None]
+        if not tags:
+            return {}
+        from dask_ipar.io.lazy import drain_read_bytes
+
+        out = {}
+        for tag in tags:
+            for w, got in self.client.run(drain_read_bytes, tag, workers=workers).items():
+                out[w] = out.get(w, 0) + sum(got.values())
+        return out
 
     def report(self) -> CommReport:
         """Per-step means of predicted and measured bytes and seconds, per layer and phase.
@@ -257,4 +316,5 @@ class CommMeter:
             received_bytes=dict(self._recv),
             sent_by_phase={k: dict(v) for k, v in self._sent_phase.items()},
             unattributed_bytes=self._other,
+            storage_read_bytes=dict(self._read),
         )

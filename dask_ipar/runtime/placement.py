@@ -21,7 +21,28 @@ from dask_ipar.kernels import blocks as B
 from dask_ipar.layout.partition import split_bounds
 from dask_ipar.layout.placement import SAMPLES_RC, STRIPS, WHOLE
 
-__all__ = ["place_batch", "min_samples", "check_batch", "batches"]
+__all__ = ["place_batch", "min_samples", "check_batch", "batches", "take_sent_bytes",
+           "input_copies"]
+
+#: Bytes of data blocks (features and labels) the client handed to dask per model uid,
+#: since :func:`take_sent_bytes` last read them (the comm table's ``input client`` row).
+_SENT: dict = {}
+
+
+def _sent(uid: str, nbytes: int) -> None:
+    _SENT[uid] = _SENT.get(uid, 0) + int(nbytes)
+
+
+def take_sent_bytes(uid: str) -> int:
+    """Data bytes the client sent to the workers for model ``uid`` since the last call."""
+    return _SENT.pop(uid, 0)
+
+
+def input_copies(engine) -> int:
+    """How many copies of a batch's features the cells get: ``Pr`` (every cell of a
+    column the column's samples) or 1 (image strips; samples split over the column)."""
+    where = None if engine.front is None else engine.front.input_placement
+    return 1 if where in (STRIPS, SAMPLES_RC) else engine.grid.pr
 
 
 def _blocks(engine, Xb, xname, bounds):
@@ -92,6 +113,8 @@ def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
     if labs is not None and not inline_labels:
         for i, j in grid.cells():
             blocks[(yname, i, j)] = labs[j]
+    _sent(uid, sum(v.nbytes for v in blocks.values())
+          + (0 if labs is None or not inline_labels else grid.pr * yb.nbytes))
     futures = {}
     if embed:
         for key, value in blocks.items():
@@ -153,6 +176,7 @@ def _place_lazy(engine, client, Xb, yb, step, g, uid, block_module):
         for (i, j), (b0, b1) in zip(grid.cells(), [split_bounds(n, grid.pc)[j]
                                                  for _, j in grid.cells()]):
             g.add_data((yname, i, j), binding.worker(i, j), np.asarray(yb[b0:b1]))
+            _sent(uid, np.asarray(yb[b0:b1]).nbytes)
     if yb is not None:
         keys += [(yname, i, j) for i, j in grid.cells()]
     if block_module:

@@ -130,7 +130,9 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
         from dask_ipar.runtime.meter import CommMeter
 
         meter = CommMeter(model.client, model.binding, model.engine, model.dtype.itemsize,
-                          machine, grad_clip=getattr(optimizer, "clip_norm", None) is not None)
+                          machine, grad_clip=getattr(optimizer, "clip_norm", None) is not None,
+                          inputs=X if hasattr(X, "tag") else None,
+                          labels=y if hasattr(y, "tag") else None)
         post.append(cbs.Meter(meter))
     if validation_data is not None:
         try:
@@ -145,6 +147,9 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
         post.append(cbs.ProgressBar())
     elif callable(progress):
         post.append(cbs.OnStep(progress))
+    for data in (X, y):
+        if hasattr(data, "until"):  # read by the cells: no block prefetched past the end
+            data.until = epochs * plan.steps_per_epoch
     loop = TrainLoop(model, X, y, plan, optimizer, total_steps=epochs * plan.steps_per_epoch,
                      callbacks=pre + post, max_inflight=max_inflight,
                      diverge_factor=diverge_factor)
