@@ -342,7 +342,8 @@ def _run(args, signals) -> int:
                       cfg["data"]["test_fraction"] if cfg["data"]["path"] else 0.2)
     Xtr, ytr, val = _val_split(cfg, Xtr, ytr, grid)
     model, grid, kind, widths = _build_model(cfg, args, Xtr, grid, n_classes, machine)
-    standardize = cfg["data"]["path"] not in (None, "", "digits", "mnist5k") and cfg["data"]["standardize"]
+    standardize = (cfg["data"]["path"] not in (None, "", "digits", "mnist5k")
+                   and cfg["data"]["standardize"])  # the bundled sets come standardized
     per_epoch = len(ytr) // t["batch"]  # the loop's BatchPlan.steps_per_epoch
     schedule = parse_schedule(o.get("schedule"), t["epochs"] * per_epoch)
     optimizer = make_optimizer(o["kind"], lr=_lr(o), momentum=o["momentum"],

@@ -97,8 +97,9 @@ class ZarrSource(Source):
 
 
 def _zarr_name(array) -> str:
-    where = str(getattr(array, "store", "") or "")
-    return repr(f"{where}/{array.path}" if array.path else where or "<memory>")
+    store = getattr(array, "store", None)
+    where = getattr(store, "root", None) or getattr(store, "path", None) or store or ""
+    return repr(f"{where}/{array.path}" if array.path else str(where) or "<memory>")
 
 
 def _counting_store(store):
