@@ -80,6 +80,8 @@ DEFAULTS: dict = {
         "test_fraction": 0.2,  # held-out share when the file has no test split
         "val_fraction": 0.0,  # share of the training split held out for validation
         "standardize": True,  # per-feature standardization of data.path, fitted on training
+        "input_shape": None,  # [C, H, W] of images stored flat (n, C*H*W), for the cnn
+        "shuffle_window": 8,  # chunks per local shuffle of stored data (0: full shuffle)
     },
     # kind: sgd | adam | adamw; lr None: 0.05 for sgd, 0.001 for adam and adamw;
     # schedule: none | step:N[:GAMMA] | cosine[:MIN] | warmup:N[+cosine|+step:N[:GAMMA]]
@@ -378,6 +380,13 @@ def validate(cfg: dict) -> dict:
     _need(_is_num(vf) and 0 <= vf < 1, "data.val_fraction", vf, "a number in [0, 1)")
     _need(isinstance(d.get("standardize", True), bool), "data.standardize",
           d.get("standardize"), "true or false")
+    shp = d.get("input_shape")
+    _need(shp is None or (isinstance(shp, (list, tuple)) and len(shp) == 3 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shp)),
+        "data.input_shape", shp, "null or three positive integers [C, H, W]")
+    sw = d.get("shuffle_window", 8)
+    _need(isinstance(sw, int) and not isinstance(sw, bool) and sw >= 0, "data.shuffle_window",
+          sw, "a whole number of chunks >= 0")
 
     o = cfg.get("optimizer", {})
     _need(o.get("kind", "sgd") in ("sgd", "adam", "adamw"), "optimizer.kind", o.get("kind"),

