@@ -123,7 +123,7 @@ def test_window_shuffle_plan():
         BatchPlan(10, 2, window=2, chunk=0)
 
 
-def test_shuffled_zarr_equals_dask_graph_source(client, data):
+def test_shuffled_zarr_equals_dask_graph_source(client, data, tmp_path):
     """With the (default) local shuffle, Zarr read by the cells through the chunk cache
     and the same data as a plain dask array (computed on the workers) train identically;
     a checkpointed resume is not needed for this: the plan is a pure function."""
@@ -137,6 +137,18 @@ def test_shuffled_zarr_equals_dask_graph_source(client, data):
         m.close()
     assert out[0][0] == out[1][0]
     assert np.array_equal(out[0][1][0][0], out[1][1][0][0])
+    # image strips through the chunk cache (2x2 domain-parallel CNN, 4-D Zarr)
+    rng = np.random.default_rng(3)
+    Xi, yi = rng.normal(size=(128, 1, 8, 8)), rng.integers(0, 5, 128)
+    Xz, yz = _store(tmp_path / "s.zarr", Xi, yi, (16, 1, 8, 8), (16,))
+    losses = []
+    for Xa, ya in ((Xz, yz), (da.from_array(Xi, chunks=(16, 1, 8, 8)), da.from_array(yi, 16))):
+        m = Sequential([Conv2d(4, 3, activation="relu"), MaxPool2d(2), Flatten(), Dense(5)],
+                       input_shape=(1, 8, 8), dtype="float64").distribute(client, "2x2")
+        h = m.fit(Xa, ya, epochs=2, batch_size=32, optimizer=SGD(0.1), shuffle_window=3)
+        losses.append([s.loss for s in h.steps])
+        m.close()
+    assert losses[0] == losses[1]
 
 
 def test_values_checked_per_block(client, tmp_path):

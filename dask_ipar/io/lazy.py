@@ -285,17 +285,18 @@ class _Lazy:
         """Rows ``u`` assembled from whole chunks, each decoded once while its window lasts."""
         src, cell = self.data.src, self._cellstate()
         c = src.chunk_rows
+        part = tuple((x.start, x.stop) for x in sel)  # slices hash from Python 3.12 only
         ids = u // c
         parts = []
         for cid in np.unique(ids):
             with cell.lock:
-                block = cell.chunks.get((cid, sel))
+                block = cell.chunks.get((cid, part))
             if block is None:
                 r0, r1 = int(cid) * c, min(src.shape[0], (int(cid) + 1) * c)
                 block, nbytes = src.read(np.arange(r0, r1), sel)
                 _count(self.tag, nbytes)
                 with cell.lock:
-                    cell.chunks[(cid, sel)] = block
+                    cell.chunks[(cid, part)] = block
                     while len(cell.chunks) > self.window + 1:
                         cell.chunks.popitem(last=False)
             parts.append(block[u[ids == cid] - int(cid) * c])

@@ -1,0 +1,99 @@
+"""Training from Zarr on local disk vs the same data in memory, side by side in one run.
+
+    python benchmarks/data_bench.py [--quick] [--json FILE]
+
+For a compute-bound MLP (float32, 2x2 grid) and a CNN (domain-parallel convs, 2x2), each
+epoch is timed alternately from NumPy arrays (the client sends every block) and from a
+Zarr store of the same samples (each cell's worker reads its own blocks, the next step's
+prefetched), shuffle on (the Zarr run with its default local shuffle window). Reports
+samples/s and the Zarr / memory ratio (the issue's target: >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def _write(path, X, y, rows):
+    import zarr
+
+    g = zarr.open_group(path, mode="w")
+    g.create_array("X", shape=X.shape, chunks=(rows,) + X.shape[1:], dtype=X.dtype)[:] = X
+    g.create_array("y", shape=y.shape, chunks=(rows,), dtype=y.dtype)[:] = y
+
+
+def _case(client, name, make, X, y, batch, epochs, tmp):
+    import dask.array as da
+
+    from dask_ipar import SGD
+
+    path = os.path.join(tmp, f"{name}.zarr")
+    _write(path, X, y, 4 * batch)
+    Xz, yz = da.from_zarr(os.path.join(path, "X")), da.from_zarr(os.path.join(path, "y"))
+    rates = {"memory": [], "zarr": []}
+    m = make().distribute(client, "2x2")
+    m.fit(X[: 4 * batch], y[: 4 * batch], epochs=1, batch_size=batch)  # warm up
+    m.fit(Xz[: 4 * batch], yz[: 4 * batch], epochs=1, batch_size=batch)
+    for _ in range(epochs):
+        for kind, (Xi, yi) in (("memory", (X, y)), ("zarr", (Xz, yz))):
+            t = time.perf_counter()
+            m.fit(Xi, yi, epochs=1, batch_size=batch, optimizer=SGD(0.01), measure=False)
+            rates[kind].append(len(X) / (time.perf_counter() - t))
+    m.close()
+    mem, zr = statistics.median(rates["memory"]), statistics.median(rates["zarr"])
+    return {"case": name, "samples": len(X), "batch": batch, "memory_samples_s": mem,
+            "zarr_samples_s": zr, "ratio": zr / mem, "epochs_each": epochs,
+            "all": rates}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    from distributed import Client, LocalCluster
+
+    from dask_ipar import Dense, Sequential
+    from dask_ipar.nn.layers import Conv2d, Flatten, MaxPool2d
+
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    rng = np.random.default_rng(0)
+    n_mlp, n_cnn = (4096, 1024) if a.quick else (16384, 4096)
+    epochs = 2 if a.quick else 3
+    Xm = rng.normal(size=(n_mlp, 1024)).astype(np.float32)
+    ym = rng.integers(0, 10, n_mlp)
+    Xc = rng.normal(size=(n_cnn, 1, 28, 28)).astype(np.float32)
+    yc = rng.integers(0, 10, n_cnn)
+    out = []
+    with tempfile.TemporaryDirectory() as tmp, LocalCluster(
+            n_workers=4, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        out.append(_case(client, "mlp 1024-1024-1024-10", lambda: Sequential(
+            [Dense(1024, "relu"), Dense(1024, "relu"), Dense(10)], input_dim=1024),
+            Xm, ym, 512, epochs, tmp))
+        out.append(_case(client, "cnn conv16-pool-conv32-pool-128-10", lambda: Sequential(
+            [Conv2d(16, 3, activation="relu"), MaxPool2d(2), Conv2d(32, 3, activation="relu"),
+             MaxPool2d(2), Flatten(), Dense(128, "relu"), Dense(10)], input_shape=(1, 28, 28)),
+            Xc, yc, 256, epochs, tmp))
+    print("| model | samples | batch | in memory (samples/s) | Zarr (samples/s) | Zarr / memory |")
+    print("|---|---|---|---|---|---|")
+    for r in out:
+        print(f"| {r['case']} | {r['samples']} | {r['batch']} | {r['memory_samples_s']:.0f} | "
+              f"{r['zarr_samples_s']:.0f} | {r['ratio']:.2f} |")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
