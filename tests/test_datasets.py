@@ -97,17 +97,46 @@ def test_hdf5(tmp_path, arrays):
     with h5py.File(tmp_path / "d.h5", "w") as f:
         f["X"] = X
         f["y"] = y
-        f["img"] = np.zeros((37, 2, 2))
+        f["img"] = np.zeros((37, 2, 2, 2, 2))
     Xl, yl = load_dataset(tmp_path / "d.h5")
     np.testing.assert_array_equal(Xl, X)
     np.testing.assert_array_equal(yl, y)
     Xd, yd = load_dataset(tmp_path / "d.h5", chunk_rows=16, max_in_memory=10)
     assert Xd.chunks[0] == (16, 16, 5)
     np.testing.assert_array_equal(Xd.compute(), X)
-    with pytest.raises(IparError, match="expected 2-D"):
+    with pytest.raises(IparError, match=r"expected \(n_samples, n_features\), or images"):
         load_dataset(tmp_path / "d.h5", x_key="img")
     with pytest.raises(IparError, match="no array 'labels'"):
         load_dataset(tmp_path / "d.h5", y_key="labels")
+
+
+def test_lazy_load_reads_nothing(tmp_path, arrays):
+    """load_dataset(lazy=True): Zarr, HDF5 and .npy come back as LazyData of their files
+    (read later by the workers), whatever their size; .npz (a compressed archive) as NumPy;
+    a split stays lazy and reads the right rows."""
+    h5py = pytest.importorskip("h5py")
+    zarr = pytest.importorskip("zarr")
+    from dask_ipar.io.data import train_test_split
+    from dask_ipar.io.lazy import LazyData
+
+    X, y = arrays
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["X"], f["y"] = X, y
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    g = zarr.open_group(str(tmp_path / "d.zarr"), mode="w")
+    g["X"], g["y"] = X, y
+    np.savez(tmp_path / "d.npz", X=X, y=y)
+    for path in ("d.h5", "X.npy", "d.zarr", "."):
+        Xl, yl = load_dataset(tmp_path / path, lazy=True)
+        assert isinstance(Xl, LazyData) and isinstance(yl, LazyData), path
+        assert Xl.shape == X.shape and yl.shape == y.shape
+        Xa, ya, Xb, yb = train_test_split(Xl, yl, 0.25, 3)
+        wa, wya, wb, wyb = train_test_split(X, y, 0.25, 3)
+        np.testing.assert_array_equal(Xb.read_all(), wb)
+        np.testing.assert_array_equal(ya.read_all(), wya)
+    Xn, _ = load_dataset(tmp_path / "d.npz", lazy=True)
+    assert isinstance(Xn, np.ndarray)
 
 
 def test_bad_paths(tmp_path):

@@ -66,8 +66,8 @@ def test_mlp_from_zarr_equals_numpy(client, data):
     assert g0[0] == g1[0] and g0[1] == g1[1]
     for (a, b), (c, d) in zip(g0[2], g1[2]):
         assert np.array_equal(a, c) and np.array_equal(b, d)
-    rows0 = {(r.layer, r.phase): r for r in c0.rows}
-    rows1 = {(r.layer, r.phase): r for r in c1.rows}
+    rows0 = {(r.layer, r.phase): r for r in c0.rows + c0.input_rows}
+    rows1 = {(r.layer, r.phase): r for r in c1.rows + c1.input_rows}
     # in memory: the client sends the column block to each of Pr cells, and the labels
     assert rows0[("input", "client")].measured_bytes == 48 * 12 * 8 * 2 + 48 * 8 * 2
     assert rows0[("input", "client")].ratio == 1.0
@@ -104,7 +104,7 @@ def test_cnn_strips_read_only_their_rows(client, tmp_path):
     strip = (b // 2) * 1 * 4 * 8 * 8  # a column's samples, half the rows, float64
     labels = (b // 2) * 8
     assert sorted(comm.storage_read_bytes.values()) == [steps * (strip + labels)] * 4
-    assert {(r.layer, r.phase): r.ratio for r in comm.rows}[("input", "storage")] == 1.0
+    assert {(r.layer, r.phase): r.ratio for r in comm.input_rows}[("input", "storage")] == 1.0
 
 
 def test_window_shuffle_plan():
@@ -188,16 +188,20 @@ def test_hdf5_memmap_and_numpy_labels(client, tmp_path):
     f = h5py.File(tmp_path / "d.h5", "r")
     mm = np.load(tmp_path / "X.npy", mmap_mode="r")
     results = []
-    for Xi, yi in ((X, y), (da.from_array(f["X"], chunks=(32, 12)), f["y"]), (mm, y)):
+    np.save(tmp_path / "y.npy", y)
+    ym = np.load(tmp_path / "y.npy", mmap_mode="r")
+    for Xi, yi in ((X, y), (da.from_array(f["X"], chunks=(32, 12)), f["y"]), (mm, y),
+                   (X, ym)):  # features in memory, stored labels: read by the client
         m = _mlp(client, "2x1")
         h = m.fit(Xi, yi, epochs=1, batch_size=32, shuffle=False, optimizer=SGD(0.1))
         results.append(m.get_weights()[0][0])
         if Xi is mm:
-            rows = {(r.layer, r.phase): r.measured_bytes for r in h.comm.rows}
+            rows = {(r.layer, r.phase): r.measured_bytes for r in h.comm.input_rows}
             assert rows[("input", "client")] == 32 * 8 * 2  # per step: the labels only
         m.close()
     f.close()
-    assert np.array_equal(results[0], results[1]) and np.array_equal(results[0], results[2])
+    for r in results[1:]:
+        assert np.array_equal(results[0], r)
 
 
 def _rss() -> int:
@@ -240,6 +244,87 @@ def test_client_memory_stays_flat(client, tmp_path):
     grew = peak[0] - base
     print(f"client grew {grew / 2**20:.1f} MiB")
     assert grew < size / 4, f"client grew {grew / 2**20:.1f} MiB over a {size / 2**20:.0f} MiB set"
-    rows = {(r.layer, r.phase): r for r in h.comm.rows}
+    rows = {(r.layer, r.phase): r for r in h.comm.input_rows}
     assert rows[("input", "client")].measured_bytes == 0
     assert sum(h.comm.storage_read_bytes.values()) >= 2 * size  # Pr = 2 copies, compressed ~
+
+
+def test_persisted_dask_array_read_from_its_holders(client, data):
+    """A dask array persisted on the cluster: each cell fetches the chunk pieces it needs
+    from the workers that hold them (a worker client inside its read task); equal to NumPy."""
+    X, y, _, _ = data
+    Xp = client.persist(da.from_array(X, chunks=(48, 12)))
+    yp = client.persist(da.from_array(y, chunks=(48,)))
+    out = []
+    for Xi, yi in ((X, y), (Xp, yp)):
+        m = _mlp(client, "2x1")
+        h = m.fit(Xi, yi, epochs=1, batch_size=64, shuffle=False, optimizer=SGD(0.1))
+        out.append([s.loss for s in h.steps])
+        m.close()
+    assert out[0] == out[1]
+
+
+def test_checkpoint_resume_with_stored_data(client, data, tmp_path):
+    """A checkpointed run on Zarr data (local shuffle), stopped after one epoch and resumed,
+    ends bit-equal to the uninterrupted run (same grid); resuming with another shuffle
+    window is refused (it would draw other batches)."""
+    from dask_ipar.io.checkpoint import Checkpointing
+
+    _, _, Xz, yz = data
+    m = _mlp(client, "1x2")
+    m.fit(Xz, yz, epochs=2, batch_size=32, optimizer=SGD(0.1), shuffle_window=2)
+    want = m.get_weights()[0][0]
+    m.close()
+    m = _mlp(client, "1x2")
+    m.fit(Xz, yz, epochs=1, batch_size=32, optimizer=SGD(0.1), shuffle_window=2,
+          checkpoint=Checkpointing(str(tmp_path / "ck"), every=5))
+    m.close()
+    m = _mlp(client, "2x1")
+    with pytest.raises(IparError, match="shuffle window"):
+        m.fit(Xz, yz, epochs=2, batch_size=32, optimizer=SGD(0.1), shuffle_window=3,
+              checkpoint=Checkpointing(str(tmp_path / "ck"), every=5, resume=True))
+    m.close()
+    m = _mlp(client, "1x2")
+    m.fit(Xz, yz, epochs=2, batch_size=32, optimizer=SGD(0.1), shuffle_window=2,
+          checkpoint=Checkpointing(str(tmp_path / "ck"), every=5, resume=True))
+    assert np.array_equal(m.get_weights()[0][0], want)
+    m.close()
+
+
+def test_standardize_on_the_workers(client, tmp_path):
+    """fit(standardize=True) on stored data: the moments come from dask reductions on the
+    workers (HDF5 and .npy subsets read through the sources, nothing unpicklable sent),
+    equal to the NumPy Standardizer's to rounding."""
+    h5py = pytest.importorskip("h5py")
+    from dask_ipar.io.lazy import LazyData, LazyInputs
+    from dask_ipar.io.scaling import Standardizer
+    from dask_ipar.io.sources import H5Source, NpySource
+
+    X = np.random.default_rng(7).random((100, 3)) * 5 + 2
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["X"] = X
+    np.save(tmp_path / "X.npy", X)
+    ref = Standardizer.fit(X[::2])
+    for src in (H5Source(str(tmp_path / "a.h5"), "X", X.shape, X.dtype, None),
+                NpySource(str(tmp_path / "X.npy"), X.shape, X.dtype, 16)):
+        got = Standardizer.fit(LazyInputs(LazyData(src, np.arange(0, 100, 2)), "float64"),
+                               client=client)
+        np.testing.assert_allclose(got.mean, ref.mean, rtol=1e-13)
+        np.testing.assert_allclose(got.scale, ref.scale, rtol=1e-13)
+
+
+def test_split_reads_each_chunk_once_per_epoch(client, tmp_path):
+    """A split (a sorted subset of the stored rows) shuffles by the stored chunks: with the
+    local shuffle each cell reads every chunk once per epoch, whole (an uncompressed store:
+    the bytes are the data set's, test rows inside the chunks included)."""
+    from dask_ipar.io.data import load_dataset, train_test_split
+
+    rng = np.random.default_rng(8)
+    X, y = rng.normal(size=(384, 12)), rng.integers(0, 5, 384)
+    _store(tmp_path / "s.zarr", X, y, (48, 12), (48,), compress=False)
+    Xl, yl = load_dataset(tmp_path / "s.zarr", lazy=True)
+    Xtr, ytr, _, _ = train_test_split(Xl, yl, 0.25, 0)
+    m = _mlp(client, "1x2")
+    h = m.fit(Xtr, ytr, epochs=1, batch_size=24, shuffle_window=2, optimizer=SGD(0.1))
+    m.close()
+    assert sorted(h.comm.storage_read_bytes.values()) == [384 * 12 * 8 + 384 * 8] * 2

@@ -85,8 +85,8 @@ def run_predict(args) -> int:
     model, X, _, grid, client_cm = _open(args)
     with client_cm as client:
         model.distribute(client, grid)
-        classes = model.predict(X, batch_size=args.batch)
-        model.close()
+        classes = np.asarray(model.predict(X, batch_size=args.batch))  # a dask array for
+        model.close()  # stored data: its blocks are on the workers until computed here
     secs = time.perf_counter() - t0
     if args.output:
         if args.output.lower().endswith(".npy"):

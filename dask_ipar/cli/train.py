@@ -176,7 +176,11 @@ def _load_data(cfg):
     if not cnn and not hasattr(X, "src") and X.ndim > 2:
         X = X.reshape(len(X), -1)  # images for a dense network (lazy ones are read flat)
     Xtr, ytr, Xte, yte = train_test_split(X, y, cfg["data"]["test_fraction"], t["seed"])
-    return Xtr, ytr, Xte, yte, int(np.max(labels_of(y))) + 1, cfg["data"]["path"]
+    labels = labels_of(y)
+    if labels.dtype.kind == "f" and not np.isfinite(labels).all():
+        raise IparError(f"--data {cfg['data']['path']}: the labels hold NaN or inf; labels "
+                        "must be class indices 0..K-1.")
+    return Xtr, ytr, Xte, yte, int(np.max(labels)) + 1, cfg["data"]["path"]
 
 
 def _image_shape(cfg, X) -> tuple:
@@ -457,6 +461,7 @@ def _run(args, signals) -> int:
             eprint(f"dask-ipar: {history.stopped}")
         if history.comm is not None:
             summary["comm"] = [r.to_dict() for r in history.comm.rows]
+            summary["input"] = [r.to_dict() for r in history.comm.input_rows]
             eprint(history.comm.table())
         if args.save:
             summary["saved"] = model.save(args.save)

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from dask_ipar.io.checkpoint_dirs import checkpoints, latest
 from dask_ipar.io.checkpoint_faults import WorkerLost, _faults_as_worker_lost, _gone_soon
 from dask_ipar.io.checkpoint_format import FORMAT, VERSION, CheckpointCorrupt, CheckpointStorageError
@@ -158,8 +160,9 @@ class Checkpointing(Callback):
         self.settings.setdefault("batch_size", loop.plan.batch)
         self.settings.setdefault("seed", loop.plan.seed)
         self.settings.setdefault("samples", loop.plan.n)
-        if loop.plan.window:  # a local shuffle draws other batches than a full one
-            self.settings.setdefault("shuffle_window", [loop.plan.window, loop.plan.chunk])
+        # a local shuffle draws other batches than a full one (0: full or none)
+        self.settings.setdefault("shuffle_window", [loop.plan.window, loop.plan.chunk]
+                                 if loop.plan.window else 0)
         if self.resume and latest(self.directory) is not None:
             meta = load(model, self.directory, fallback=True, log=self.say)
             self._check_plan(meta, loop.plan)
@@ -188,11 +191,12 @@ class Checkpointing(Callback):
         """The resumed run draws the batches the saved one did: same samples, batch, seed."""
         saved = meta.get("extra") or {}
         now = {"samples": plan.n, "batch_size": plan.batch, "seed": plan.seed,
-               "shuffle_window": [plan.window, plan.chunk] if plan.window else None}
+               "shuffle_window": [plan.window, plan.chunk] if plan.window else 0}
         what = {"samples": "training samples", "batch_size": "batch size", "seed": "seed",
                 "shuffle_window": "shuffle window (chunks, samples per chunk)"}
         changed = [f"{what[k]} {now[k]} (the checkpoint's run: {saved[k]})" for k in now
-                   if saved.get(k) is not None and saved[k] != now[k]]
+                   if saved.get(k) is not None and list(np.atleast_1d(saved[k])) !=
+                   list(np.atleast_1d(now[k]))]
         if changed and not self.allow_changes:
             raise IparError(
                 f"the run to resume from {meta['path']} drew other batches: "

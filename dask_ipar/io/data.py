@@ -106,16 +106,19 @@ def as_inputs(X, input_dim, input_shape, dtype, scaling=None):
     return X if scaling is None else scaling.apply(X)
 
 
-def as_labels(y, n_samples: int, n_classes: int) -> np.ndarray:
+def as_labels(y, n_samples: int, n_classes: int, lazy: bool = True) -> np.ndarray:
     """Check and convert integer class labels in ``[0, n_classes)`` (labels outside the
     client's memory: :class:`dask_ipar.io.lazy.LazyLabels`, their values checked as the
-    cells read them)."""
-    from dask_ipar.io.lazy import LazyLabels, is_lazy, lazy_labels
+    cells read them; unless ``lazy`` is False: inputs in memory take labels in memory,
+    which are then read here)."""
+    from dask_ipar.io.lazy import LazyLabels, as_lazy, is_lazy, labels_of, lazy_labels
 
-    if isinstance(y, LazyLabels):
+    if lazy and isinstance(y, LazyLabels):
         return y
     if is_lazy(y):
-        return lazy_labels(y, n_samples, n_classes)
+        if lazy:
+            return lazy_labels(y, n_samples, n_classes)
+        y = labels_of(as_lazy(y))
     y = _materialize(y, "y")
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]

@@ -143,11 +143,21 @@ class Take:
         return pos
 
     def next(self) -> "Take | None":
+        """The same cell's take of the next training step (None: not known here: ``sub``
+        depends on the batch size, which changes at the epoch's leftover batch)."""
         if self.plan is None:
+            return None
+        if self.sub is not None and _batch_len(self.plan, self.step + 1) != _batch_len(
+                self.plan, self.step):
             return None
         from dataclasses import replace
 
         return replace(self, step=self.step + 1)
+
+
+def _batch_len(plan, step: int) -> int:
+    k = step % plan.steps_per_epoch
+    return plan.n - k * plan.batch if k == plan.steps_per_epoch - 1 else plan.batch
 
 
 _ORDERS: OrderedDict = OrderedDict()
@@ -162,7 +172,7 @@ def _plan_indices(plan, step: int) -> np.ndarray:
         if order is None:
             order = plan.order(epoch)
             _ORDERS[(plan, epoch)] = order
-            while len(_ORDERS) > 4:
+            while len(_ORDERS) > 2:
                 _ORDERS.popitem(last=False)
         else:
             _ORDERS.move_to_end((plan, epoch))
@@ -177,7 +187,9 @@ class _Cell:
     def __init__(self):
         self.lock = threading.Lock()
         self.pending: dict = {}
-        self.chunks: OrderedDict = OrderedDict()
+        #: per part of the rows read (a strip: in-process workers share one copy of the
+        #: data set between cells) the decoded chunks, oldest first
+        self.chunks: dict = {}
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -187,9 +199,10 @@ _READ_LOCK = threading.Lock()
 
 def _pool() -> ThreadPoolExecutor:
     global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(1, thread_name_prefix="dask-ipar-prefetch")
-    return _POOL
+    with _READ_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(1, thread_name_prefix="dask-ipar-prefetch")
+        return _POOL
 
 
 def _count(tag: str, nbytes: int):
@@ -257,11 +270,26 @@ class _Lazy:
         key = (id(client), tuple(binding.worker(i, j) for i, j in binding.grid.cells()))
         placed = getattr(self, "_placed", None)
         if placed is None or placed[0] != key:
+            src = self.data.src
+            if getattr(src, "embedded", 0):  # in-memory data in a dask graph: once, spread
+                from dask_ipar.runtime.placement import _sent
+
+                _sent(uid, src.persist(client))
+                self.prefetch = False
             name = f"input.src-{uid}-{self.tag}-{uuid.uuid4().hex[:6]}"
             futs = {}
-            for i, j in binding.grid.cells():
-                futs.update(client.scatter({(name, i, j): self}, workers=[binding.worker(i, j)],
-                                           hash=False, direct=True))
+            try:
+                for i, j in binding.grid.cells():
+                    futs.update(client.scatter({(name, i, j): self}, hash=False, direct=True,
+                                               workers=[binding.worker(i, j)]))
+            except (TypeError, AttributeError, ValueError) as exc:
+                if "pickle" not in str(exc).lower() and "serializ" not in str(exc).lower():
+                    raise
+                raise IparError(
+                    f"{src.label} cannot be sent to the workers: its graph holds an object "
+                    f"that does not pickle ({exc}). Pass the stored array itself (a Zarr "
+                    "array, an h5py dataset, da.from_zarr/da.from_array of one, unchanged) "
+                    "and let the model convert it.") from None
             placed = self._placed = (key, name, futs)
         return placed[1], placed[2]
 
@@ -290,15 +318,16 @@ class _Lazy:
         parts = []
         for cid in np.unique(ids):
             with cell.lock:
-                block = cell.chunks.get((cid, part))
+                cache = cell.chunks.setdefault(part, OrderedDict())
+                block = cache.get(cid)
             if block is None:
                 r0, r1 = int(cid) * c, min(src.shape[0], (int(cid) + 1) * c)
                 block, nbytes = src.read(np.arange(r0, r1), sel)
                 _count(self.tag, nbytes)
-                with cell.lock:
-                    cell.chunks[(cid, part)] = block
-                    while len(cell.chunks) > self.window + 1:
-                        cell.chunks.popitem(last=False)
+                with cell.lock:  # a window's chunks, and the next window's first ones
+                    cache[cid] = block
+                    while len(cache) > self.window + 2:
+                        cache.popitem(last=False)
             parts.append(block[u[ids == cid] - int(cid) * c])
         return np.concatenate(parts)
 
@@ -342,6 +371,9 @@ class LazyInputs(_Lazy):
         self.tag = tag or uuid.uuid4().hex[:8]
         #: stored images read as flat features (a dense network's input)
         self.flatten = flatten
+        # chunks persisted on the cluster are fetched with a worker client, which only a
+        # task's own thread may open: no background prefetch for them
+        self.prefetch = not getattr(data.src, "persisted", False)
 
     @property
     def shape(self):
@@ -366,8 +398,10 @@ class LazyInputs(_Lazy):
         return D
 
     def scaled(self, scaling) -> "LazyInputs":
-        return LazyInputs(self.data, self.dtype, self.image_shape, scaling, self.tag,
-                          self.flatten)
+        out = LazyInputs(self.data, self.dtype, self.image_shape, scaling, self.tag,
+                         self.flatten)
+        out.window, out.until = self.window, self.until
+        return out
 
     def _load(self, take: Take):
         flat = self.image_shape is not None and self.data.ndim != 4
@@ -398,6 +432,7 @@ class LazyLabels(_Lazy):
     def __init__(self, data: LazyData, n_classes: int, tag=None):
         self.data, self.n_classes = data, int(n_classes)
         self.tag = tag or uuid.uuid4().hex[:8]
+        self.prefetch = not getattr(data.src, "persisted", False)
 
     def _load(self, take: Take):
         y, rows = self._read(take, ())

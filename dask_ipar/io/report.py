@@ -168,6 +168,17 @@ def render_run_card(summary: dict, history, model, perf_report_html: str | None 
                 f"<td class='{cls}'>{r.ratio:.3f}</td><td>{1e3 * r.predicted_s:.2f}</td>"
                 f"<td>{1e3 * r.measured_s:.2f}</td></tr>")
         out.append("</table>")
+        if getattr(comm, "input_rows", None):
+            out.append("<h2>Input data per step</h2><p>client: bytes of data blocks the "
+                       "client sent to the workers; storage: bytes the cells read from "
+                       "storage themselves (measured: as the store returned them, compressed "
+                       "whole chunks; predicted: the rows they need).</p><table id='input-table'>"
+                       "<tr><th class='l'>source</th><th>predicted bytes</th>"
+                       "<th>measured bytes</th></tr>")
+            for r in comm.input_rows:
+                out.append(f"<tr><td class='l'>{esc(r.phase)}</td><td>{r.predicted_bytes:.0f}"
+                           f"</td><td>{r.measured_bytes:.0f}</td></tr>")
+            out.append("</table>")
         out.append(_bar_chart(comm.rows))
         out.append("<h2>Bytes per worker (whole run)</h2><table id='workers'><tr>"
                    "<th class='l'>worker</th><th>sent</th><th>received</th></tr>")

@@ -55,8 +55,24 @@ class Source:
         raise NotImplementedError
 
     def to_dask(self):
-        """The array as a dask array (for reductions computed on the cluster)."""
-        raise NotImplementedError
+        """The array as a dask array (for reductions computed on the cluster): its chunks
+        read through :meth:`read` wherever dask runs them (a source pickles, an open h5py
+        file or a memmap would not, or would be copied whole)."""
+        import dask.array as da
+
+        return da.from_array(self, chunks=(self.chunk_rows,) + tuple(self.shape[1:]),
+                             asarray=False, fancy=False, lock=False,
+                             meta=np.empty((0,) * len(self.shape), self.dtype))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, key):
+        """``source[rows_slice, ...]``: what :meth:`to_dask`'s chunks read."""
+        key = key if isinstance(key, tuple) else (key,)
+        rows = np.arange(self.shape[0])[key[0]]
+        return self.read(rows, tuple(key[1:]))[0]
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -86,9 +102,10 @@ class ZarrSource(Source):
     def read(self, rows, sel=()):
         arr = self._counted()
         store = arr.store
-        before = store.bytes_read
-        data = arr.oindex[(_as_index(rows), *sel)]
-        return np.asarray(data), store.bytes_read - before
+        with store.lock:  # one read at a time per process: the count is this read's
+            before = store.bytes_read
+            data = arr.oindex[(_as_index(rows), *sel)]
+            return np.asarray(data), store.bytes_read - before
 
     def to_dask(self):
         import dask.array as da
@@ -106,8 +123,11 @@ def _counting_store(store):
     """``store`` wrapped so that the bytes of every chunk object read are counted."""
     from zarr.storage import WrapperStore
 
+    import threading
+
     class CountingStore(WrapperStore):
         bytes_read = 0
+        lock = threading.Lock()
 
         async def get(self, key, prototype, byte_range=None):
             buf = await self._store.get(key, prototype, byte_range)
@@ -139,13 +159,6 @@ class H5Source(Source):
         data = np.asarray(ds[(_as_index(rows), *sel)])
         return data, data.nbytes
 
-    def to_dask(self):
-        import dask.array as da
-        import h5py
-
-        ds = h5py.File(self.filename, "r")[self.name]
-        return da.from_array(ds, chunks=(self.chunk_rows,) + tuple(self.shape[1:]))
-
 
 class NpySource(Source):
     """A ``.npy`` file, memory-mapped by each worker."""
@@ -166,11 +179,6 @@ class NpySource(Source):
         data = np.array(self._map()[(_as_index(rows), *sel)])
         return data, data.nbytes
 
-    def to_dask(self):
-        import dask.array as da
-
-        return da.from_array(self._map(), chunks=(self.chunk_rows,) + tuple(self.shape[1:]))
-
 
 class DaskSource(Source):
     """Any dask array: the worker computes the rows it needs from the array's graph
@@ -183,6 +191,17 @@ class DaskSource(Source):
         self.chunk_rows = int(array.chunks[0][0]) if array.chunks[0] else 1
         self.label = f"the dask array {array.name!r}"
         self.persisted = _holds_futures(array)
+        #: bytes of arrays embedded in the graph (``da.from_array`` of in-memory data)
+        self.embedded = 0 if self.persisted else _embedded_bytes(array)
+
+    def persist(self, client) -> int:
+        """Put data embedded in the graph on the cluster once (its chunks spread over the
+        workers, from where the cells fetch what they need) instead of sending the whole
+        graph to every cell; returns the bytes sent."""
+        sent, self.embedded = self.embedded, 0
+        self.array = client.persist(self.array)
+        self.persisted = True
+        return sent
 
     def read(self, rows, sel=()):
         part = self.array[(_as_index(rows), *sel)]
@@ -190,9 +209,9 @@ class DaskSource(Source):
             from distributed import worker_client
 
             with worker_client() as c:
-                data = np.asarray(c.compute(part).result())
-        else:
-            data = np.asarray(part.compute(scheduler="sync"))
+                data = np.array(c.compute(part).result())
+        else:  # a copy: the graph may hand out views of arrays it holds
+            data = np.array(part.compute(scheduler="sync"))
         return data, data.nbytes
 
     def to_dask(self):
@@ -208,6 +227,15 @@ def _holds_futures(array) -> bool:
         if isinstance(v, Future) or isinstance(getattr(v, "value", None), Future):
             return True
     return False
+
+
+def _embedded_bytes(array) -> int:
+    total = 0
+    for v in array.__dask_graph__().values():
+        v = getattr(v, "value", v)
+        if isinstance(v, np.ndarray):
+            total += v.nbytes
+    return total
 
 
 def _original(array):
@@ -247,7 +275,8 @@ def source_of(X) -> Source | None:
             mm = np.load(obj.filename, mmap_mode="r", allow_pickle=False)
         except Exception:
             mm = None
-        if mm is not None and mm.shape == obj.shape and mm.dtype == obj.dtype:
+        if (mm is not None and mm.shape == obj.shape and mm.dtype == obj.dtype
+                and obj.flags.c_contiguous and obj.offset == mm.offset):  # not a view
             rows = X.chunks[0][0] if hasattr(X, "chunks") else 4096
             return NpySource(obj.filename, obj.shape, obj.dtype, rows)
     if obj is not X:

@@ -70,7 +70,7 @@ def evaluate(model, X, y, batch_size: int | None = 4096):
     """Mean cross-entropy ``loss`` and ``accuracy`` on ``(X, y)``."""
     model._require_bound()
     X = model._as_inputs(X)
-    y = as_labels(y, X.shape[0], model.n_classes)
+    y = as_labels(y, X.shape[0], model.n_classes, lazy=hasattr(X, "tag"))
     model._require(X.shape[1])
     totals = np.zeros(2)
     for Xb, yb in model._batches(X, y, batch_size):
@@ -86,7 +86,7 @@ def gradients(model, X, y):
     """
     model._require_bound()
     X = model._as_inputs(X)
-    y = as_labels(y, X.shape[0], model.n_classes)
+    y = as_labels(y, X.shape[0], model.n_classes, lazy=hasattr(X, "tag"))
     model._require(X.shape[1])
     model._check_batch(X.shape[0], X.shape[0])
     step = model._next_step()

@@ -111,13 +111,16 @@ class BatchPlan:
     shuffle: bool = True
     window: int = 0
     chunk: int = 0
+    #: start of every chunk but the first, in samples (chunks of uneven size, such as a
+    #: split's share of each stored chunk); empty: every ``chunk`` samples
+    bounds: tuple = ()
 
     def __post_init__(self):
         if self.batch < 1:
             raise IparError(f"batch size must be >= 1, got {self.batch}.")
         if self.batch > self.n:
             raise IparError(f"batch size {self.batch} exceeds the {self.n} samples.")
-        if self.window < 0 or (self.window and self.chunk < 1):
+        if self.window < 0 or (self.window and self.chunk < 1 and not self.bounds):
             raise IparError(f"shuffle window must be >= 0 chunks (of >= 1 samples), got "
                             f"{self.window} chunks of {self.chunk}.")
 
@@ -132,11 +135,15 @@ class BatchPlan:
         rng = np.random.default_rng([self.seed, epoch])
         if not self.window:
             return rng.permutation(self.n)
-        starts = rng.permutation(-(-self.n // self.chunk)) * self.chunk
+        if self.bounds:
+            edges = np.array((0,) + tuple(self.bounds) + (self.n,))
+        else:
+            edges = np.append(np.arange(0, self.n, self.chunk), self.n)
+        ids = rng.permutation(len(edges) - 1)
         out = []
-        for w in range(0, len(starts), self.window):
-            group = np.concatenate([np.arange(s, min(self.n, s + self.chunk))
-                                    for s in starts[w:w + self.window]])
+        for w in range(0, len(ids), self.window):
+            group = np.concatenate([np.arange(edges[c], edges[c + 1])
+                                    for c in ids[w:w + self.window]])
             out.append(rng.permutation(group))
         return np.concatenate(out)
 

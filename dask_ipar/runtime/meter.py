@@ -89,6 +89,9 @@ class CommReport:
     unattributed_bytes: int = 0
     #: worker -> bytes it read from storage over the run (data the cells read themselves)
     storage_read_bytes: dict = field(default_factory=dict)
+    #: the data a step takes in, outside the workers' traffic: ``input client`` (bytes the
+    #: client sends), ``input storage`` (bytes the cells read from storage)
+    input_rows: list = field(default_factory=list)
 
     def table(self) -> str:
         """A plain-text table: one row per layer and phase."""
@@ -100,6 +103,12 @@ class CommReport:
                 f"{r.layer:<9}{r.phase:<12}{r.predicted_bytes:>14.0f}{r.measured_bytes:>14.0f}"
                 f"{r.ratio:>8.3f}{1e3 * r.predicted_s:>10.2f}{1e3 * r.measured_s:>10.2f}"
             )
+        for r in self.input_rows:
+            lines.append(f"{r.layer:<9}{r.phase:<12}{r.predicted_bytes:>14.0f}"
+                         f"{r.measured_bytes:>14.0f}{r.ratio:>8.3f}")
+        if self.storage_read_bytes:
+            per = sorted(self.storage_read_bytes.values())
+            lines.append(f"(storage reads per cell over the run: {per[0]} to {per[-1]} bytes)")
         if self.unattributed_bytes:
             lines.append(f"(+ {self.unattributed_bytes} bytes of keys outside any layer phase)")
         return "\n".join(lines)
@@ -198,6 +207,8 @@ class CommMeter:
         self._recv = defaultdict(int)
         self._sent_phase = defaultdict(lambda: defaultdict(int))
         self._read = defaultdict(int)  # worker -> bytes read from storage
+        self._input = defaultdict(int)  # "client" / "storage" -> bytes measured
+        self._pred_input = defaultdict(int)  # the same, predicted
         self._other = 0
 
     def add_step(self, batch: int):
@@ -212,16 +223,17 @@ class CommMeter:
             acc[0] += p.total_bytes
             acc[1] += p.seconds
         client, storage = self._input_bytes(batch)
-        self._pred[("input", "client")][0] += client
+        self._pred_input["client"] += client
         if storage:
-            self._pred[("input", "storage")][0] += storage
+            self._pred_input["storage"] += storage
 
     def _input_bytes(self, batch: int) -> tuple[int, int]:
         """Predicted data bytes of a step: what the client sends, and what the cells read
         from storage (the rows they need, as stored: uncompressed, no chunk rounding)."""
-        from dask_ipar.runtime.placement import input_copies
-
         import numpy as np
+
+        from dask_ipar.layout.placement import STRIPS
+        from dask_ipar.runtime.placement import input_copies
 
         pr = self.grid.pr
         copies = input_copies(self.engine)
@@ -230,8 +242,10 @@ class CommMeter:
             client += batch * int(np.prod(self.engine_input_shape())) * self.word_bytes * copies
         else:
             src = self.inputs.data.src
-            flat = self.inputs.image_shape is not None and len(src.shape) == 2
-            reads = pr if flat else copies
+            where = None if self.engine.front is None else self.engine.front.input_placement
+            # strips of images stored other than (n, C, H, W) are cut after a whole read
+            whole = where == STRIPS and len(src.shape) != 4
+            reads = pr if whole else copies
             storage += batch * int(np.prod(src.shape[1:])) * src.dtype.itemsize * reads
         if self.labels is None:
             client += batch * 8 * pr  # int64 labels of its column to every cell
@@ -257,12 +271,12 @@ class CommMeter:
         alive = scheduler_workers(self.client)
         logs = self.client.run(_drain_logs, workers=[w for w in self.workers if w in alive])
         sent = take_sent_bytes(self.engine.uid)
-        read = self._drain_reads([w for w in self.workers if w in alive])
-        if not record:
+        if not record:  # the run's own reads stay counted (validation reads have own tags)
             return
-        self._bytes[("input", "client")] += sent
+        read = self._drain_reads([w for w in self.workers if w in alive])
+        self._input["client"] += sent
         for w, nbytes in read.items():
-            self._bytes[("input", "storage")] += nbytes
+            self._input["storage"] += nbytes
             self._read[w] += nbytes
         for entries in logs.values():
             for sender, receiver, duration, keys in entries:
@@ -317,4 +331,7 @@ class CommMeter:
             sent_by_phase={k: dict(v) for k, v in self._sent_phase.items()},
             unattributed_bytes=self._other,
             storage_read_bytes=dict(self._read),
+            input_rows=[CommRow("input", k, self._pred_input[k] / n, self._input[k] / n, 0.0,
+                                0.0) for k in ("client", "storage")
+                        if k == "client" or k in self._pred_input],
         )

@@ -70,7 +70,7 @@ def prepare(model, X, y, batch_size):
     from dask_ipar.io.data import as_labels
 
     X = model._as_inputs(X)
-    y = as_labels(y, X.shape[0], model.n_classes)
+    y = as_labels(y, X.shape[0], model.n_classes, lazy=hasattr(X, "tag"))
     model._require(X.shape[1])
     return X, y, model._check_batch(batch_size, X.shape[0])
 
@@ -86,16 +86,23 @@ def _window(X, y, window):
 
     if not isinstance(X, LazyInputs) or window is False or window == 0:
         return {}
-    chunk = X.data.chunk_rows
+    import numpy as np
+
+    chunk, bounds = X.data.chunk_rows, ()
+    rows = X.data.rows
+    if rows is not None and len(rows) > 1 and np.all(rows[1:] > rows[:-1]):
+        # a sorted subset (a split): its positions in each stored chunk are contiguous
+        first = np.flatnonzero(np.diff(rows // X.data.src.chunk_rows)) + 1
+        bounds = tuple(int(b) for b in first)
     w = DEFAULT_WINDOW if window in (None, True) else int(window)
     if w < 1:
         raise IparError(f"shuffle_window must be a number of chunks >= 1 (or 0: the order "
                         f"as stored), got {window!r}.")
-    w = min(w, -(-X.shape[0] // chunk))
+    w = min(w, len(bounds) + 1 if bounds else -(-X.shape[0] // chunk))
     X.window = w
     if hasattr(y, "window"):
         y.window = w
-    return {"window": w, "chunk": chunk}
+    return {"window": w, "chunk": chunk, "bounds": bounds}
 
 
 def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, seed=None,
