@@ -124,11 +124,11 @@ def test_window_shuffle_plan():
 
 
 def test_shuffled_zarr_equals_dask_graph_source(client, data, tmp_path):
-    """With the (default) local shuffle, Zarr read by the cells through the chunk cache
-    and the same data as a plain dask array (computed on the workers) train identically;
-    a checkpointed resume is not needed for this: the plan is a pure function."""
+    """With the local shuffle, Zarr read by the cells through the chunk cache and the same
+    data through a dask graph over it (computed inside the cells' tasks, rows picked from
+    the graph) train identically: the plan is a pure function of the step."""
     X, y, Xz, yz = data
-    Xd, yd = da.from_array(X, chunks=(48, 12)), da.from_array(y, chunks=(48,))
+    Xd, yd = Xz * 1.0, yz + 0  # a graph of its own: DaskSource
     out = []
     for Xi, yi in ((Xz, yz), (Xd, yd)):
         m = _mlp(client, "1x2")
@@ -142,7 +142,7 @@ def test_shuffled_zarr_equals_dask_graph_source(client, data, tmp_path):
     Xi, yi = rng.normal(size=(128, 1, 8, 8)), rng.integers(0, 5, 128)
     Xz, yz = _store(tmp_path / "s.zarr", Xi, yi, (16, 1, 8, 8), (16,))
     losses = []
-    for Xa, ya in ((Xz, yz), (da.from_array(Xi, chunks=(16, 1, 8, 8)), da.from_array(yi, 16))):
+    for Xa, ya in ((Xz, yz), (Xz * 1.0, yz + 0)):
         m = Sequential([Conv2d(4, 3, activation="relu"), MaxPool2d(2), Flatten(), Dense(5)],
                        input_shape=(1, 8, 8), dtype="float64").distribute(client, "2x2")
         h = m.fit(Xa, ya, epochs=2, batch_size=32, optimizer=SGD(0.1), shuffle_window=3)
@@ -252,7 +252,7 @@ def test_client_memory_stays_flat(client, tmp_path):
 def test_persisted_dask_array_read_from_its_holders(client, data):
     """A dask array persisted on the cluster: each cell fetches the chunk pieces it needs
     from the workers that hold them (a worker client inside its read task); equal to NumPy."""
-    X, y, _, _ = data
+    X, y = data[0][:192], data[1][:192]
     Xp = client.persist(da.from_array(X, chunks=(48, 12)))
     yp = client.persist(da.from_array(y, chunks=(48,)))
     out = []
@@ -262,6 +262,14 @@ def test_persisted_dask_array_read_from_its_holders(client, data):
         out.append([s.loss for s in h.steps])
         m.close()
     assert out[0] == out[1]
+    # in-memory data inside a graph is persisted once (spread over the workers), not sent
+    # to every cell with the graph: the client's input row counts it once
+    m = _mlp(client, "2x1")
+    h = m.fit(da.from_array(X, chunks=(48, 12)), y, epochs=1, batch_size=64, shuffle=False,
+              optimizer=SGD(0.1))
+    m.close()
+    rows = {r.phase: r.measured_bytes for r in h.comm.input_rows}
+    assert rows["client"] == (X.nbytes + 3 * 64 * 8 * 2) / 3  # per step: data once + labels
 
 
 def test_checkpoint_resume_with_stored_data(client, data, tmp_path):
