@@ -35,6 +35,20 @@ LIMITS = {  # the issue's targets
 }
 
 
+def kept_sections(path) -> str:
+    """The sections of ``path`` between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``
+    markers: written by other benchmark scripts, carried over when this one rewrites it."""
+    import re
+
+    try:
+        with open(path) as fh:
+            old = fh.read()
+    except OSError:
+        return ""
+    blocks = re.finditer(r"<!-- (\w+):begin -->.*?<!-- \1:end -->", old, flags=re.S)
+    return "".join("\n" + b.group(0) + "\n" for b in blocks)
+
+
 def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -676,6 +690,7 @@ def main(argv=None):
             json.dump(res, f, indent=1, default=str)
         log(f"raw numbers: benchmarks/results/{name}")
     md = render(res)
+    md += kept_sections(a.out)  # sections other scripts own (benchmarks/data_bench.py)
     with open(a.out, "w") as f:
         f.write(md)
     log(f"wrote {a.out}")

@@ -25,17 +25,15 @@ per epoch by each cell that needs samples of it.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from dask_ipar.errors import IparError
 from dask_ipar.io.sources import Source, check_source, source_of
-from dask_ipar.layout.partition import split_bounds
+from dask_ipar.io.take import Cell, Take, count_read, drain_read_bytes, pool
 
 __all__ = ["LazyData", "LazyInputs", "LazyLabels", "LazyBatch", "Take", "as_lazy",
            "is_lazy", "read_inputs", "read_labels", "drain_read_bytes", "labels_of",
@@ -115,111 +113,6 @@ def is_lazy(X) -> bool:
     return isinstance(X, (LazyData, LazyInputs, LazyLabels)) or as_lazy(X) is not None
 
 
-@dataclass(frozen=True)
-class Take:
-    """What one cell reads of a batch: the batch (``plan`` and ``step``, or samples
-    ``start:stop``), then sample block ``j`` of ``pc`` of it, then (optional) samples
-    ``sub`` of that block and image rows ``strip``; ``transpose``: features x samples."""
-
-    plan: object = None
-    step: int = 0
-    start: int = 0
-    stop: int = 0
-    pc: int = 1
-    j: int = 0
-    sub: tuple | None = None
-    strip: tuple | None = None
-    transpose: bool = False
-
-    def positions(self) -> np.ndarray:
-        if self.plan is not None:
-            pos = _plan_indices(self.plan, self.step)
-        else:
-            pos = np.arange(self.start, self.stop)
-        b0, b1 = split_bounds(len(pos), self.pc)[self.j]
-        pos = pos[b0:b1]
-        if self.sub is not None:
-            pos = pos[self.sub[0]:self.sub[1]]
-        return pos
-
-    def next(self) -> "Take | None":
-        """The same cell's take of the next training step (None: not known here: ``sub``
-        depends on the batch size, which changes at the epoch's leftover batch)."""
-        if self.plan is None:
-            return None
-        if self.sub is not None and _batch_len(self.plan, self.step + 1) != _batch_len(
-                self.plan, self.step):
-            return None
-        from dataclasses import replace
-
-        return replace(self, step=self.step + 1)
-
-
-def _batch_len(plan, step: int) -> int:
-    k = step % plan.steps_per_epoch
-    return plan.n - k * plan.batch if k == plan.steps_per_epoch - 1 else plan.batch
-
-
-_ORDERS: OrderedDict = OrderedDict()
-_ORDERS_LOCK = threading.Lock()
-
-
-def _plan_indices(plan, step: int) -> np.ndarray:
-    """``plan.indices(step)`` with each epoch's order computed once per process."""
-    epoch, k = divmod(step, plan.steps_per_epoch)
-    with _ORDERS_LOCK:
-        order = _ORDERS.get((plan, epoch))
-        if order is None:
-            order = plan.order(epoch)
-            _ORDERS[(plan, epoch)] = order
-            while len(_ORDERS) > 2:
-                _ORDERS.popitem(last=False)
-        else:
-            _ORDERS.move_to_end((plan, epoch))
-    stop = plan.n if k == plan.steps_per_epoch - 1 else (k + 1) * plan.batch
-    return order[k * plan.batch:stop]
-
-
-class _Cell:
-    """What a cell's copy of a data set keeps on its worker: prefetched blocks, the
-    decoded chunks of the current shuffle window, and its read counter."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.pending: dict = {}
-        #: per part of the rows read (a strip: in-process workers share one copy of the
-        #: data set between cells) the decoded chunks, oldest first
-        self.chunks: dict = {}
-
-
-_POOL: ThreadPoolExecutor | None = None
-_READ_BYTES: dict = {}
-_READ_LOCK = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _READ_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(1, thread_name_prefix="dask-ipar-prefetch")
-        return _POOL
-
-
-def _count(tag: str, nbytes: int):
-    with _READ_LOCK:
-        _READ_BYTES[tag] = _READ_BYTES.get(tag, 0) + int(nbytes)
-
-
-def drain_read_bytes(prefix: str) -> dict:
-    """Bytes read from storage in this process since the last call, per data-set tag
-    starting with ``prefix`` (run on each worker by the byte meter)."""
-    with _READ_LOCK:
-        out = {k: v for k, v in _READ_BYTES.items() if k.startswith(prefix)}
-        for k in out:
-            del _READ_BYTES[k]
-    return out
-
-
 class _Lazy:
     """Common part of :class:`LazyInputs` and :class:`LazyLabels` (what a cell holds)."""
 
@@ -238,10 +131,10 @@ class _Lazy:
         state.pop("_placed", None)
         return state
 
-    def _cellstate(self) -> _Cell:
+    def _cellstate(self) -> Cell:
         cell = getattr(self, "_cell", None)
         if cell is None:
-            cell = self._cell = _Cell()
+            cell = self._cell = Cell()
         return cell
 
     @property
@@ -265,16 +158,17 @@ class _Lazy:
         return LazyBatch(self, Take(plan=plan, step=step), stop - start)
 
     def placed(self, client, binding, uid: str) -> dict:
-        """Per cell the future of this data set's copy on the cell's worker (sent once
-        per grid binding: a few hundred bytes plus the row map of a subset)."""
+        """``(name, futures, sent)``: per cell the future of this data set's copy on the
+        cell's worker (sent once per grid binding: a few hundred bytes plus the row map of
+        a subset), and the data bytes the client sent for it now (in-memory data inside
+        a dask graph, persisted once)."""
         key = (id(client), tuple(binding.worker(i, j) for i, j in binding.grid.cells()))
         placed = getattr(self, "_placed", None)
         if placed is None or placed[0] != key:
             src = self.data.src
+            sent = 0
             if getattr(src, "embedded", 0):  # in-memory data in a dask graph: once, spread
-                from dask_ipar.runtime.placement import _sent
-
-                _sent(uid, src.persist(client))
+                sent = src.persist(client)
                 self.prefetch = False
             name = f"input.src-{uid}-{self.tag}-{uuid.uuid4().hex[:6]}"
             futs = {}
@@ -290,8 +184,9 @@ class _Lazy:
                     f"that does not pickle ({exc}). Pass the stored array itself (a Zarr "
                     "array, an h5py dataset, da.from_zarr/da.from_array of one, unchanged) "
                     "and let the model convert it.") from None
-            placed = self._placed = (key, name, futs)
-        return placed[1], placed[2]
+            self._placed = (key, name, futs)
+            return name, futs, sent
+        return placed[1], placed[2], 0
 
     # ---------------------------------------------------------------- on the worker
     def _read(self, take: Take, sel: tuple):
@@ -306,7 +201,7 @@ class _Lazy:
             block = self._from_chunks(u, sel)
         else:
             block, nbytes = self.data.src.read(u, sel)
-            _count(self.tag, nbytes)
+            count_read(self.tag, nbytes)
         return (block if inv is None else block[inv]), rows
 
     def _from_chunks(self, u, sel):
@@ -323,7 +218,7 @@ class _Lazy:
             if block is None:
                 r0, r1 = int(cid) * c, min(src.shape[0], (int(cid) + 1) * c)
                 block, nbytes = src.read(np.arange(r0, r1), sel)
-                _count(self.tag, nbytes)
+                count_read(self.tag, nbytes)
                 with cell.lock:  # a window's chunks, and the next window's first ones
                     cache[cid] = block
                     while len(cache) > self.window + 2:
@@ -347,7 +242,7 @@ class _Lazy:
         if nxt is not None and (self.until is None or nxt.step < self.until):
             with cell.lock:
                 if nxt not in cell.pending:
-                    cell.pending[nxt] = _pool().submit(self._load, nxt)
+                    cell.pending[nxt] = pool().submit(self._load, nxt)
         return out
 
 

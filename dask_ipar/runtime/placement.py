@@ -159,7 +159,8 @@ def _place_lazy(engine, client, Xb, yb, step, g, uid, block_module):
         engine.front.check_batch(n)
         sub = engine.front.samples(n)
     rows = split_bounds(Xb.shape[2], grid.pr) if where == STRIPS else None
-    src, held = Xb.of.placed(client, binding, uid)
+    src, held, sent = Xb.of.placed(client, binding, uid)
+    _sent(uid, sent)
     held = dict(held)
     for i, j in grid.cells():
         take = replace(Xb.take, pc=grid.pc, j=j, sub=None if sub is None else sub[j][i],
@@ -167,7 +168,8 @@ def _place_lazy(engine, client, Xb, yb, step, g, uid, block_module):
         g.add((xname, i, j), binding.worker(i, j), read_inputs, TaskRef((src, i, j)), take)
     keys = [(xname, i, j) for i, j in grid.cells()]
     if isinstance(yb, LazyBatch):
-        ysrc, yheld = yb.of.placed(client, binding, uid)
+        ysrc, yheld, sent = yb.of.placed(client, binding, uid)
+        _sent(uid, sent)
         held.update(yheld)
         for i, j in grid.cells():
             g.add((yname, i, j), binding.worker(i, j), read_labels, TaskRef((ysrc, i, j)),
