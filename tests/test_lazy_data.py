@@ -132,7 +132,7 @@ def test_shuffled_zarr_equals_dask_graph_source(client, data, tmp_path):
     out = []
     for Xi, yi in ((Xz, yz), (Xd, yd)):
         m = _mlp(client, "1x2")
-        h = m.fit(Xi, yi, epochs=2, batch_size=32, optimizer=SGD(0.1), shuffle_window=2)
+        h = m.fit(Xi, yi, epochs=1, batch_size=32, optimizer=SGD(0.1), shuffle_window=2)
         out.append(([s.loss for s in h.steps], m.get_weights()))
         m.close()
     assert out[0][0] == out[1][0]
@@ -145,7 +145,7 @@ def test_shuffled_zarr_equals_dask_graph_source(client, data, tmp_path):
     for Xa, ya in ((Xz, yz), (Xz * 1.0, yz + 0)):
         m = Sequential([Conv2d(4, 3, activation="relu"), MaxPool2d(2), Flatten(), Dense(5)],
                        input_shape=(1, 8, 8), dtype="float64").distribute(client, "2x2")
-        h = m.fit(Xa, ya, epochs=2, batch_size=32, optimizer=SGD(0.1), shuffle_window=3)
+        h = m.fit(Xa, ya, epochs=1, batch_size=32, optimizer=SGD(0.1), shuffle_window=3)
         losses.append([s.loss for s in h.steps])
         m.close()
     assert losses[0] == losses[1]
@@ -280,20 +280,20 @@ def test_checkpoint_resume_with_stored_data(client, data, tmp_path):
 
     _, _, Xz, yz = data
     m = _mlp(client, "1x2")
-    m.fit(Xz, yz, epochs=2, batch_size=32, optimizer=SGD(0.1), shuffle_window=2)
+    m.fit(Xz, yz, epochs=2, batch_size=64, optimizer=SGD(0.1), shuffle_window=2)
     want = m.get_weights()[0][0]
     m.close()
     m = _mlp(client, "1x2")
-    m.fit(Xz, yz, epochs=1, batch_size=32, optimizer=SGD(0.1), shuffle_window=2,
+    m.fit(Xz, yz, epochs=1, batch_size=64, optimizer=SGD(0.1), shuffle_window=2,
           checkpoint=Checkpointing(str(tmp_path / "ck"), every=5))
     m.close()
     m = _mlp(client, "2x1")
     with pytest.raises(IparError, match="shuffle window"):
-        m.fit(Xz, yz, epochs=2, batch_size=32, optimizer=SGD(0.1), shuffle_window=3,
+        m.fit(Xz, yz, epochs=2, batch_size=64, optimizer=SGD(0.1), shuffle_window=3,
               checkpoint=Checkpointing(str(tmp_path / "ck"), every=5, resume=True))
     m.close()
     m = _mlp(client, "1x2")
-    m.fit(Xz, yz, epochs=2, batch_size=32, optimizer=SGD(0.1), shuffle_window=2,
+    m.fit(Xz, yz, epochs=2, batch_size=64, optimizer=SGD(0.1), shuffle_window=2,
           checkpoint=Checkpointing(str(tmp_path / "ck"), every=5, resume=True))
     assert np.array_equal(m.get_weights()[0][0], want)
     m.close()
