@@ -336,3 +336,22 @@ def test_split_reads_each_chunk_once_per_epoch(client, tmp_path):
     h = m.fit(Xtr, ytr, epochs=1, batch_size=24, shuffle_window=2, optimizer=SGD(0.1))
     m.close()
     assert sorted(h.comm.storage_read_bytes.values()) == [384 * 12 * 8 + 384 * 8] * 2
+
+
+def test_derived_graph_over_hdf5(client, tmp_path):
+    """A dask graph derived from an h5py dataset (not the dataset itself: read through the
+    graph, which distributed serializes by file name) trains like the NumPy data."""
+    h5py = pytest.importorskip("h5py")
+    rng = np.random.default_rng(9)
+    X, y = rng.normal(size=(64, 12)), rng.integers(0, 5, 64)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["X"] = X
+    f = h5py.File(tmp_path / "d.h5", "r")
+    out = []
+    for Xi in (X, da.from_array(f["X"], chunks=(32, 12)) * 1.0):
+        m = _mlp(client, "1x2")
+        h = m.fit(Xi, y, epochs=1, batch_size=32, shuffle=False, optimizer=SGD(0.1))
+        out.append([s.loss for s in h.steps])
+        m.close()
+    f.close()
+    assert out[0] == out[1]
