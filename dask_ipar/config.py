@@ -383,7 +383,7 @@ def validate(cfg: dict) -> dict:
     shp = d.get("input_shape")
     _need(shp is None or (isinstance(shp, (list, tuple)) and len(shp) == 3 and all(
         isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shp)),
-        "data.input_shape", shp, "null or three positive integers [C, H, W]")
+        "data.input_shape", shp, "three positive integers C,H,W (null in a config: from the data)")
     sw = d.get("shuffle_window", 8)
     _need(isinstance(sw, int) and not isinstance(sw, bool) and sw >= 0, "data.shuffle_window",
           sw, "a whole number of chunks >= 0")
