@@ -355,3 +355,30 @@ def test_derived_graph_over_hdf5(client, tmp_path):
         m.close()
     f.close()
     assert out[0] == out[1]
+
+
+def test_cli_evaluate_and_predict_read_stored_data(client, data, tmp_path, capsys):
+    """`dask-ipar evaluate` / `predict` on a Zarr store: the workers read it; the figures
+    equal the Python API's on the same data in memory."""
+    import json
+
+    from dask_ipar.cli.main import main
+
+    X, y, Xz, yz = data
+    m = _mlp(client, "1x2")
+    m.fit(X, y, epochs=1, batch_size=48, optimizer=SGD(0.1))
+    want = m.evaluate(X, y)
+    classes = m.predict(X)
+    m.save(tmp_path / "m.npz")
+    m.close()
+    g = zarr.open_group(str(tmp_path / "d.zarr"), mode="w")
+    g["X"], g["y"] = X, y
+    at = ("--scheduler-address", client.scheduler.address)
+    assert main(["evaluate", str(tmp_path / "m.npz"), "--data", str(tmp_path / "d.zarr"),
+                 "--grid", "2x1", "--json", *at]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(got["loss"] - want["loss"]) < 1e-12 and got["accuracy"] == want["accuracy"]
+    out = tmp_path / "pred.npy"
+    assert main(["predict", str(tmp_path / "m.npz"), "--data", str(tmp_path / "d.zarr"),
+                 "--output", str(out), *at]) == 0
+    assert np.array_equal(np.load(out), classes)

@@ -47,18 +47,19 @@ def add_parsers(sub):
 
 
 def _features(path):
-    """X of a data file, with y when it has labels (else None)."""
+    """X of a data file, with y when it has labels (else None). Zarr, HDF5 and .npy are
+    read by the grid's workers (:mod:`dask_ipar.io.lazy`), never loaded here."""
     from dask_ipar.io.data import load_dataset
 
     low = os.fspath(path).lower()
     try:
-        return load_dataset(path)
+        return load_dataset(path, lazy=True)
     except IparError:
         if not os.path.isfile(path) or not low.endswith((".npy", ".npz")):
             raise
     try:  # features without labels
-        if low.endswith(".npy"):
-            return np.load(path, allow_pickle=False), None
+        if low.endswith(".npy"):  # a memmap: the workers read it
+            return np.load(path, mmap_mode="r", allow_pickle=False), None
         with np.load(path, allow_pickle=False) as z:
             return np.asarray(z["X"]), None
     except (KeyError, ValueError, OSError) as exc:
