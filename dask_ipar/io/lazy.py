@@ -152,12 +152,10 @@ class _Lazy:
 
     def batch(self, plan, step: int) -> "LazyBatch":
         """Training step ``step``'s batch of ``plan`` (read by the cells)."""
-        start = (step % plan.steps_per_epoch) * plan.batch
-        stop = plan.n if step % plan.steps_per_epoch == plan.steps_per_epoch - 1 \
-            else start + plan.batch
+        start, stop = plan.span(step)
         return LazyBatch(self, Take(plan=plan, step=step), stop - start)
 
-    def placed(self, client, binding, uid: str) -> dict:
+    def placed(self, client, binding, uid: str) -> tuple:
         """``(name, futures, sent)``: per cell the future of this data set's copy on the
         cell's worker (sent once per grid binding: a few hundred bytes plus the row map of
         a subset), and the data bytes the client sent for it now (in-memory data inside

@@ -57,8 +57,8 @@ class Take:
 
 
 def _batch_len(plan, step: int) -> int:
-    k = step % plan.steps_per_epoch
-    return plan.n - k * plan.batch if k == plan.steps_per_epoch - 1 else plan.batch
+    start, stop = plan.span(step)
+    return stop - start
 
 
 _ORDERS: OrderedDict = OrderedDict()
@@ -67,7 +67,7 @@ _ORDERS_LOCK = threading.Lock()
 
 def plan_indices(plan, step: int) -> np.ndarray:
     """``plan.indices(step)`` with each epoch's order computed once per process."""
-    epoch, k = divmod(step, plan.steps_per_epoch)
+    epoch = step // plan.steps_per_epoch
     with _ORDERS_LOCK:
         order = _ORDERS.get((plan, epoch))
         if order is None:
@@ -77,8 +77,8 @@ def plan_indices(plan, step: int) -> np.ndarray:
                 _ORDERS.popitem(last=False)
         else:
             _ORDERS.move_to_end((plan, epoch))
-    stop = plan.n if k == plan.steps_per_epoch - 1 else (k + 1) * plan.batch
-    return order[k * plan.batch:stop]
+    start, stop = plan.span(step)
+    return order[start:stop]
 
 
 class Cell:

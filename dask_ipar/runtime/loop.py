@@ -147,11 +147,17 @@ class BatchPlan:
             out.append(rng.permutation(group))
         return np.concatenate(out)
 
+    def span(self, step: int) -> tuple[int, int]:
+        """``(start, stop)`` of training step ``step``'s batch in its epoch's order (the
+        epoch's last batch takes the leftover samples too)."""
+        k = step % self.steps_per_epoch
+        stop = self.n if k == self.steps_per_epoch - 1 else (k + 1) * self.batch
+        return k * self.batch, stop
+
     def indices(self, step: int) -> np.ndarray:
         """Sample indices of training step ``step`` (0-based)."""
-        epoch, k = divmod(step, self.steps_per_epoch)
-        stop = self.n if k == self.steps_per_epoch - 1 else (k + 1) * self.batch
-        return self.order(epoch)[k * self.batch:stop]
+        start, stop = self.span(step)
+        return self.order(step // self.steps_per_epoch)[start:stop]
 
 
 class Callback:

@@ -185,6 +185,7 @@ class CommMeter:
         self.word_bytes = word_bytes
         self.machine = machine or LOOPBACK_MACHINE
         self._phases: dict = {}
+        self._inputs_pred: dict = {}  # batch -> predicted (client, storage) bytes
         client.run(_widen_logs, WIDE_LOG, workers=self.workers)
         self.reset()
 
@@ -222,7 +223,9 @@ class CommMeter:
             acc = self._pred[(p.layer, p.phase)]
             acc[0] += p.total_bytes
             acc[1] += p.seconds
-        client, storage = self._input_bytes(batch)
+        if batch not in self._inputs_pred:
+            self._inputs_pred[batch] = self._input_bytes(batch)
+        client, storage = self._inputs_pred[batch]
         self._pred_input["client"] += client
         if storage:
             self._pred_input["storage"] += storage
