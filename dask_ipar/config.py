@@ -102,6 +102,11 @@ DEFAULTS: dict = {
         "memory": "4GiB",  # per job (jobqueue only)
         "processes": 1,  # worker processes per job
         "job_extra": [],  # extra scheduler directives, e.g. ["--exclusive"]
+        # lines run in each job before the workers start, e.g. ["module load python/3.11",
+        # "source ~/venv/bin/activate"]
+        "job_script_prologue": [],
+        "python": None,  # the Python the jobs run (None: this one, sys.executable)
+        "log_directory": None,  # where the jobs' output files go (None: the working dir)
         "interface": None,  # network interface of the workers, e.g. ib0
         "local_directory": None,  # worker scratch directory
         "dashboard": True,  # serve the dashboard on 127.0.0.1 (needs bokeh)
@@ -446,12 +451,17 @@ def validate(cfg: dict) -> dict:
         except (ValueError, TypeError):
             ok = False
     _need(ok, "cluster.memory", mem, "an amount such as '16GiB' or '4000MB'")
-    for k in ("queue", "account", "interface", "local_directory", "scheduler_address"):
+    for k in ("queue", "account", "interface", "local_directory", "scheduler_address",
+              "python", "log_directory"):
         v = c.get(k)
         _need(v is None or isinstance(v, str), f"cluster.{k}", v, "a string or null")
     je = c.get("job_extra")
     _need(isinstance(je, list) and all(isinstance(s, str) for s in je), "cluster.job_extra", je,
           "a list of strings such as ['--exclusive']")
+    jp = c.get("job_script_prologue")
+    _need(isinstance(jp, list) and all(isinstance(s, str) for s in jp),
+          "cluster.job_script_prologue", jp,
+          "a list of shell lines such as ['module load python/3.11']")
     for k in ("dashboard", "tls", "reuse_memory"):
         _need(isinstance(c.get(k), bool), f"cluster.{k}", c.get(k), "true or false")
     for k in ("connect_timeout", "wait_timeout"):

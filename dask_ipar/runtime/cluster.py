@@ -7,7 +7,8 @@
   ``max(1, cores // workers)``), dashboard on 127.0.0.1 only;
 * ``slurm``, ``pbs``, ``lsf``, ``sge`` - dask-jobqueue (optional extra ``hpc``): batch
   jobs of ``cluster.processes`` worker processes each, with the queue, account,
-  walltime, cores and memory of the config;
+  walltime, cores and memory of the config (:mod:`.batch`: job scripts, rejected
+  submissions, dead jobs replaced);
 * ``cluster.scheduler_address`` set - join a running cluster, whatever the kind.
 
 :func:`make_cluster` waits for all workers (progress and timeout), and closes what it
@@ -18,30 +19,36 @@ anything.
 from __future__ import annotations
 
 import contextlib
-import warnings
-import math
 import os
+import warnings
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_ipar.config import DEFAULTS
 from dask_ipar.errors import IparError
+from dask_ipar.runtime.batch import (
+    JOBQUEUE_CLASSES,
+    forget,
+    job_script,
+    jobqueue_kwargs,
+    start_batch_cluster,
+)
+from dask_ipar.runtime.worker_env import (
+    QUIET_LOOP_CONFIG,
+    REUSE_MEMORY_ENV,
+    blas_environ,
+    check_n,
+    cluster_section,
+    config_environ,
+    worker_environment,
+)
 from dask_ipar.runtime.workers import wait_for_workers
 
 __all__ = ["make_cluster", "job_script", "jobqueue_kwargs", "local_threads", "JOBQUEUE_CLASSES",
-           "QUIET_LOOP_CONFIG", "config_environ", "mute_shutdown_heartbeat_errors",
-           "open_client", "dashboard_link", "IgnoreStopSignals"]
+           "QUIET_LOOP_CONFIG", "REUSE_MEMORY_ENV", "config_environ", "worker_environment",
+           "mute_shutdown_heartbeat_errors", "open_client", "dashboard_link",
+           "IgnoreStopSignals"]
 
-#: dask settings of the clusters dask-ipar starts: the event-loop housekeeping of the
-#: scheduler, nannies and workers runs less often than dask's defaults (a tick every 20 ms,
-#: a system-monitor sample every 500 ms). On a 2-core machine an idle scheduler with four
-#: workers used 15 ms of CPU per second with the defaults and 5 ms with these, CPU the
-#: workers' BLAS threads share. The costs: event-loop stalls are noticed within 0.5 s
-#: instead of 20 ms, and the dashboard's CPU/memory plots get a sample every 2 s.
-QUIET_LOOP_CONFIG = {
-    "distributed.admin.tick.interval": "500ms",
-    "distributed.admin.system-monitor.interval": "2s",
-}
 
 
 def mute_shutdown_heartbeat_errors() -> None:
@@ -68,57 +75,13 @@ def _quiet_shutdown(client) -> None:
         pass
 
 
-def config_environ(config: dict) -> dict:
-    """The ``DASK_*`` environment variables that give a process started elsewhere the dask
-    settings ``config`` (dotted keys)."""
-    return {"DASK_" + k.upper().replace(".", "__").replace("-", "_"): str(v)
-            for k, v in config.items()}
-
-
-def _config_env(config: dict) -> list[str]:
-    """``export`` lines for a job script: :func:`config_environ` of ``config``."""
-    return [f"export {k}={v}" for k, v in config_environ(config).items()]
-
-#: dask-jobqueue cluster and job class names for each batch system.
-JOBQUEUE_CLASSES = {
-    "slurm": ("SLURMCluster", "dask_jobqueue.slurm", "SLURMJob"),
-    "pbs": ("PBSCluster", "dask_jobqueue.pbs", "PBSJob"),
-    "lsf": ("LSFCluster", "dask_jobqueue.lsf", "LSFJob"),
-    "sge": ("SGECluster", "dask_jobqueue.sge", "SGEJob"),
-}
-
-
-def _section(cfg: dict) -> dict:
-
-    c = dict(DEFAULTS["cluster"])
-    c.update(cfg.get("cluster", {}) or {})
-    return c
-
-
-def _check_n(n_workers):
-    if not isinstance(n_workers, int) or isinstance(n_workers, bool) or n_workers < 1:
-        raise IparError(f"number of workers must be a positive integer, got {n_workers!r}.")
-
-
-def _jobqueue():
-    try:
-        import dask_jobqueue
-    except ImportError:
-        raise IparError(
-            "batch-system clusters (slurm, pbs, lsf, sge) need dask-jobqueue, which is not "
-            "installed. Install it with: pip install 'dask-ipar[hpc]' "
-            "(or set cluster.kind: local)."
-        ) from None
-    return dask_jobqueue
-
-
 def local_threads(cfg: dict, n_workers: int) -> int:
     """Threads (and BLAS threads) per local worker: ``max(1, cores // n_workers)``.
 
     ``cores`` is ``cluster.cores``, else the CPUs this process may use.
     """
-    _check_n(n_workers)
-    cores = _section(cfg).get("cores")
+    check_n(n_workers)
+    cores = cluster_section(cfg).get("cores")
     if cores is None:
         try:
             cores = len(os.sched_getaffinity(0))
@@ -142,115 +105,6 @@ def _security(c: dict):
     return sec
 
 
-def jobqueue_kwargs(cfg: dict, n_workers: int) -> dict:
-    """Keyword arguments of the dask-jobqueue cluster/job class for ``cfg``.
-
-    ``cores`` defaults to ``processes`` (one thread per worker process).
-    """
-    _check_n(n_workers)
-    c = _section(cfg)
-    processes = int(c["processes"])
-    cores = c["cores"] if c["cores"] is not None else processes
-    if cores < processes:
-        raise IparError(
-            f"cluster.cores is {cores} but cluster.processes is {processes}; each worker "
-            f"process needs at least one core. Set cores >= {processes}."
-        )
-    kw = {
-        "cores": cores,
-        "memory": c["memory"],
-        "processes": processes,
-        "walltime": c["walltime"],
-        "job_extra_directives": list(c.get("job_extra") or []),
-    }
-    prologue = _config_env(QUIET_LOOP_CONFIG)  # exported before the worker processes start
-    if c.get("reuse_memory", True):
-        prologue += [f"export {k}={v}" for k, v in REUSE_MEMORY_ENV.items()]
-    kw["job_script_prologue"] = prologue
-    for k in ("queue", "interface", "local_directory"):
-        if c.get(k) is not None:
-            kw[k] = c[k]
-    if c.get("account") is not None:
-        # SLURM and PBS call it account; LSF and SGE call it project
-        kw["account" if c["kind"] in ("slurm", "pbs") else "project"] = c["account"]
-    return kw
-
-
-def job_script(cfg: dict, n_workers: int, scheduler_address: str = "tcp://scheduler:8786") -> str:
-    """The batch script one job of a ``cluster.kind`` cluster would submit (nothing runs).
-
-    Parameters
-    ----------
-    cfg : dict
-        Configuration (``cluster`` section used).
-    n_workers : int
-        Workers the run needs (the grid's ``Pr*Pc``); jobs are ``ceil(n / processes)``.
-    scheduler_address : str
-        Written into the worker command line.
-    """
-    c = _section(cfg)
-    kind = c["kind"]
-    if kind not in JOBQUEUE_CLASSES:
-        raise IparError(
-            f"cluster.kind is {kind!r}; job scripts exist only for "
-            f"{', '.join(JOBQUEUE_CLASSES)}. Set cluster.kind to your batch system."
-        )
-    _jobqueue()
-    import importlib
-
-    _, module, job_name = JOBQUEUE_CLASSES[kind]
-    job_cls = getattr(importlib.import_module(module), job_name)
-    kw = jobqueue_kwargs(cfg, n_workers)
-    kw.pop("interface", None)  # resolving an interface needs it to exist here
-    return job_cls(scheduler=scheduler_address, name="dask-ipar-worker", **kw).job_script()
-
-
-#: glibc malloc settings of the worker processes (``cluster.reuse_memory``). dask's
-#: default ``MALLOC_TRIM_THRESHOLD_=65536`` returns freed memory to the OS at once and
-#: turns off glibc's adaptive mmap threshold, so every block-sized array of every step is
-#: a fresh ``mmap`` whose pages fault in again; with these, arrays up to 32 MiB come from
-#: the heap and freed memory up to 64 MiB stays for the next step's arrays (measured on 4
-#: workers: MLP steps 7-17% shorter, peak memory per worker within 10%; docs/hpc.md).
-REUSE_MEMORY_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
-    "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20),
-    "MALLOC_TOP_PAD_": str(16 * 2**20),
-}
-
-
-@contextlib.contextmanager
-def worker_environment(reuse_memory: bool = True):
-    """dask config under which new worker processes get :data:`REUSE_MEMORY_ENV` (or not).
-
-    glibc reads these variables when a process starts, so they must be in
-    ``distributed.nanny.pre-spawn-environ`` when the nannies start their workers. The
-    nannies also copy them into this process's ``os.environ``; that is undone on exit,
-    so clusters started later in the same process get their own setting.
-    """
-    import dask
-
-    saved = {k: os.environ.get(k) for k in REUSE_MEMORY_ENV}
-    env = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {})
-    # the nannies prefer this process's environment to the config: set both
-    if reuse_memory:
-        env.update(REUSE_MEMORY_ENV)
-        os.environ.update(REUSE_MEMORY_ENV)
-    else:
-        for k in REUSE_MEMORY_ENV:
-            os.environ.pop(k, None)
-            env.pop(k, None)
-        env["MALLOC_TRIM_THRESHOLD_"] = os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"
-    try:
-        with dask.config.set({"distributed.nanny.pre-spawn-environ": env}):
-            yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class IgnoreStopSignals(WorkerPlugin):
     """Worker plugin: the worker process ignores SIGINT and SIGTERM.
 
@@ -271,10 +125,6 @@ class IgnoreStopSignals(WorkerPlugin):
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(s, signal.SIG_IGN)
-
-
-def _n_jobs(n_workers: int, processes: int) -> int:
-    return math.ceil(n_workers / processes)
 
 
 @contextlib.contextmanager
@@ -311,8 +161,8 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
     import dask
     from distributed import Client
 
-    _check_n(n_workers)
-    c = _section(cfg)
+    check_n(n_workers)
+    c = cluster_section(cfg)
     kind = c["kind"]
     security = _security(c)
     wait_s = float(c["wait_timeout"])
@@ -338,7 +188,6 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
         from distributed import LocalCluster
 
         threads = local_threads(cfg, n_workers)
-        blas = str(threads)
         # The dashboard binds to localhost only; a busy 8787 falls back to a free port (the
         # printed link says which). Without a dashboard the scheduler's small HTTP server
         # (health, metrics) takes a random local port.
@@ -352,8 +201,7 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
             dashboard_address=dash,
             security=security,
             protocol="tls://" if security is not None else None,
-            env={"OMP_NUM_THREADS": blas, "OPENBLAS_NUM_THREADS": blas,
-                 "MKL_NUM_THREADS": blas},
+            env=blas_environ(threads),
         )
         if cluster_cls is LocalCluster:
             kwargs["processes"] = True
@@ -362,24 +210,7 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
             warnings.filterwarnings("ignore", message="Port .* is already in use")
             cluster = cluster_cls(**kwargs)
     elif kind in JOBQUEUE_CLASSES:
-        jq = _jobqueue()
-        cls = getattr(jq, JOBQUEUE_CLASSES[kind][0])
-        kw = jobqueue_kwargs(cfg, n_workers)
-        sched = {"dashboard_address": "127.0.0.1:8787"} if c["dashboard"] else {"dashboard": False}
-        if security is not None:
-            kw["security"] = security
-            kw["protocol"] = "tls://"
-        try:
-            with dask.config.set(QUIET_LOOP_CONFIG):  # the scheduler runs in this process
-                cluster = cls(scheduler_options=sched, **kw)
-        except Exception as exc:
-            raise IparError(
-                f"could not start the {kind} cluster ({type(exc).__name__}: {exc}). Check the "
-                "cluster section of the config (queue, account, interface)."
-            ) from exc
-        if log is not None:
-            log(f"submitting {_n_jobs(n_workers, kw['processes'])} {kind} job(s) for "
-                f"{n_workers} workers ({kw['processes']} per job)")
+        cluster = start_batch_cluster(cfg, n_workers, security=security, log=log)
     else:
         raise IparError(
             f"cluster.kind is {kind!r}, expected local, slurm, pbs, lsf or sge."
@@ -398,6 +229,7 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
             client.close()
     finally:
         cluster.close()
+        forget(cluster)
 
 
 def _has_bokeh() -> bool:
@@ -448,9 +280,20 @@ def _cuda_cluster_class(n_workers: int):
 
 
 def dashboard_link(client) -> str | None:
-    """The dashboard URL, or None when it cannot be served (bokeh missing)."""
+    """The dashboard URL, or None where there is no dashboard (bokeh missing, or a
+    scheduler started without one).
+
+    A cluster dask-ipar starts (local or batch system) serves its dashboard on
+    127.0.0.1 of this machine, whatever address the scheduler has; dask's
+    ``client.dashboard_link`` names the scheduler's address instead (for a batch cluster
+    the node's network address, where nothing listens). For a joined cluster
+    (``scheduler_address``) it is dask's link: the scheduler's host and its dashboard port.
+    """
     if not _has_bokeh():
         return None
-    if client.scheduler_info().get("services", {}).get("dashboard") is None:
+    port = client.scheduler_info().get("services", {}).get("dashboard")
+    if port is None:
         return None
+    if getattr(client, "cluster", None) is not None:
+        return f"http://127.0.0.1:{port}/status"
     return client.dashboard_link

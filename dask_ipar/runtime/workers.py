@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from dask_ipar.errors import IparError
+from dask_ipar.runtime.batch import check_submissions, replace_dead_jobs
 from dask_ipar.layout.grid import Grid, GridBinding, parse_grid
 
 __all__ = ["revive_lost_workers", "scheduler_workers", "wait_for_workers", "bind_grid", "hold_replicas",
@@ -85,15 +86,25 @@ def revive_lost_workers(client, log=None) -> int:
 
 def wait_for_workers(client, n: int, timeout_s: float, log=None, revive: bool = False) -> None:
     """Block until the cluster has ``n`` workers, reporting progress; IparError on timeout.
+
     With ``revive`` (after a worker fault) a cluster of this process is asked to start the
-    workers it gave up (:func:`revive_lost_workers`)."""
+    workers it gave up (:func:`revive_lost_workers`). On a batch-system cluster of this
+    process a rejected job submission ends the wait at once (IparError with the batch
+    system's message) and a worker job that ended is submitted again
+    (:func:`dask_ipar.runtime.batch.replace_dead_jobs`)."""
+    cluster = getattr(client, "cluster", None)
+    batch = getattr(cluster, "job_cls", None) is not None
     deadline = time.monotonic() + timeout_s
     last = -1
     while True:
-        have = len(scheduler_workers(client))
+        info = scheduler_workers(client)
+        have = len(info)
+        if batch:
+            check_submissions(cluster)
+            replace_dead_jobs(cluster, {str(w.get("name")) for w in info.values()}, log=log)
         if have >= n:
             return
-        if revive:
+        if revive and not batch:
             revive_lost_workers(client, log)
         if log is not None and have != last:
             log(f"waiting for workers: {have}/{n} connected")
