@@ -29,7 +29,9 @@ def test_train_defaults_reach_95_percent_on_digits():
         assert set(c) >= {"layer", "phase", "predicted_bytes", "measured_bytes",
                           "predicted_s", "measured_s"}
         assert c["measured_bytes"] == pytest.approx(c["predicted_bytes"], rel=0.02)
-    assert "dashboard at http://127.0.0.1:" in proc.stderr
+    # the scheduler's address and a dashboard link that opens where the server listens
+    assert "dask-ipar: scheduler tcp://127.0.0.1:" in proc.stderr
+    assert "; dashboard http://127.0.0.1:" in proc.stderr
     assert "test accuracy" in proc.stderr
 
 

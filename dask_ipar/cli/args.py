@@ -7,7 +7,8 @@ import sys
 
 from dask_ipar.errors import IparError
 
-__all__ = ["eprint", "positive_int", "fraction", "widths", "resolve_grid", "report"]
+__all__ = ["eprint", "positive_int", "fraction", "widths", "resolve_grid", "report",
+           "cluster_line", "add_cluster_flags", "command_cluster"]
 
 
 def eprint(*args):
@@ -80,3 +81,62 @@ def report(args, line: str, summary: dict) -> int:
     else:
         print(line)
     return 0
+
+
+def cluster_line(client, cfg: dict, link: str | None) -> str:
+    """``dask-ipar: scheduler tcp://...:8786, 4 workers; dashboard http://...`` for the
+    cluster a command runs on. A batch cluster's dashboard listens on 127.0.0.1 of this
+    host (a login node, typically): the line says how to reach it from elsewhere."""
+    import socket
+
+    from dask_ipar.runtime.workers import scheduler_workers
+
+    n = len(scheduler_workers(client))
+    line = f"dask-ipar: scheduler {client.scheduler.address}, {n} worker{'s' if n != 1 else ''}"
+    if link:
+        line += f"; dashboard {link}"
+        kind = cfg.get("cluster", {}).get("kind", "local")
+        if kind != "local" and not cfg.get("cluster", {}).get("scheduler_address"):
+            port = link.split(":")[2].split("/")[0]
+            host = socket.gethostname()
+            line += (f" on {host} (from another machine: ssh -L {port}:127.0.0.1:{port} "
+                     f"{host}, then open http://localhost:{port}/status)")
+    return line
+
+
+def add_cluster_flags(p, what: str = "the command") -> None:
+    """``--config``, ``--cluster``, ``--scheduler-address``, ``--connect-timeout`` and
+    ``--wait-timeout`` on ``p``: where the workers of ``what`` run, as for ``train``."""
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML config file whose cluster section is used (default "
+                   "$DASK_IPAR_CONFIG, else ./dask-ipar.yaml)")
+    p.add_argument("--cluster", choices=["local", "slurm", "pbs", "lsf", "sge"],
+                   help=f"where the workers of {what} run (default local, or cluster.kind of "
+                   "the config; batch systems need the hpc extra)")
+    p.add_argument("--scheduler-address",
+                   help="use the dask cluster at this address instead of starting one")
+    p.add_argument("--connect-timeout", type=float,
+                   help="seconds to try reaching --scheduler-address (default 10)")
+    p.add_argument("--wait-timeout", type=float,
+                   help="seconds to wait for the workers to connect (default 600)")
+
+
+def command_cluster(args, n_workers: int, *, threads_per_worker: int | None = None):
+    """The cluster (a context manager yielding a Client) of a command with
+    :func:`add_cluster_flags`: the config file's cluster section with the flags over it,
+    started by :func:`dask_ipar.runtime.cluster.make_cluster`, without a dashboard. A local
+    cluster gets ``threads_per_worker`` threads per worker when given."""
+    from dask_ipar.cli.checks import check_scheduler_address
+    from dask_ipar.cli.config import config_from_args
+    from dask_ipar.runtime.cluster import make_cluster
+
+    # only the cluster flags: the command's other flags (verify's --model widths) are not
+    # the train flags of the same names
+    flags = argparse.Namespace(**{k: getattr(args, k, None) for k in (
+        "config", "cluster", "scheduler_address", "connect_timeout", "wait_timeout")})
+    cfg = config_from_args(flags)
+    check_scheduler_address(flags, cfg["cluster"]["scheduler_address"])
+    cfg["cluster"]["dashboard"] = False
+    if cfg["cluster"]["kind"] == "local" and threads_per_worker:
+        cfg["cluster"]["cores"] = threads_per_worker * n_workers
+    return make_cluster(cfg, n_workers, log=eprint)

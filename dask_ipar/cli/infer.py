@@ -11,7 +11,14 @@ import time
 
 import numpy as np
 
-from dask_ipar.cli.args import eprint, positive_int, report, resolve_grid
+from dask_ipar.cli.args import (
+    add_cluster_flags,
+    command_cluster,
+    eprint,
+    positive_int,
+    report,
+    resolve_grid,
+)
 from dask_ipar.errors import IparError
 
 __all__ = ["add_parsers", "run_predict", "run_evaluate"]
@@ -23,7 +30,7 @@ def _common(p):
                    help=".npz, .npy, Zarr or HDF5 with X (and y for evaluate)")
     p.add_argument("--grid", help="process grid PRxPC (default 1xP)")
     p.add_argument("--workers", type=positive_int, help="worker processes P (default 1)")
-    p.add_argument("--scheduler-address", help="use the dask cluster at this address")
+    add_cluster_flags(p, "the forward passes")
     p.add_argument("--batch", type=positive_int, default=4096,
                    help="samples per forward pass (default 4096)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -67,17 +74,13 @@ def _features(path):
 
 
 def _open(args):
-    from dask_ipar.cli.checks import check_scheduler_address
     from dask_ipar.model import Sequential
-    from dask_ipar.runtime.cluster import open_client
 
-    check_scheduler_address(args, args.scheduler_address)
     grid = resolve_grid(args.grid, args.workers or (None if args.grid else 1))
     model = Sequential.load(args.model_file)
     X, y = _features(args.data)
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    client_cm = open_client(None if args.scheduler_address else grid.size,
-                            args.scheduler_address, dashboard=False, log=eprint)
+    client_cm = command_cluster(args, grid.size)
     return model, X, y, grid, client_cm
 
 

@@ -11,6 +11,7 @@ import time
 
 from dask_ipar.cli.args import eprint as _eprint, positive_int as _positive_int
 from dask_ipar.cli.args import resolve_grid as _resolve_grid, widths as _widths
+from dask_ipar.cli.args import add_cluster_flags, command_cluster
 from dask_ipar.errors import IparError
 
 __all__ = ["main", "build_parser"]
@@ -27,8 +28,10 @@ def _add_calibrate(sub):
     p.add_argument("--output", "-o", default="machine.yaml", help="machine file to write")
     p.add_argument("--workers", type=_positive_int, default=2,
                    help="worker processes of the LocalCluster to start (default 2)")
-    p.add_argument("--threads-per-worker", type=_positive_int, default=1)
-    p.add_argument("--scheduler-address", help="measure an existing cluster instead")
+    p.add_argument("--threads-per-worker", type=_positive_int, default=1,
+                   help="threads of each local worker (default 1; batch workers get "
+                   "cluster.cores / cluster.processes)")
+    add_cluster_flags(p, "the calibration")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--json", action="store_true", help="print the machine as JSON on stdout")
     p.set_defaults(func=run_calibrate)
@@ -36,16 +39,14 @@ def _add_calibrate(sub):
 
 def run_calibrate(args) -> int:
     from dask_ipar.runtime.calibrate import calibrate
-    from dask_ipar.runtime.cluster import open_client
     from dask_ipar.cost import save_machine
 
-    if args.workers < 2 and not args.scheduler_address:
+    if args.workers < 2:
         raise IparError("calibration needs --workers 2 or more (it times transfers between two).")
     logging.getLogger("distributed").setLevel(logging.ERROR)
     t0 = time.perf_counter()
-    with open_client(None if args.scheduler_address else args.workers, args.scheduler_address,
-                     threads_per_worker=args.threads_per_worker, dashboard=False,
-                     log=_eprint) as client:
+    with command_cluster(args, args.workers,
+                         threads_per_worker=args.threads_per_worker) as client:
         machine = calibrate(client, dtype=args.dtype, log=lambda m: _eprint(f"dask-ipar: {m}"))
     save_machine(machine, args.output)
     _eprint(f"dask-ipar: wrote {args.output} in {time.perf_counter() - t0:.1f} s")
@@ -68,12 +69,11 @@ def _add_verify(sub):
                    help="layer widths including input and classes (default 37,29,13,10)")
     p.add_argument("--batch", type=_positive_int, default=23)
     p.add_argument("--steps", type=_positive_int, default=3, help="SGD steps to compare")
-    p.add_argument("--scheduler-address", help="use an existing cluster")
+    add_cluster_flags(p, "the check")
     p.set_defaults(func=run_verify)
 
 
 def run_verify(args) -> int:
-    from dask_ipar.runtime.cluster import open_client
     from dask_ipar.testing import compare_mlp
 
     grid = _resolve_grid(args.grid, None)
@@ -82,8 +82,7 @@ def run_verify(args) -> int:
     acts = ["relu"] * (len(args.model) - 2) + ["linear"]
     logging.getLogger("distributed").setLevel(logging.ERROR)
     t0 = time.perf_counter()
-    with open_client(None if args.scheduler_address else grid.size, args.scheduler_address,
-                     dashboard=False, log=_eprint) as client:
+    with command_cluster(args, grid.size) as client:
         err = compare_mlp(client, grid, sizes=tuple(args.model), activations=tuple(acts),
                           batch=args.batch, steps=args.steps)
     tol = {"grad": 1e-12, "sgd": 1e-10, "fd": 1e-6, "bytes": 0.02}
@@ -147,6 +146,18 @@ def main(argv=None) -> int:
         return args.func(args)
     except IparError as exc:
         _eprint(f"dask-ipar {args.command}: error: {exc}")
+        return 2
+    except RuntimeError as exc:
+        from dask_ipar.io.checkpoint_faults import WorkerLost
+
+        if not isinstance(exc, WorkerLost):
+            raise
+        # lost again after the last recovery allowed: one line, not a traceback
+        resume = ("continue from its last checkpoint with --resume and the same "
+                  "--checkpoint-dir" if getattr(args, "checkpoint_dir", None) else
+                  "nothing was saved (no --checkpoint-dir)")
+        _eprint(f"dask-ipar {args.command}: error: worker(s) {', '.join(exc.workers)} left "
+                f"the cluster during {exc.what} and the run could not recover; {resume}.")
         return 2
     except KeyboardInterrupt as exc:  # before the training loop ran, or a second signal
         import signal

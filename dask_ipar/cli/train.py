@@ -93,7 +93,8 @@ def add_parser(sub):
     p.add_argument("--connect-timeout", type=float,
                    help="seconds to try reaching --scheduler-address (default 10)")
     p.add_argument("--wait-timeout", type=float,
-                   help="seconds to wait for enough workers (default 60)")
+                   help="seconds to wait for the grid's workers to connect, at the start and "
+                   "again after a lost worker (default 600; batch jobs may queue that long)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save model and optimizer state to Zarr checkpoints here")
     p.add_argument("--checkpoint-every", type=positive_int, metavar="N",
@@ -346,6 +347,7 @@ def run(args) -> int:
 def _run(args, signals) -> int:
     from dask_ipar.cli.config import config_from_args
     from dask_ipar.optim import make_optimizer, parse_schedule
+    from dask_ipar.cli.args import cluster_line
     from dask_ipar.runtime.cluster import dashboard_link, make_cluster
 
     cfg = config_from_args(args)
@@ -388,13 +390,12 @@ def _run(args, signals) -> int:
     interrupted = None
     with make_cluster(cfg, grid.size, device=args.device, log=eprint) as client:
         link = dashboard_link(client) if cfg["cluster"]["dashboard"] else None
+        eprint(cluster_line(client, cfg, link))
         rows = "domain/model-parallel" if kind == "cnn" else "model-parallel"
         eprint(f"dask-ipar: {kind.upper()} {widths} on {data_name}, grid {grid} ({grid.pr} "
                f"{rows} rows x {grid.pc} batch-parallel columns), batch {t['batch']}, "
                f"{cfg['model']['dtype']}, executor {t['executor']}"
                + (", inputs standardized" if standardize else ""))
-        if link:
-            eprint(f"dask-ipar: dashboard at {link}")
         model.distribute(client, grid)
         model.executor = t["executor"]
         callbacks = [signals.callback()]

@@ -24,10 +24,12 @@ class WorkerLost(RuntimeError):
     ----------
     workers : list of str
         Addresses of the grid workers that are gone.
+    what : str
+        What was running (``training step 53``, ``recovery``).
     """
 
     def __init__(self, workers, what):
-        self.workers = list(workers)
+        self.workers, self.what = list(workers), what
         super().__init__(
             f"worker(s) {', '.join(self.workers)} left the cluster during {what}; the model "
             "blocks they held are lost. Resume from the last checkpoint: "

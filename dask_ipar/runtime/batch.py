@@ -39,7 +39,7 @@ from dask_ipar.runtime.worker_env import (
 
 __all__ = ["JOBQUEUE_CLASSES", "SubmitError", "import_jobqueue", "jobqueue_kwargs",
            "job_script", "start_batch_cluster", "check_submissions", "replace_dead_jobs",
-           "n_jobs", "forget"]
+           "n_jobs", "forget", "waiting_jobs_note"]
 
 #: dask-jobqueue cluster and job class names for each batch system.
 JOBQUEUE_CLASSES = {
@@ -332,6 +332,44 @@ def check_submissions(cluster) -> None:
     errors = getattr(getattr(cluster, "job_cls", None), "submit_errors", None)
     if errors:
         raise IparError(errors[0].line())
+
+
+#: The command that shows why a job has not started, per batch system.
+_STATUS_COMMANDS = {"slurm": "squeue -j", "pbs": "qstat -f", "lsf": "bjobs -l", "sge": "qstat -j"}
+
+
+def waiting_jobs_note(cluster, connected_names) -> str:
+    """What the batch system says of the jobs whose workers have not connected, for the
+    error at the end of a wait: ``; 2 worker jobs (14, 15) have not started: squeue -j
+    14,15 shows why (SLURM: Resources)``. Empty for a cluster that is not a batch one."""
+    kind = next((k for k, (name, _, _) in JOBQUEUE_CLASSES.items()
+                 if type(cluster).__name__ == name), None)
+    if kind is None:
+        return ""
+    spec = getattr(cluster, "worker_spec", {}) or {}
+    ids = []
+    for name, job in _queued_jobs(cluster).items():
+        group = spec.get(name, {}).get("group")
+        workers = [f"{name}{g}" for g in group] if group else [str(name)]
+        if not any(w in connected_names for w in workers):
+            ids.append(str(job.job_id))
+    if not ids:
+        return ""
+    note = (f"; {len(ids)} worker job(s) ({', '.join(ids)}) have not started their workers: "
+            f"{_STATUS_COMMANDS[kind]} {','.join(ids)} shows why")
+    if kind == "slurm" and shutil.which("squeue"):
+        import subprocess
+
+        try:
+            out = subprocess.run(["squeue", "-h", "-o", "%r", "-j", ",".join(ids)],
+                                 capture_output=True, text=True, timeout=5).stdout
+            reasons = sorted({r.strip() for r in out.splitlines()
+                              if r.strip() and r.strip() != "None"})
+            if reasons:
+                note += f" (SLURM's reason: {', '.join(reasons)})"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return note
 
 
 def _queued_jobs(cluster) -> dict:

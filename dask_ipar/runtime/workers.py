@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from dask_ipar.errors import IparError
-from dask_ipar.runtime.batch import check_submissions, replace_dead_jobs
+from dask_ipar.runtime.batch import check_submissions, replace_dead_jobs, waiting_jobs_note
 from dask_ipar.layout.grid import Grid, GridBinding, parse_grid
 
 __all__ = ["revive_lost_workers", "scheduler_workers", "wait_for_workers", "bind_grid", "hold_replicas",
@@ -110,6 +110,13 @@ def wait_for_workers(client, n: int, timeout_s: float, log=None, revive: bool = 
             log(f"waiting for workers: {have}/{n} connected")
             last = have
         if time.monotonic() > deadline:
+            if batch:
+                names = {str(w.get("name")) for w in info.values()}
+                raise IparError(
+                    f"the cluster has {have} workers after waiting {timeout_s:.0f} s, but the "
+                    f"grid needs {n}{waiting_jobs_note(cluster, names)}. Raise --wait-timeout "
+                    "(cluster.wait_timeout) for a busy queue, or ask for less per job "
+                    "(cluster.cores, cluster.memory) or a smaller grid.")
             raise IparError(
                 f"the cluster has {have} workers after waiting {timeout_s:.0f} s, but the grid "
                 f"needs {n}. Start more workers, choose a smaller grid, or raise --wait-timeout."
