@@ -186,3 +186,75 @@ def test_shutdown_heartbeat_errors_muted_and_nothing_else():
         log.removeHandler(h)
         log.filters[:] = before
     assert seen == ["Unexpected exception during heartbeat. Closing worker.", "Compute Failed"]
+
+
+def test_job_script_prologue_python_logs_and_blas_threads():
+    """The batch settings a user adds reach the script, after dask-ipar's exports and
+    dask-jobqueue's own (site) settings, which are kept."""
+    import dask
+
+    pytest.importorskip("dask_jobqueue")
+    cfg = _cfg(kind="slurm", **HPC, job_script_prologue=["module load python/3.11"],
+               python="/opt/venv/bin/python", log_directory="/scratch/logs")
+    with dask.config.set({"jobqueue.slurm.job-script-prologue": ["source /site/env.sh"],
+                          "jobqueue.slurm.job-extra-directives": ["--qos=site"]}):
+        lines = job_script(cfg, n_workers=4).splitlines()
+    # 8 cores, 2 processes: 4 BLAS threads per worker process (not dask's 1)
+    assert {"export OMP_NUM_THREADS=4", "export OPENBLAS_NUM_THREADS=4",
+            "export MKL_NUM_THREADS=4"} <= set(lines)
+    order = [lines.index(x) for x in ("export OMP_NUM_THREADS=4", "source /site/env.sh",
+                                      "module load python/3.11")]
+    assert order == sorted(order), lines
+    assert lines[-1].startswith("/opt/venv/bin/python -m distributed.cli.dask_worker")
+    assert "#SBATCH -o /scratch/logs/dask-worker-%J.out" in lines
+    assert "#SBATCH --qos=site" in lines and "#SBATCH --exclusive" in lines
+
+
+def test_bad_batch_settings_in_the_config_are_named():
+    from dask_ipar.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="cluster.job_script_prologue"):
+        validate(_cfg(kind="slurm", job_script_prologue="module load x"))
+    with pytest.raises(ConfigError, match="cluster.python"):
+        validate(_cfg(kind="slurm", python=3))
+
+
+def test_missing_submit_command_is_refused_before_anything_starts(monkeypatch):
+    pytest.importorskip("dask_jobqueue")
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda cmd, *a, **k: None)
+    with pytest.raises(IparError, match=r"--cluster pbs \(cluster.kind\) submits worker jobs "
+                                        r"with qsub, which is not on this machine's PATH"):
+        with make_cluster(_cfg(kind="pbs"), 2):
+            pass
+
+
+def test_rejection_messages_name_the_setting_to_change():
+    from dask_ipar.runtime.batch import SubmitError, _stderr_of
+
+    raw = RuntimeError("Command exited with non-zero exit code.\nExit code: 1\nCommand:\n"
+                       "sbatch /tmp/x.sh\nstdout:\n\nstderr:\nsbatch: error: Memory "
+                       "specification can not be satisfied\nsbatch: error: Batch job "
+                       "submission failed: Requested node configuration is not available\n\n")
+    msg = _stderr_of(raw, "sbatch")
+    assert msg == ("Memory specification can not be satisfied; Batch job submission failed: "
+                   "Requested node configuration is not available")
+    line = SubmitError("slurm", "sbatch", msg).line()
+    assert "\n" not in line and "cluster.memory" in line
+    assert "cluster.queue" in SubmitError("pbs", "qsub", "Unknown queue").line()
+    assert "cluster.account" in SubmitError("slurm", "sbatch", "Invalid account").line()
+
+
+def test_hpc_docs_show_the_current_job_script():
+    import importlib.util
+    import pathlib
+
+    pytest.importorskip("dask_jobqueue")
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "hpc_docs.py"
+    spec = importlib.util.spec_from_file_location("hpc_docs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.DOC.read_text()
+    assert mod.rewritten(text) == text, "docs/hpc.md is out of date: python scripts/hpc_docs.py"
+    assert "export OMP_NUM_THREADS=4" in mod.block()  # 16 cores, 4 processes

@@ -234,9 +234,6 @@ class _DropSubmitErrors(logging.Filter):
 
     def filter(self, record):
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is None and record.args:  # tornado passes the task in the message args
-            exc = next((getattr(a, "_exception", None) for a in record.args
-                        if getattr(a, "_exception", None) is not None), None)
         return not isinstance(exc, SubmitError)
 
 
@@ -386,8 +383,8 @@ def replace_dead_jobs(cluster, connected_names, *, grace_s: float = 10.0, log=No
     (``distributed.deploy.lost-worker-timeout``) is keyed by worker name and misses jobs
     of several processes. Call this as the scheduler's workers are polled, with
     ``connected_names`` the worker names it has now: a job whose workers were all
-    connected once and have all been gone for ``grace_s`` seconds is cancelled (in case it
-    still runs) and dropped, and the cluster is scaled back to its spec, which submits a
+    connected once and have all been gone for ``grace_s`` seconds (at once where SLURM
+    says the job has ended) is cancelled (in case it still runs) and dropped, and the cluster is scaled back to its spec, which submits a
     fresh job under the same name. Returns the names of the jobs replaced.
     """
     spec = getattr(cluster, "worker_spec", None)
@@ -409,7 +406,7 @@ def replace_dead_jobs(cluster, connected_names, *, grace_s: float = 10.0, log=No
             continue
         if jobs[key] is None:
             jobs[key] = now  # missing since now
-        elif now - jobs[key] > grace_s:
+        if now - jobs[key] > grace_s or _job_ended(cluster, job.job_id):
             replaced.append(name)
             del jobs[key]
             cluster.workers.pop(name, None)
@@ -425,6 +422,30 @@ def replace_dead_jobs(cluster, connected_names, *, grace_s: float = 10.0, log=No
     else:
         told.clear()
     return replaced
+
+
+#: SLURM job states after which a job runs no more.
+_SLURM_ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+                "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"}
+
+
+def _job_ended(cluster, job_id) -> bool:
+    """Whether SLURM says the job has ended (``squeue`` lists it in an end state, or no
+    more), so that it is replaced without waiting out the grace period. Other batch
+    systems: False (the grace period decides)."""
+    if type(cluster).__name__ != JOBQUEUE_CLASSES["slurm"][0] or not shutil.which("squeue"):
+        return False
+    import subprocess
+
+    try:
+        proc = subprocess.run(["squeue", "-h", "-o", "%T", "-j", str(job_id)],
+                              capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    state = proc.stdout.strip()
+    if proc.returncode != 0:  # "Invalid job id specified": purged from the queue
+        return "invalid job id" in proc.stderr.lower()
+    return state == "" or state in _SLURM_ENDED
 
 
 def forget(cluster) -> None:
