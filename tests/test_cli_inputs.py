@@ -104,7 +104,7 @@ def test_data_errors(files, name, needles, capsys):
 def test_resume_with_other_settings_is_refused_unless_allowed(files, tmp_path, capsys):
     ck = tmp_path / "ck"
     base = ["--data", str(files / "ok.npz"), "--batch", "8", "--checkpoint-dir", str(ck)]
-    first = _train(*base)
+    first = _train(*base)  # a command that starts its own cluster
     assert first.returncode == 0, first.stderr[-2000:]
     changed = _train_here(capsys, *base, "--resume", "--lr", "0.2", "--batch", "16",
                           "--optimizer", "adamw")

@@ -52,32 +52,44 @@ def raw_digits(tmp_path_factory):
     return folder
 
 
-def test_raw_data_trains_saves_and_serves(raw_digits, tmp_path, client):
+def _main(capsys, *args, rc=0):
+    """The command run in this process (no interpreter start-up): (stdout, stderr)."""
+    from dask_ipar.cli.main import main
+
+    got = main([str(a) for a in args])
+    out = capsys.readouterr()
+    assert got == rc, out.err[-3000:]
+    return out.out, out.err
+
+
+def test_raw_data_trains_saves_and_serves(raw_digits, tmp_path, client, capsys):
     """Unscaled digits through --data reach >= 0.95 with the defaults (standardized on the
     training split); the saved model gives the same test loss under `evaluate` (on
     another grid) and classes under `predict`; the metrics log has a row per epoch. (On
-    the session's cluster: starting one is tested elsewhere.)"""
+    the session's cluster, in this process: starting one is tested elsewhere.)"""
     at = ("--scheduler-address", client.scheduler.address)
     model, log = tmp_path / "m.npz", tmp_path / "metrics.csv"
-    out = _json(_cli("train", "--data", raw_digits / "digits.npz", "--no-progress",
-                     "--no-dashboard", "--json", "--save", model, "--log", log, *at))
+    stdout, _ = _main(capsys, "train", "--data", raw_digits / "digits.npz", "--no-progress",
+                      "--no-dashboard", "--json", "--save", model, "--log", log, *at)
+    out = json.loads(stdout.strip().splitlines()[-1])
     assert out["standardized"] and out["test_accuracy"] >= 0.95, out
     assert len(out["history"]) == 10 and out["history"][-1]["epoch"] == 10
     rows = log.read_text().splitlines()
     assert rows[0].startswith("epoch,loss,accuracy,lr") and len(rows) == 11
-    ev = _json(_cli("evaluate", model, "--data", raw_digits / "test.npz", "--grid", "2x1",
-                    "--json", *at))
+    stdout, _ = _main(capsys, "evaluate", model, "--data", raw_digits / "test.npz", "--grid",
+                      "2x1", "--json", *at)
+    ev = json.loads(stdout.strip().splitlines()[-1])
     assert ev["loss"] == pytest.approx(out["test_loss"], rel=1e-5)
     assert ev["accuracy"] == pytest.approx(out["test_accuracy"], abs=1e-12)
-    pred = _cli("predict", model, "--data", raw_digits / "features.npy", *at)
-    classes = [int(c) for c in pred.stdout.split()]
+    stdout, _ = _main(capsys, "predict", model, "--data", raw_digits / "features.npy", *at)
+    classes = [int(c) for c in stdout.split()]
     yte = np.load(raw_digits / "test.npz")["y"][:7]
     assert len(classes) == 7 and np.mean(np.array(classes) == yte) >= 5 / 7
     # the same data unscaled on request: stopped with the reason, not trained to chance
-    bad = _cli("train", "--data", raw_digits / "digits.npz", "--no-standardize",
-               "--no-progress", "--no-dashboard", "--epochs", "2", *at, rc=2)
-    assert "standardize" in bad.stderr and "learning rate 0.05" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    _, err = _main(capsys, "train", "--data", raw_digits / "digits.npz", "--no-standardize",
+                   "--no-progress", "--no-dashboard", "--epochs", "2", *at, rc=2)
+    assert "standardize" in err and "learning rate 0.05" in err
+    assert "Traceback" not in err
 
 
 COMMON = ("--no-progress", "--no-dashboard", "--json", "--dtype", "float64", "--epochs", "2",
@@ -85,17 +97,27 @@ COMMON = ("--no-progress", "--no-dashboard", "--json", "--dtype", "float64", "--
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The run the interrupted ones must reproduce, without a checkpoint directory."""
+def uninterrupted(tmp_path_factory, client):
+    """The run the interrupted ones must reproduce, without a checkpoint directory (in
+    this process, on the session's cluster: same threads per worker as the command's own)."""
+    import contextlib
+    import io
+
+    from dask_ipar.cli.main import main
+
     folder = tmp_path_factory.mktemp("ref")
-    out = _json(_cli("train", *COMMON, "--save", folder / "m.npz"))
-    return out, folder / "m.npz"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["train", *COMMON, "--save", str(folder / "m.npz"),
+                   "--scheduler-address", client.scheduler.address])
+    assert rc == 0, err.getvalue()[-3000:]
+    return json.loads(out.getvalue().strip().splitlines()[-1]), folder / "m.npz"
 
 
 @pytest.mark.parametrize("sig,group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
                          ids=["SIGINT-to-the-process-group", "SIGTERM"])
 def test_signal_stops_after_the_step_and_resume_finishes_the_same(uninterrupted, tmp_path,
-                                                                   sig, group):
+                                                                   sig, group, client, capsys):
     """Ctrl-C reaches every process of the terminal's group (the workers too); a batch
     system's SIGTERM the job's. The run stops after the step in flight: one line, exit
     128 + signal within 10 s, no traceback, a checkpoint at that step, no process left;
@@ -133,7 +155,9 @@ def test_signal_stops_after_the_step_and_resume_finishes_the_same(uninterrupted,
         time.sleep(0.2)
     assert not _group_alive(proc.pid)
     model = tmp_path / "m.npz"
-    out = _json(_cli("train", *COMMON, "--checkpoint-dir", ckdir, "--resume", "--save", model))
+    stdout, _ = _main(capsys, "train", *COMMON, "--checkpoint-dir", ckdir, "--resume",
+                      "--save", model, "--scheduler-address", client.scheduler.address)
+    out = json.loads(stdout.strip().splitlines()[-1])
     assert out["test_loss"] == ref["test_loss"]
     with np.load(model) as a, np.load(ref_model) as b:
         for k in b.files:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from dask_ipar.errors import IparError
@@ -139,4 +140,11 @@ def command_cluster(args, n_workers: int, *, threads_per_worker: int | None = No
     cfg["cluster"]["dashboard"] = False
     if cfg["cluster"]["kind"] == "local" and threads_per_worker:
         cfg["cluster"]["cores"] = threads_per_worker * n_workers
-    return make_cluster(cfg, n_workers, log=eprint)
+    return _announced(make_cluster(cfg, n_workers, log=eprint), cfg)
+
+
+@contextlib.contextmanager
+def _announced(cluster_cm, cfg):
+    with cluster_cm as client:
+        eprint(cluster_line(client, cfg, None))
+        yield client
