@@ -109,7 +109,7 @@ def test_every_checkpoint_holds_the_state_of_its_step(client, data, tmp_path, gr
     m.close()
 
 
-@pytest.mark.parametrize("grid", UNEVEN)
+@pytest.mark.parametrize("grid", ["3x2", "1x5"])  # uneven both ways, and 5 ways
 def test_resume_from_every_checkpoint_is_bit_equal(client, data, tmp_path, grid):
     X, y = data
     full = make_model().distribute(client, grid)

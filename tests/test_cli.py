@@ -35,12 +35,24 @@ def test_train_defaults_reach_95_percent_on_digits():
     assert "test accuracy" in proc.stderr
 
 
-def test_train_on_existing_scheduler(client, tmp_path):
+def test_train_on_existing_scheduler(client, tmp_path, capsys):
+    from dask_ipar.cli.main import main
+
     address = client.scheduler.address
     card = tmp_path / "run.html"
-    proc, out = _train("--scheduler-address", address, "--grid", "2x1", "--epochs", "1",
-                       "--batch", "128", "--no-progress", "--json", "--report", str(card),
-                       "--executor", "graph")
+    rc = main(["train", "--scheduler-address", address, "--grid", "2x1", "--epochs", "1",
+               "--batch", "128", "--no-progress", "--json", "--report", str(card),
+               "--executor", "graph"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    # a joined cluster: its address, and dask's own dashboard link (the scheduler's host)
+    from dask_ipar.runtime.cluster import dashboard_link
+
+    line = captured.err.split("dask-ipar: scheduler ")[1].splitlines()[0]
+    assert line.startswith(address)
+    link = dashboard_link(client)
+    assert (f"; dashboard {link}" in line) if link else ("dashboard" not in line)
     html = card.read_text()
     assert "comm-table" in html and "dense0" in html
     assert out["grid"] == "2x1" and out["executor"] == "graph"

@@ -25,7 +25,8 @@ def _train(*args, timeout=120):
 
 
 def _train_here(capsys, *args):
-    """``dask-ipar train`` in this process (the checks end it before any cluster starts)."""
+    """``dask-ipar train`` in this process (most runs end in the checks, before any cluster
+    starts; the others join the session's)."""
     from dask_ipar.cli.main import main
 
     saved = copy.deepcopy(dask.config.config)  # the command registers its settings there
@@ -36,8 +37,8 @@ def _train_here(capsys, *args):
     finally:
         dask.config.config.clear()
         dask.config.config.update(saved)
-    err = capsys.readouterr().err
-    return subprocess.CompletedProcess(args, code, "", err)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 def _one_line_error(proc, *needles):
@@ -101,7 +102,7 @@ def test_data_errors(files, name, needles, capsys):
     assert "allow_pickle" not in last and "x_key=" not in last
 
 
-def test_resume_with_other_settings_is_refused_unless_allowed(files, tmp_path, capsys):
+def test_resume_with_other_settings_is_refused_unless_allowed(files, tmp_path, capsys, client):
     ck = tmp_path / "ck"
     base = ["--data", str(files / "ok.npz"), "--batch", "8", "--checkpoint-dir", str(ck)]
     first = _train(*base)  # a command that starts its own cluster
@@ -113,7 +114,8 @@ def test_resume_with_other_settings_is_refused_unless_allowed(files, tmp_path, c
                            "--lr 0.2 (the checkpoint's run used 0.05)",
                            "--batch 16 (the checkpoint's run used 8)", "--resume-changed")
     assert "--seed" not in last
-    allowed = _train(*base, "--resume", "--lr", "0.2", "--resume-changed", "--json")
+    allowed = _train_here(capsys, *base, "--resume", "--lr", "0.2", "--resume-changed",
+                          "--json", "--scheduler-address", client.scheduler.address)
     assert allowed.returncode == 0, allowed.stderr[-2000:]
     # resumed at its last step, the run made no step: no samples/s from the first run's
     summary = json.loads(allowed.stdout.strip().splitlines()[-1])

@@ -12,9 +12,11 @@ from dask_ipar.layout.grid import factorizations, parse_grid
 from dask_ipar.testing import check_cnn
 
 GRIDS = [g for p in (1, 2, 3, 4, 6, 8) for g in factorizations(p)]
+# every grid up to 6 processes, and 2x4 of the 8 (8 processes on 2 cores are the slow ones)
+REFERENCE_GRIDS = [g for g in GRIDS if g.size <= 6 or (g.pr, g.pc) == (2, 4)]
 
 
-@pytest.mark.parametrize("grid", GRIDS, ids=str)
+@pytest.mark.parametrize("grid", REFERENCE_GRIDS, ids=str)
 def test_cnn_matches_reference(client, grid):
     errors = check_cnn(client, grid)  # B = 9, float64, 2 SGD steps, heights 35/17/9/10
     rows = {(r.layer, r.phase): r for r in errors["comm"].rows}

@@ -175,7 +175,7 @@ def test_failing_program_stops_its_peers_at_once(client):
 
 
 def _slow(*args, **kwargs):
-    time.sleep(4)
+    time.sleep(2.5)
     import dask_ipar.kernels.dense as K
 
     return K._saved_dw_piece(*args, **kwargs)
@@ -195,7 +195,10 @@ def test_waiting_program_times_out_with_a_clear_error(client):
     finally:
         client.run(_unpatch_kernel, "dw_piece", workers=[slow])
         model.close()
-    time.sleep(4)  # the slow worker's late pieces arrive and are dropped
+    # the slow worker's thread finishes its program (sending its late pieces, which are
+    # dropped on arrival): then no mailbox holds anything
+    assert client.submit(sum, [1, 2], workers=[slow], pure=False).result(timeout=30) == 3
+    time.sleep(0.5)
     assert not any(client.run(_mailbox, workers=list(model.binding.workers)).values())
 
 

@@ -38,8 +38,9 @@ def _slurm_idle() -> bool:
     except ImportError:
         return False
     try:
+        # (without a controller sinfo retries for about 10 s)
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True,
-                             text=True, timeout=10).stdout.split()
+                             text=True, timeout=3).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return False
     return any(s in ("idle", "mix", "alloc") for s in out)
@@ -110,26 +111,25 @@ class _Run:
 
 
 # 44 steps of 128 samples: >= 0.95 on digits in the fewest steps
-MLP_2X2 = ("--grid", "2x2", "--epochs", "4", "--batch", "128", "--dtype", "float64",
-           "--no-progress", "--json")
+MLP = ("--epochs", "4", "--batch", "128", "--no-progress", "--json")
+MLP_2X1 = ("--grid", "2x1", "--dtype", "float64", *MLP)
 
 
 @pytest.fixture(scope="module")
-def reference_2x2(slurm):
-    """An uninterrupted float64 2x2 MLP run on SLURM jobs."""
-    return _json(_cli(slurm, "train", *MLP_2X2))
+def reference_2x1(slurm):
+    """An uninterrupted float64 2x1 MLP run on SLURM jobs."""
+    return _json(_cli(slurm, "train", *MLP_2X1))
 
 
-def test_train_2x1_and_2x2_on_slurm_jobs(slurm, reference_2x2):
-    out = reference_2x2
+def test_train_2x1_and_2x2_on_slurm_jobs(slurm, reference_2x1):
+    out = reference_2x1
+    assert out["grid"] == "2x1" and out["test_accuracy"] >= 0.95, out
+    proc = _cli(slurm, "train", "--grid", "2x2", *MLP)
+    out = _json(proc)
     assert out["grid"] == "2x2" and out["test_accuracy"] >= 0.95, out
     for c in out["comm"]:  # the engine's bytes between batch jobs as the model predicts
         assert c["measured_bytes"] == pytest.approx(c["predicted_bytes"], rel=0.02), c
-    proc = _cli(slurm, "train", "--grid", "2x1", "--epochs", "4", "--batch", "128",
-                "--no-progress", "--json")
-    out = _json(proc)
-    assert out["grid"] == "2x1" and out["test_accuracy"] >= 0.95, out
-    assert "submitting 2 slurm job(s) for 2 workers" in proc.stderr
+    assert "submitting 4 slurm job(s) for 4 workers" in proc.stderr
     # the scheduler's address, and the dashboard where it listens (with the ssh tunnel)
     assert "dask-ipar: scheduler tcp://" in proc.stderr
     assert "; dashboard http://127.0.0.1:" in proc.stderr and "ssh -L" in proc.stderr
@@ -147,11 +147,11 @@ def test_cnn_on_slurm_jobs(slurm):
 
 
 def test_scancelled_worker_job_is_replaced_and_the_run_ends_as_uninterrupted(
-        slurm, reference_2x2):
-    run = _Run(slurm, "train", *MLP_2X2, "--checkpoint-dir", "ck", "--checkpoint-every", "10")
+        slurm, reference_2x1):
+    run = _Run(slurm, "train", *MLP_2X1, "--checkpoint-dir", "ck", "--checkpoint-every", "10")
     run.wait_for("checkpoint ck/ckpt-20")
     jobs = _jobs()
-    assert len(jobs) == 4, jobs
+    assert len(jobs) == 2, jobs
     subprocess.run(["scancel", jobs[1]], check=True)
     rc, out, err = run.finish()
     assert rc == 0, err[-3000:]
@@ -159,8 +159,8 @@ def test_scancelled_worker_job_is_replaced_and_the_run_ends_as_uninterrupted(
     assert "recovered on workers" in err
     got = json.loads(out.strip().splitlines()[-1])
     # float64, same seed: the recovered run is the uninterrupted one, bit for bit
-    assert got["test_loss"] == reference_2x2["test_loss"]
-    assert got["train_loss"] == reference_2x2["train_loss"]
+    assert got["test_loss"] == reference_2x1["test_loss"]
+    assert got["train_loss"] == reference_2x1["train_loss"]
     assert _no_jobs_left()
 
 
