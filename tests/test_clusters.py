@@ -258,3 +258,25 @@ def test_hpc_docs_show_the_current_job_script():
     text = mod.DOC.read_text()
     assert mod.rewritten(text) == text, "docs/hpc.md is out of date: python scripts/hpc_docs.py"
     assert "export OMP_NUM_THREADS=4" in mod.block()  # 16 cores, 4 processes
+
+
+def test_interrupted_client_call_noise_is_dropped_and_nothing_else():
+    """dask 2026.8's sync() cancel callback raises NameError when Ctrl-C lands before its
+    future exists; the CLI drops that one tornado record, not other NameErrors."""
+    from dask_ipar.cli.args import _DropInterruptedSyncError
+
+    def record(exc):
+        return logging.LogRecord("tornado.application", logging.ERROR, "", 0,
+                                 "Exception in callback", None,
+                                 (type(exc), exc, exc.__traceback__))
+
+    ns = {}
+    exec(compile("def cancel():\n    if future is not None:\n        pass\n    future = 1\n",
+                 "/env/site-packages/distributed/utils.py", "exec"), ns)
+    keep = _DropInterruptedSyncError().filter
+    with pytest.raises(NameError) as err:
+        ns["cancel"]()
+    assert not keep(record(err.value))
+    with pytest.raises(NameError) as err:
+        exec(compile("undefined_name", "/env/site-packages/distributed/other.py", "exec"))
+    assert keep(record(err.value))

@@ -34,7 +34,7 @@ def _slurm_idle() -> bool:
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         return False
     try:
-        import dask_jobqueue  # noqa: F401
+        import dask_jobqueue  # noqa: F401 (needed by --cluster slurm)
     except ImportError:
         return False
     try:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 
 from dask_ipar.errors import IparError
 
 __all__ = ["eprint", "positive_int", "fraction", "widths", "resolve_grid", "report",
-           "cluster_line", "add_cluster_flags", "command_cluster"]
+           "cluster_line", "add_cluster_flags", "command_cluster", "mute_interrupt_noise"]
 
 
 def eprint(*args):
@@ -148,3 +149,29 @@ def _announced(cluster_cm, cfg):
     with cluster_cm as client:
         eprint(cluster_line(client, cfg, None))
         yield client
+
+
+class _DropInterruptedSyncError(logging.Filter):
+    """Drops tornado's "Exception in callback" record of a NameError raised by the
+    ``cancel`` callback of ``distributed.utils.sync`` (dask 2026.8): a Ctrl-C or SIGTERM
+    that lands while the command waits in a client call before the call's future exists
+    makes that callback read an unset variable. The interrupt itself is handled (exit
+    130/143); the record was a traceback printed under the command's one line."""
+
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, NameError):
+            return True
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        code = tb.tb_frame.f_code if tb is not None else None
+        return not (code is not None and code.co_name == "cancel"
+                    and code.co_filename.replace("\\", "/").endswith("distributed/utils.py"))
+
+
+def mute_interrupt_noise() -> None:
+    """Install :class:`_DropInterruptedSyncError` on tornado's application logger (once)."""
+    lg = logging.getLogger("tornado.application")
+    if not any(isinstance(f, _DropInterruptedSyncError) for f in lg.filters):
+        lg.addFilter(_DropInterruptedSyncError())

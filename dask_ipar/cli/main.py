@@ -142,6 +142,9 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from dask_ipar.cli.args import mute_interrupt_noise
+
+    mute_interrupt_noise()
     try:
         return args.func(args)
     except IparError as exc:

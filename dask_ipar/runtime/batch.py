@@ -26,6 +26,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.worker_env import (
@@ -255,7 +256,7 @@ def _watched_job_class(job_cls, kind: str):
     command = shlex.split(job_cls.submit_command)[0]
 
     class Watched(job_cls):
-        submit_errors: list = []
+        submit_errors: list  # set below: one list per cluster's job class
 
         async def start(self):
             try:
@@ -291,8 +292,9 @@ def start_batch_cluster(cfg: dict, n_workers: int, *, security=None, log=None):
     command = shlex.split(job_cls.submit_command)[0]
     if shutil.which(command) is None:
         raise IparError(
-            f"--cluster {kind} (cluster.kind) submits worker jobs with {command}, which is not on this "
-            f"machine's PATH: {_SYSTEM_NAMES[kind]} is not installed here or its commands "
+            f"--cluster {kind} (cluster.kind) submits worker jobs with {command}, which is "
+            f"not on this machine's PATH: {_SYSTEM_NAMES[kind]} is not installed here or its "
+            "commands "
             f"are not loaded. Run dask-ipar on a login node of the {_SYSTEM_NAMES[kind]} "
             f"cluster (or after `module load {kind}`), or choose the --cluster of your batch "
             "system (local for this machine)."
@@ -305,8 +307,6 @@ def start_batch_cluster(cfg: dict, n_workers: int, *, security=None, log=None):
         kw["security"] = security
         kw["protocol"] = "tls://"
     _mute_submit_tracebacks()
-    import warnings
-
     try:
         with dask.config.set(QUIET_LOOP_CONFIG), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Port .* is already in use")
@@ -384,8 +384,9 @@ def replace_dead_jobs(cluster, connected_names, *, grace_s: float = 10.0, log=No
     of several processes. Call this as the scheduler's workers are polled, with
     ``connected_names`` the worker names it has now: a job whose workers were all
     connected once and have all been gone for ``grace_s`` seconds (at once where SLURM
-    says the job has ended) is cancelled (in case it still runs) and dropped, and the cluster is scaled back to its spec, which submits a
-    fresh job under the same name. Returns the names of the jobs replaced.
+    says the job has ended) is cancelled (in case it still runs) and dropped, and the
+    cluster is scaled back to its spec, which submits a fresh job under the same name.
+    Returns the names of the jobs replaced.
     """
     spec = getattr(cluster, "worker_spec", None)
     if not isinstance(spec, dict):
