@@ -181,3 +181,57 @@ def test_worker_lost_mid_training_stops_with_a_clear_error():
         with pytest.raises(IparError, match=r"grid cell \(1, 0\) left the cluster.*--resume"):
             model.fit(X, y, epochs=20, batch_size=8, progress=kill_at_step_5)
         assert killed
+
+
+def test_cli_scheduler_lost_mid_run_is_one_line_naming_the_checkpoint(tmp_path):
+    """An external scheduler killed mid-run: exit 2 with one line saying the scheduler is
+    gone and which checkpoint to resume from; no traceback. (Its workers, an external
+    cluster's, are stopped here.) A scheduler without a dashboard gets no link printed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    dask_cli = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+    sched = subprocess.Popen([*dask_cli, "--host", "127.0.0.1", "--port", str(port),
+                              "--no-dashboard"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
+                                "--nworkers", "2", "--nthreads", "1", "--no-dashboard"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ck = tmp_path / "ck"
+    env = dict(os.environ, DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT="3s")
+    run = None
+    try:
+        run = subprocess.Popen([sys.executable, "-m", "dask_ipar.cli", "train",
+                                "--scheduler-address", address, "--grid", "2x1", "--epochs",
+                                "50", "--no-progress", "--checkpoint-dir", str(ck),
+                                "--checkpoint-every", "10"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 120
+        while not (ck / "ckpt-20").is_dir():
+            assert run.poll() is None, run.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint at step 20"
+            time.sleep(0.1)
+        sched.kill()
+        t0 = time.monotonic()
+        _, err = run.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        for p in (run, sched):
+            if p is not None and p.poll() is None:
+                p.kill()
+        if workers.poll() is None:
+            workers.terminate()  # lets the nannies stop their worker processes
+        workers.wait(timeout=30)
+    assert run.returncode == 2, err[-3000:]
+    assert took < 30, took
+    assert "Traceback" not in err and "Failed to reconnect" not in err, err[-3000:]
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1, err[-3000:]
+    assert f"the dask scheduler at {address} is gone" in errors[0]
+    last = errors[0].split("the last checkpoint is ")[1].split(" ")[0]
+    assert (ck / os.path.basename(last)).is_dir() and "--resume" in errors[0]
+    line = next(ln for ln in err.splitlines() if ln.startswith("dask-ipar: scheduler"))
+    assert "dashboard" not in line, line

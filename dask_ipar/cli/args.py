@@ -170,8 +170,19 @@ class _DropInterruptedSyncError(logging.Filter):
                     and code.co_filename.replace("\\", "/").endswith("distributed/utils.py"))
 
 
+class _DropReconnectFailure(logging.Filter):
+    """Drops dask's "Failed to reconnect to scheduler after 10.00 seconds, closing client"
+    record: the command says in its own line that the scheduler is gone and what to do."""
+
+    def filter(self, record):
+        return "Failed to reconnect to scheduler" not in record.getMessage()
+
+
 def mute_interrupt_noise() -> None:
-    """Install :class:`_DropInterruptedSyncError` on tornado's application logger (once)."""
-    lg = logging.getLogger("tornado.application")
-    if not any(isinstance(f, _DropInterruptedSyncError) for f in lg.filters):
-        lg.addFilter(_DropInterruptedSyncError())
+    """Install :class:`_DropInterruptedSyncError` on tornado's application logger and
+    :class:`_DropReconnectFailure` on dask's client logger (once each)."""
+    for name, kind in (("tornado.application", _DropInterruptedSyncError),
+                       ("distributed.client", _DropReconnectFailure)):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in lg.filters):
+            lg.addFilter(kind())

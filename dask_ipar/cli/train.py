@@ -339,6 +339,18 @@ def _schedule_spec(text):
     return str(text).strip().lower()
 
 
+def _scheduler_lost(address: str, checkpoint) -> str:
+    """The one line of a run whose scheduler went away."""
+    if checkpoint is None or checkpoint.last is None:
+        saved = "nothing was saved (no --checkpoint-dir)"
+    else:
+        saved = (f"the last checkpoint is {checkpoint.last} (step {checkpoint._saved_step}): "
+                 "start a scheduler and workers, then continue with --resume and the same "
+                 "--checkpoint-dir")
+    return (f"the dask scheduler at {address} is gone (it stopped, or its host cannot be "
+            f"reached), so training stopped; {saved}.")
+
+
 def run(args) -> int:
     with _Signals() as signals:
         return _run(args, signals)
@@ -349,6 +361,7 @@ def _run(args, signals) -> int:
     from dask_ipar.optim import make_optimizer, parse_schedule
     from dask_ipar.cli.args import cluster_line
     from dask_ipar.runtime.cluster import dashboard_link, make_cluster
+    from dask_ipar.runtime.workers import scheduler_gone
 
     cfg = config_from_args(args)
     t, o, ck = cfg["train"], cfg["optimizer"], cfg["checkpoint"]
@@ -390,6 +403,7 @@ def _run(args, signals) -> int:
     interrupted = None
     with make_cluster(cfg, grid.size, device=args.device, log=eprint) as client:
         link = dashboard_link(client) if cfg["cluster"]["dashboard"] else None
+        address = client.scheduler.address
         eprint(cluster_line(client, cfg, link))
         rows = "domain/model-parallel" if kind == "cnn" else "model-parallel"
         eprint(f"dask-ipar: {kind.upper()} {widths} on {data_name}, grid {grid} ({grid.pr} "
@@ -425,6 +439,10 @@ def _run(args, signals) -> int:
                                     shuffle_window=cfg["data"]["shuffle_window"])
         except Interrupted as exc:
             interrupted = exc
+        except Exception as exc:
+            if isinstance(exc, IparError) or not scheduler_gone(client):
+                raise
+            raise IparError(_scheduler_lost(address, checkpoint)) from None
         finally:
             signals.loop = None  # a signal from now on ends the command at once
         if interrupted is None and signals.signum is not None:  # came after the last check

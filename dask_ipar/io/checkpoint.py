@@ -59,7 +59,7 @@ from dask_ipar.io.checkpoint_faults import WorkerLost, _faults_as_worker_lost, _
 from dask_ipar.io.checkpoint_format import FORMAT, VERSION, CheckpointCorrupt, CheckpointStorageError
 from dask_ipar.io.checkpoint_load import load, read_metadata
 from dask_ipar.io.checkpoint_save import save
-from dask_ipar.runtime.workers import scheduler_workers, wait_for_workers
+from dask_ipar.runtime.workers import scheduler_gone, scheduler_workers, wait_for_workers
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.loop import Callback
 
@@ -248,6 +248,8 @@ class Checkpointing(Callback):
         if isinstance(exc, (CheckpointStorageError, CheckpointCorrupt)):
             return None  # storage and data faults end the run at once: no worker to wait for
         model = loop.model
+        if scheduler_gone(model.client):
+            return None  # no cluster to recover on: the error ends the run
         if not isinstance(exc, WorkerLost):
             workers = model.binding.workers
             alive = set(scheduler_workers(model.client))

@@ -287,7 +287,8 @@ def dashboard_link(client) -> str | None:
     127.0.0.1 of this machine, whatever address the scheduler has; dask's
     ``client.dashboard_link`` names the scheduler's address instead (for a batch cluster
     the node's network address, where nothing listens). For a joined cluster
-    (``scheduler_address``) it is dask's link: the scheduler's host and its dashboard port.
+    (``scheduler_address``) it is dask's link, the scheduler's host and its HTTP port, when
+    a dashboard page answers there.
     """
     if not _has_bokeh():
         return None
@@ -296,4 +297,18 @@ def dashboard_link(client) -> str | None:
         return None
     if getattr(client, "cluster", None) is not None:
         return f"http://127.0.0.1:{port}/status"
-    return client.dashboard_link
+    # a scheduler started with --no-dashboard still serves /health on that port
+    link = client.dashboard_link
+    return link if _serves(link) else None
+
+
+def _serves(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``url`` answers with a page (the dashboard of a joined scheduler)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False

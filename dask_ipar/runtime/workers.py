@@ -9,7 +9,7 @@ from dask_ipar.errors import IparError
 from dask_ipar.runtime.batch import check_submissions, replace_dead_jobs, waiting_jobs_note
 from dask_ipar.layout.grid import Grid, GridBinding, parse_grid
 
-__all__ = ["revive_lost_workers", "scheduler_workers", "wait_for_workers", "bind_grid", "hold_replicas",
+__all__ = ["scheduler_gone", "revive_lost_workers", "scheduler_workers", "wait_for_workers", "bind_grid", "hold_replicas",
            "release_replicas"]
 
 #: Models per scheduler address that hold dask's Active Memory Manager stopped.
@@ -23,6 +23,19 @@ def scheduler_workers(client) -> dict:
     replace with a summary listing no workers.)
     """
     return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
+def scheduler_gone(client, timeout_s: float = 3.0) -> bool:
+    """Whether the client's scheduler is gone: the client closed itself (it gives up after
+    ``distributed.comm.timeouts.connect`` of failed reconnects) or the scheduler does not
+    answer within ``timeout_s``."""
+    if client.status in ("closing", "closed"):
+        return True
+    try:
+        client.sync(client.scheduler.identity, callback_timeout=timeout_s)
+    except Exception:
+        return True
+    return False
 
 
 def hold_replicas(client) -> bool:
