@@ -201,7 +201,7 @@ def test_cli_scheduler_lost_mid_run_is_one_line_naming_the_checkpoint(tmp_path):
                                 "--nworkers", "2", "--nthreads", "1", "--no-dashboard"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ck = tmp_path / "ck"
-    env = dict(os.environ, DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT="3s")
+    env = dict(os.environ, DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT="2s")
     run = None
     try:
         run = subprocess.Popen([sys.executable, "-m", "dask_ipar.cli", "train",
@@ -210,9 +210,9 @@ def test_cli_scheduler_lost_mid_run_is_one_line_naming_the_checkpoint(tmp_path):
                                 "--checkpoint-every", "10"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + 120
-        while not (ck / "ckpt-20").is_dir():
+        while not (ck / "ckpt-10").is_dir():
             assert run.poll() is None, run.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint at step 20"
+            assert time.monotonic() < deadline, "no checkpoint at step 10"
             time.sleep(0.1)
         sched.kill()
         t0 = time.monotonic()

@@ -116,14 +116,25 @@ MLP_2X1 = ("--grid", "2x1", "--dtype", "float64", *MLP)
 
 
 @pytest.fixture(scope="module")
-def reference_2x1(slurm):
-    """An uninterrupted float64 2x1 MLP run on SLURM jobs."""
-    return _json(_cli(slurm, "train", *MLP_2X1))
+def two_per_job(slurm):
+    """A directory whose config puts two worker processes in each job (named
+    ``SLURMCluster-0-0``, ``SLURMCluster-0-1``: the job's name plus a suffix)."""
+    d = slurm / "two-per-job"
+    d.mkdir()
+    (d / "dask-ipar.yaml").write_text(CONFIG.replace("memory: 1GiB", "memory: 2GiB")
+                                      + "  processes: 2\n  cores: 2\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference_2x1(two_per_job):
+    """An uninterrupted float64 2x1 MLP run on one SLURM job of two worker processes."""
+    return _json(_cli(two_per_job, "train", *MLP_2X1))
 
 
 def test_train_2x1_and_2x2_on_slurm_jobs(slurm, reference_2x1):
     out = reference_2x1
-    assert out["grid"] == "2x1" and out["test_accuracy"] >= 0.95, out
+    assert out["grid"] == "2x1" and out["test_accuracy"] >= 0.95, out  # one job, 2 workers
     proc = _cli(slurm, "train", "--grid", "2x2", *MLP)
     out = _json(proc)
     assert out["grid"] == "2x2" and out["test_accuracy"] >= 0.95, out
@@ -147,12 +158,13 @@ def test_cnn_on_slurm_jobs(slurm):
 
 
 def test_scancelled_worker_job_is_replaced_and_the_run_ends_as_uninterrupted(
-        slurm, reference_2x1):
-    run = _Run(slurm, "train", *MLP_2X1, "--checkpoint-dir", "ck", "--checkpoint-every", "10")
+        two_per_job, reference_2x1):
+    run = _Run(two_per_job, "train", *MLP_2X1, "--checkpoint-dir", "ck",
+               "--checkpoint-every", "10")
     run.wait_for("checkpoint ck/ckpt-20")
     jobs = _jobs()
-    assert len(jobs) == 2, jobs
-    subprocess.run(["scancel", jobs[1]], check=True)
+    assert len(jobs) == 1, jobs  # both grid cells in one job
+    subprocess.run(["scancel", jobs[0]], check=True)
     rc, out, err = run.finish()
     assert rc == 0, err[-3000:]
     assert "ended: submitting replacement" in err, err[-3000:]
@@ -213,7 +225,7 @@ def test_batch_workers_get_their_cores_prologue_python_and_log_directory(slurm, 
     assert env == {"OMP_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2",
                    "MKL_NUM_THREADS": "2", "IPAR_PROLOGUE_RAN": "yes"}, env
     assert threads == [2] and exe == sys.executable
-    assert link is None or link.startswith("http://127.0.0.1:")
+    assert link.startswith("http://127.0.0.1:")  # where the scheduler's dashboard listens
     assert any(p.suffix == ".err" for p in logs.iterdir()), list(logs.iterdir())
     assert _no_jobs_left()
 

@@ -197,6 +197,12 @@ def _advice(kind: str, message: str) -> str:
     """Which setting to change, judged from the batch system's message."""
     m = message.lower()
     where = "in the cluster section of the config (dask-ipar.yaml or --config FILE)"
+    if "qos" in m or "policy" in m or "limit" in m:
+        return (f"The request breaks a queue limit or QOS policy: lower cluster.walltime, "
+                f"cluster.cores or cluster.memory {where}, or pick another cluster.queue "
+                "(or a --qos=... line in cluster.job_extra)")
+    if "invalid account" in m or "association" in m or "project" in m or "account" in m:
+        return f"Set cluster.account {where} to a project you may charge"
     if "partition" in m or "queue" in m:
         listing = "sinfo" if kind == "slurm" else "qstat -Q" if kind == "pbs" else "bqueues"
         return (f"Set cluster.queue {where} to a queue that exists ({listing} lists them), "
@@ -204,8 +210,6 @@ def _advice(kind: str, message: str) -> str:
     if "memory" in m or "mem" in m.split():
         return (f"Lower cluster.memory {where} (memory per job) to what a node has, or "
                 "raise cluster.processes to share a job's memory among more workers")
-    if "account" in m or "association" in m or "project" in m:
-        return f"Set cluster.account {where} to a project you may charge"
     if "time limit" in m or "walltime" in m:
         return f"Lower cluster.walltime {where} to what the queue allows"
     if "cpu" in m or "core" in m or "processor" in m:
@@ -388,6 +392,8 @@ def replace_dead_jobs(cluster, connected_names, *, grace_s: float = 10.0, log=No
     cluster is scaled back to its spec, which submits a fresh job under the same name.
     Returns the names of the jobs replaced.
     """
+    from distributed.core import Status
+
     spec = getattr(cluster, "worker_spec", None)
     if not isinstance(spec, dict):
         return []
@@ -395,6 +401,7 @@ def replace_dead_jobs(cluster, connected_names, *, grace_s: float = 10.0, log=No
     state = _JOB_STATE.setdefault(id(cluster), {"jobs": {}, "known": set(), "told": set()})
     jobs, known, told = state["jobs"], state["known"], state["told"]
     replaced = []
+    gone = []  # (name, job, key): all workers missing, after having connected
     for name, job in _queued_jobs(cluster).items():
         known.add(name)
         group = spec.get(name, {}).get("group")
@@ -407,11 +414,18 @@ def replace_dead_jobs(cluster, connected_names, *, grace_s: float = 10.0, log=No
             continue
         if jobs[key] is None:
             jobs[key] = now  # missing since now
-        if now - jobs[key] > grace_s or _job_ended(cluster, job.job_id):
+        gone.append((name, job, key))
+    ended = set()
+    if gone and now - state.get("asked", 0.0) >= 2.0:  # squeue at most every 2 s
+        state["asked"] = now
+        ended = _ended_jobs(cluster, [str(job.job_id) for _, job, _ in gone])
+    for name, job, key in gone:
+        if now - jobs[key] > grace_s or str(job.job_id) in ended:
             replaced.append(name)
             del jobs[key]
             cluster.workers.pop(name, None)
             cluster.sync(job.close)
+            job.status = Status.closed  # dask-jobqueue's Job.close leaves it running
     # jobs dropped here or by dask's own clean-up (lost-worker-timeout)
     missing = [name for name in spec if name not in cluster.workers and name in known]
     if missing:
@@ -419,34 +433,35 @@ def replace_dead_jobs(cluster, connected_names, *, grace_s: float = 10.0, log=No
         if log is not None and new:
             log(f"worker job(s) {', '.join(new)} ended: submitting replacement(s)")
         told.update(missing)
-        cluster.scale(len(spec))  # starts a job for each name of the spec not running
+        # in jobs: scale(n) counts workers, ceil(n / processes) jobs
+        cluster.scale(jobs=len(spec))  # starts a job for each name of the spec not running
     else:
         told.clear()
     return replaced
 
 
 #: SLURM job states after which a job runs no more.
-_SLURM_ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
-                "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"}
+_SLURM_ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "COMPLETING", "DEADLINE", "FAILED",
+                "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"}
 
 
-def _job_ended(cluster, job_id) -> bool:
-    """Whether SLURM says the job has ended (``squeue`` lists it in an end state, or no
-    more), so that it is replaced without waiting out the grace period. Other batch
-    systems: False (the grace period decides)."""
+def _ended_jobs(cluster, job_ids: list) -> set:
+    """The ids among ``job_ids`` that SLURM says have ended (listed in an end state, or no
+    more), so that they are replaced without waiting out the grace period; one ``squeue``
+    call. Other batch systems: none (the grace period decides)."""
     if type(cluster).__name__ != JOBQUEUE_CLASSES["slurm"][0] or not shutil.which("squeue"):
-        return False
+        return set()
     import subprocess
 
     try:
-        proc = subprocess.run(["squeue", "-h", "-o", "%T", "-j", str(job_id)],
+        proc = subprocess.run(["squeue", "-h", "-o", "%i %T", "-j", ",".join(job_ids)],
                               capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
-        return False
-    state = proc.stdout.strip()
-    if proc.returncode != 0:  # "Invalid job id specified": purged from the queue
-        return "invalid job id" in proc.stderr.lower()
-    return state == "" or state in _SLURM_ENDED
+        return set()
+    if proc.returncode != 0:  # "Invalid job id specified": all purged from the queue
+        return set(job_ids) if "invalid job id" in proc.stderr.lower() else set()
+    states = dict(ln.split(None, 1) for ln in proc.stdout.splitlines() if len(ln.split()) == 2)
+    return {i for i in job_ids if i not in states or states[i] in _SLURM_ENDED}
 
 
 def forget(cluster) -> None:

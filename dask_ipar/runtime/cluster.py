@@ -215,21 +215,31 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
         raise IparError(
             f"cluster.kind is {kind!r}, expected local, slurm, pbs, lsf or sge."
         )
-    try:
+    with contextlib.ExitStack() as stack:
         if kind != "local":
-            cluster.scale(n=n_workers)
-        client = Client(cluster, security=security)
-        if kind == "local":
-            client.register_plugin(IgnoreStopSignals(), name=IgnoreStopSignals.name)
+            # dask closes the job of a worker that left when no worker of its name is back
+            # within lost-worker-timeout (15 s): it would cancel the replacement job that
+            # replace_dead_jobs submits under that name while it waits in the queue
+            # (dask reads the setting when the worker leaves, so it holds for the run)
+            stack.enter_context(dask.config.set({"distributed.deploy.lost-worker-timeout":
+                                                 "3650d"}))
         try:
-            wait_for_workers(client, n_workers, wait_s, log)
-            yield client
+            if kind != "local":
+                cluster.scale(n=n_workers)
+            client = Client(cluster, security=security)
+            if kind == "local":
+                client.register_plugin(IgnoreStopSignals(), name=IgnoreStopSignals.name)
+            try:
+                wait_for_workers(client, n_workers, wait_s, log)
+                yield client
+            finally:
+                _quiet_shutdown(client)
+                client.close()
         finally:
-            _quiet_shutdown(client)
-            client.close()
-    finally:
-        cluster.close()
-        forget(cluster)
+            try:
+                cluster.close()
+            finally:
+                forget(cluster)
 
 
 def _has_bokeh() -> bool:
@@ -280,8 +290,10 @@ def _cuda_cluster_class(n_workers: int):
 
 
 def dashboard_link(client) -> str | None:
-    """The dashboard URL, or None where there is no dashboard (bokeh missing, or a
-    scheduler started without one).
+    """The dashboard URL, or None where there is none (bokeh missing, or a joined
+    scheduler whose HTTP port serves no dashboard page). Callers ask only for clusters
+    started with a dashboard (``cluster.dashboard``): distributed lists its HTTP port as
+    ``services["dashboard"]`` whether or not the dashboard's pages are there.
 
     A cluster dask-ipar starts (local or batch system) serves its dashboard on
     127.0.0.1 of this machine, whatever address the scheduler has; dask's
@@ -307,8 +319,9 @@ def _serves(url: str, timeout_s: float = 2.0) -> bool:
     import urllib.error
     import urllib.request
 
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # not via http_proxy
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with direct.open(url, timeout=timeout_s) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False

@@ -31,11 +31,17 @@ def scheduler_gone(client, timeout_s: float = 3.0) -> bool:
     answer within ``timeout_s``."""
     if client.status in ("closing", "closed"):
         return True
-    try:
-        client.sync(client.scheduler.identity, callback_timeout=timeout_s)
-    except Exception:
-        return True
-    return False
+    scheduler = getattr(getattr(client, "cluster", None), "scheduler", None)
+    status = getattr(scheduler, "status", None)
+    if status is not None:  # the scheduler runs in this process: ask it, not the network
+        return getattr(status, "name", str(status)) in ("closing", "closed", "failed")
+    for _ in range(2):  # a busy scheduler may miss one deadline
+        try:
+            client.sync(client.scheduler.identity, callback_timeout=timeout_s)
+            return False
+        except Exception:
+            pass
+    return True
 
 
 def hold_replicas(client) -> bool:
@@ -79,8 +85,9 @@ def release_replicas(client) -> None:
 
 
 def revive_lost_workers(client, log=None) -> int:
-    """Ask a cluster this process started (``client.cluster``, a dask SpecCluster such as
-    LocalCluster or a dask-jobqueue cluster) to start again the workers it gave up: when a
+    """Ask a local cluster this process started (``client.cluster``, a dask SpecCluster such
+    as LocalCluster; batch clusters: :func:`dask_ipar.runtime.batch.replace_dead_jobs`) to
+    start again the workers it gave up: when a
     killed worker does not come back within ``distributed.deploy.lost-worker-timeout``
     (its nanny's restart can fail: dask/distributed#7312), the cluster closes its nanny
     but keeps its spec; ``scale`` to the spec's size starts it anew (a batch cluster
@@ -93,7 +100,7 @@ def revive_lost_workers(client, log=None) -> int:
     if missing:
         if log is not None:
             log(f"starting lost worker(s) {', '.join(map(str, missing))} again")
-        cluster.scale(len(spec))
+        cluster.scale(len(spec))  # a local cluster: one worker per spec entry
     return len(missing)
 
 
