@@ -106,21 +106,25 @@ def cluster_line(client, cfg: dict, link: str | None) -> str:
     return line
 
 
-def add_cluster_flags(p, what: str = "the command") -> None:
-    """``--config``, ``--cluster``, ``--scheduler-address``, ``--connect-timeout`` and
-    ``--wait-timeout`` on ``p``: where the workers of ``what`` run, as for ``train``."""
-    p.add_argument("--config", metavar="FILE",
-                   help="YAML config file whose cluster section is used (default "
-                   "$DASK_IPAR_CONFIG, else ./dask-ipar.yaml)")
+def add_cluster_flags(p, what: str = "the command", *, config: bool = True,
+                      wait_help: str = "seconds to wait for the workers to connect "
+                      "(default 600)") -> None:
+    """``--config`` (unless ``config`` is false), ``--cluster``, ``--scheduler-address``,
+    ``--connect-timeout`` and ``--wait-timeout`` on ``p``: where the workers of ``what``
+    run, the same flags for every command."""
+    if config:
+        p.add_argument("--config", metavar="FILE",
+                       help="YAML config file whose cluster section is used (default "
+                       "$DASK_IPAR_CONFIG, else ./dask-ipar.yaml)")
     p.add_argument("--cluster", choices=["local", "slurm", "pbs", "lsf", "sge"],
                    help=f"where the workers of {what} run (default local, or cluster.kind of "
-                   "the config; batch systems need the hpc extra)")
+                   "the config; batch systems need the hpc extra and the cluster section "
+                   "of the config)")
     p.add_argument("--scheduler-address",
                    help="use the dask cluster at this address instead of starting one")
     p.add_argument("--connect-timeout", type=float,
                    help="seconds to try reaching --scheduler-address (default 10)")
-    p.add_argument("--wait-timeout", type=float,
-                   help="seconds to wait for the workers to connect (default 600)")
+    p.add_argument("--wait-timeout", type=float, help=wait_help)
 
 
 def command_cluster(args, n_workers: int, *, threads_per_worker: int | None = None):

@@ -15,7 +15,15 @@ import time
 import numpy as np
 
 from dask_ipar.cli import checks
-from dask_ipar.cli.args import eprint, fraction, positive_int, report, resolve_grid, widths
+from dask_ipar.cli.args import (
+    add_cluster_flags,
+    eprint,
+    fraction,
+    positive_int,
+    report,
+    resolve_grid,
+    widths,
+)
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.loop import Callback, Interrupted
 
@@ -85,16 +93,10 @@ def add_parser(sub):
                    help="Zarr, HDF5 and .npy --data is read by the workers chunk by chunk and "
                    "shuffled within windows of this many chunks (default 8; 0: a full "
                    "shuffle, reading single rows)")
-    p.add_argument("--cluster", choices=["local", "slurm", "pbs", "lsf", "sge"],
-                   help="where the workers run (default local; batch systems need the hpc "
-                   "extra and the cluster section of the config)")
-    p.add_argument("--scheduler-address",
-                   help="use the dask cluster at this address instead of starting one")
-    p.add_argument("--connect-timeout", type=float,
-                   help="seconds to try reaching --scheduler-address (default 10)")
-    p.add_argument("--wait-timeout", type=float,
-                   help="seconds to wait for the grid's workers to connect, at the start and "
-                   "again after a lost worker (default 600; batch jobs may queue that long)")
+    add_cluster_flags(p, "the training", config=False,
+                      wait_help="seconds to wait for the grid's workers to connect, at the "
+                      "start and again after a lost worker (default 600; batch jobs may "
+                      "queue that long)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save model and optimizer state to Zarr checkpoints here")
     p.add_argument("--checkpoint-every", type=positive_int, metavar="N",
