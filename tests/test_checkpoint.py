@@ -355,7 +355,10 @@ def test_worker_killed_at_a_random_step_resumes_exactly(client4, data, tmp_path,
                                   optimizer=OPT, directory=tmp_path / "faulty",
                                   log=lines.append, on_step=on_step)
     msg = f"killed after step {kill_at}; log: {lines}"
-    assert killed and r["restarts"] == 1, msg
+    # one restart for the kill; under load the cluster's restart of the killed worker can
+    # race the recovery's own (dask/distributed#7312), a second fault counted as such
+    again = sum("left the cluster during recovery" in ln for ln in lines)
+    assert killed and again <= 1 and r["restarts"] == 1 + again, msg
     assert any("left the cluster" in ln for ln in lines), msg
     assert any(ln.startswith("recovered on workers") for ln in lines), msg
     assert victim not in model.binding.workers, msg  # re-bound to the restarted worker

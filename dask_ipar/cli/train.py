@@ -15,15 +15,8 @@ import time
 import numpy as np
 
 from dask_ipar.cli import checks
-from dask_ipar.cli.args import (
-    add_cluster_flags,
-    eprint,
-    fraction,
-    positive_int,
-    report,
-    resolve_grid,
-    widths,
-)
+from dask_ipar.cli.args import add_cluster_flags, eprint, fraction, positive_int, report
+from dask_ipar.cli.args import resolve_grid, widths
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.loop import Callback, Interrupted
 
