@@ -82,7 +82,7 @@ def train(model, X, y, directory, steps=8, every=2, **kw):
 
 
 # --------------------------------------------------------- stale momentum
-@pytest.mark.parametrize("grid", UNEVEN)
+@pytest.mark.parametrize("grid", ["4x1", "3x2", "1x5"])
 def test_every_checkpoint_holds_the_state_of_its_step(client, data, tmp_path, grid):
     """Saves at several steps (no lineage cut between them): each checkpoint's every array
     equals what the model holds at that step, bit for bit."""
