@@ -350,8 +350,7 @@ def waiting_jobs_note(cluster, connected_names) -> str:
     spec = getattr(cluster, "worker_spec", {}) or {}
     ids = []
     for name, job in _queued_jobs(cluster).items():
-        group = spec.get(name, {}).get("group")
-        workers = [f"{name}{g}" for g in group] if group else [str(name)]
+        workers = _worker_names(spec, name)
         if not any(w in connected_names for w in workers):
             ids.append(str(job.job_id))
     if not ids:
@@ -371,6 +370,13 @@ def waiting_jobs_note(cluster, connected_names) -> str:
         except (OSError, subprocess.SubprocessError):
             pass
     return note
+
+
+def _worker_names(spec: dict, name) -> list[str]:
+    """The worker names of job ``name``: the job's own, or with a suffix per process
+    (``SLURMCluster-0-0``, ``SLURMCluster-0-1``) when the job runs several."""
+    group = spec.get(name, {}).get("group")
+    return [f"{name}{g}" for g in group] if group else [str(name)]
 
 
 def _queued_jobs(cluster) -> dict:
@@ -404,8 +410,7 @@ def replace_dead_jobs(cluster, connected_names, *, grace_s: float = 10.0, log=No
     gone = []  # (name, job, key): all workers missing, after having connected
     for name, job in _queued_jobs(cluster).items():
         known.add(name)
-        group = spec.get(name, {}).get("group")
-        workers = [f"{name}{g}" for g in group] if group else [str(name)]
+        workers = _worker_names(spec, name)
         key = (name, job.job_id)
         if any(w in connected_names for w in workers):
             jobs[key] = None  # connected: not missing
