@@ -46,7 +46,7 @@ from dask_ipar.runtime.workers import wait_for_workers
 
 __all__ = ["make_cluster", "job_script", "jobqueue_kwargs", "local_threads", "JOBQUEUE_CLASSES",
            "QUIET_LOOP_CONFIG", "REUSE_MEMORY_ENV", "config_environ", "worker_environment",
-           "mute_shutdown_heartbeat_errors", "open_client", "dashboard_link",
+           "mute_shutdown_heartbeat_errors", "open_client", "dashboard_link", "serves",
            "IgnoreStopSignals"]
 
 
@@ -311,10 +311,10 @@ def dashboard_link(client) -> str | None:
         return f"http://127.0.0.1:{port}/status"
     # a scheduler started with --no-dashboard still serves /health on that port
     link = client.dashboard_link
-    return link if _serves(link) else None
+    return link if serves(link) else None
 
 
-def _serves(url: str, timeout_s: float = 2.0) -> bool:
+def serves(url: str, timeout_s: float = 2.0) -> bool:
     """Whether ``url`` answers with a page (the dashboard of a joined scheduler)."""
     import urllib.error
     import urllib.request

@@ -170,21 +170,24 @@ class ExchangePlugin(WorkerPlugin):
 class _Sender:
     """Pushes blocks to other workers from a program's thread, without waiting."""
 
-    def __init__(self, plugin, worker):
+    def __init__(self, plugin, worker, recorder=None):
         from distributed.protocol import to_serialize
         from distributed.sizeof import sizeof
 
         self.plugin, self.worker = plugin, worker
+        self.recorder = recorder  # the dashboard's timeline, or None
         self.loop = worker.loop.asyncio_loop
         self._ser, self._sizeof = to_serialize, sizeof
         self.pending: dict = {}  # key -> [concurrent futures]
 
     async def _send(self, dest, key, value, nbytes):
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time()
         await self.worker.rpc(dest).ipar_put(key=key, data=self._ser(value),
                                              sender=self.worker.address)
         self.plugin.log.append((self.worker.address, dest, time.perf_counter() - t0,
                                 [(key, nbytes)]))
+        if self.recorder is not None:
+            self.recorder.add(key[0], "send", w0, time.time(), dest)
 
     def push(self, key, value, dests):
         nbytes = self._sizeof(value)

@@ -69,6 +69,8 @@ class History:
     comm: object = None
     #: Why training ended before its last epoch (early stopping), else None.
     stopped: str | None = None
+    #: The run's id on the dashboard's ``/ipar`` page (:mod:`dask_ipar.dashboard`), if fed.
+    dashboard_uid: str | None = None
 
     @property
     def last(self) -> dict:

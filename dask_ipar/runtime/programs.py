@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from dask._task_spec import Task, TaskRef
 
+from dask_ipar.dashboard.recorder import recorder
 from dask_ipar.nn.graph import StepGraph, span_of_name
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.exchange import _plugin, _Sender
@@ -233,7 +234,8 @@ def run_program(prog: Program, *values):
 
     worker = get_worker()
     plugin = _plugin(worker)
-    sender = _Sender(plugin, worker)
+    rec = recorder(worker)  # the dashboard's timeline (None: not installed)
+    sender = _Sender(plugin, worker, rec)
     if prog.carried:
         env = {k: values[0][k] for k in prog.carried}
     else:
@@ -264,9 +266,15 @@ def run_program(prog: Program, *values):
             n = next((n for n, (_, node) in enumerate(todo)
                       if all(d in env for d in node.dependencies)), None)
             if n is None:
+                if rec is not None:  # what the first task in order waits for, and whom
+                    due = next(d for d in todo[0][1].dependencies if d not in env)
+                    rec.now("waiting", due[0], prog.remote.get(due))
+                    t0 = time.time()
                 with context_meter.meter("wait for blocks"):
                     arrived = plugin.wait(prog, waiting, started, last,
                                           None if seceded else SECEDE_AFTER_S)
+                if rec is not None:
+                    rec.add(due[0], "wait", t0, time.time(), prog.remote.get(due))
                 if not arrived and not seceded:
                     secede()  # a long wait: free the thread for other tasks
                     seceded = True
@@ -277,8 +285,13 @@ def run_program(prog: Program, *values):
             if isinstance(node, Task) and node.func in MUTATES:
                 sender.flush(deps)
             # the dashboard's fine performance metrics show each layer and phase's share
+            if rec is not None:
+                rec.now("computing", key[0])
+                t0 = time.time()
             with context_meter.meter(" ".join(span_of_name(key[0])["name"][1:])):
                 env[key] = value = node({d: env[d] for d in deps})
+            if rec is not None:
+                rec.add(key[0], "compute", t0, time.time())
             if key in prog.sends:
                 sender.push(key, value, prog.sends[key])
                 sent(key)
@@ -287,12 +300,16 @@ def run_program(prog: Program, *values):
                 if uses[d] == 0 and d not in keep:
                     env.pop(d, None)
         sender.flush()
+        if rec is not None:
+            rec.now("idle")
         return {k: env[k] for k in prog.outputs}
     except BaseException as exc:
         reason = f"{type(exc).__name__} on {worker.address}: {exc}"
         sender.abort_peers(prog, reason)
         plugin.drop([k for k in prog.remote if k in waiting])
         plugin.abort(tag=prog.tag, reason=reason)  # this worker's other program stops too
+        if rec is not None:
+            rec.now("idle", f"failed: {reason}")
         raise
     finally:
         if seceded:

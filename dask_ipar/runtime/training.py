@@ -150,6 +150,10 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
     post.extend(callbacks)  # the user's see the validation figures in the epoch record
     if log_file is not None:
         post.append(cbs.MetricsLog(log_file))
+    from dask_ipar.dashboard.feed import DashboardFeed, install_dashboard
+
+    if install_dashboard(model.client):  # the /ipar page: after the validation figures
+        post.append(DashboardFeed(meter, machine))
     if progress is True:
         post.append(cbs.ProgressBar())
     elif callable(progress):
