@@ -23,7 +23,7 @@ def client():
     with dask.config.set({"distributed.worker.profile.enabled": False}), worker_environment():
         cluster = LocalCluster(
             n_workers=N_WORKERS, threads_per_worker=1, processes=True,
-            host="127.0.0.1", dashboard_address=None,
+            host="127.0.0.1", dashboard_address="127.0.0.1:0",  # the /ipar page (tests)
         )
     c = Client(cluster)
     yield c

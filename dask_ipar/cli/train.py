@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 import signal
-import tempfile
 import threading
 import time
 
@@ -17,6 +16,7 @@ import numpy as np
 from dask_ipar.cli import checks
 from dask_ipar.cli.args import add_cluster_flags, eprint, fraction, positive_int, report
 from dask_ipar.cli.args import resolve_grid, widths
+from dask_ipar.cli.pages import performance_report_beside, training_page
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.loop import Callback, Interrupted
 
@@ -124,25 +124,6 @@ def add_parser(sub):
     p.add_argument("--json", action="store_true",
                    help="end with one JSON object on stdout (everything else goes to stderr)")
     p.set_defaults(func=run)
-
-
-@contextlib.contextmanager
-def _performance_report(path):
-    """Record dask's performance report (inline bokeh) when a run card is asked for."""
-    from dask_ipar.runtime.cluster import _has_bokeh
-
-    out = {}
-    if not path or not _has_bokeh():
-        yield out
-        return
-    from distributed import performance_report
-
-    with tempfile.TemporaryDirectory() as tmp:
-        fname = os.path.join(tmp, "dask-report.html")
-        with performance_report(filename=fname, mode="inline"):
-            yield out
-        with open(fname, encoding="utf-8") as fh:
-            out["html"] = fh.read()
 
 
 def _load_data(cfg):
@@ -407,6 +388,9 @@ def _run(args, signals) -> int:
                + (", inputs standardized" if standardize else ""))
         model.distribute(client, grid)
         model.executor = t["executor"]
+        page = training_page(client, cfg)
+        if page:
+            eprint(f"dask-ipar: training page {page}")
         callbacks = [signals.callback()]
         if t["patience"]:
             from dask_ipar.runtime.callbacks import EarlyStopping
@@ -424,7 +408,7 @@ def _run(args, signals) -> int:
         t_fit = time.perf_counter()
         history = None
         try:
-            with _performance_report(args.report) as perf:
+            with performance_report_beside(args.report) as perf:
                 history = model.fit(Xtr, ytr, epochs=t["epochs"], batch_size=t["batch"],
                                     optimizer=optimizer, seed=t["seed"],
                                     progress=not args.no_progress, machine=machine,
@@ -456,6 +440,10 @@ def _run(args, signals) -> int:
             return 128 + (interrupted.signum or signal.SIGINT)
         fit_s = time.perf_counter() - t_fit
         result = model.evaluate(Xte, yte)
+        from dask_ipar.dashboard import publish_test
+
+        publish_test(client, history, {"test_loss": result["loss"],
+                                       "test_accuracy": result["accuracy"]})
         n_seen = sum(s.batch for s in history.steps)
         summary = {
             "grid": str(grid), "pr": grid.pr, "pc": grid.pc, "model": widths,
@@ -481,9 +469,11 @@ def _run(args, signals) -> int:
             summary["saved"] = model.save(args.save)
             eprint(f"dask-ipar: model written to {args.save}")
         if args.report:
+            from dask_ipar.dashboard.recorder import collect_records
             from dask_ipar.io.report import write_run_card
 
-            write_run_card(args.report, summary, history, model, perf.get("html"))
+            records = collect_records(client, model.binding.workers, model.uid)
+            write_run_card(args.report, summary, history, model, perf.get("file"), records)
             eprint(f"dask-ipar: run card written to {args.report}")
         model.close()
     summary["seconds"] = time.perf_counter() - t_start

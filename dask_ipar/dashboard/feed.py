@@ -4,7 +4,7 @@
 the scheduler and :class:`~dask_ipar.dashboard.recorder.TimelineRecorder` on the workers
 (once per client); :class:`DashboardFeed`, a training-loop callback, publishes the run
 and its steps with ``Client.log_event`` (at most one message a second while training,
-plus one per epoch and per comm-table update). Both are off when the dask config key
+plus two per epoch). Both are off when the dask config key
 ``dask-ipar.dashboard`` is False (``DASK_DASK_IPAR__DASHBOARD=False``).
 """
 
@@ -83,8 +83,9 @@ def page_url(client) -> str | None:
 
 class DashboardFeed(Callback):
     """Publishes a run to the scheduler's ``/ipar`` page: the run when it begins, its
-    steps (batched, at most one message a second), each epoch, the comm table whenever
-    the meter drains (every 32 steps), and the end with the test figures if any."""
+    steps (batched, at most one message a second), each epoch with the comm table (at an
+    epoch's end every step has finished and the meter has drained the workers' logs, so
+    the measured bytes are those of whole steps), and the end."""
 
     def __init__(self, meter=None, machine=None, interval_s: float = 1.0):
         self.meter = meter
@@ -127,8 +128,6 @@ class DashboardFeed(Callback):
     def on_step_end(self, loop, stats):
         self._steps.append([int(stats.step), float(stats.loss), float(stats.accuracy),
                             float(stats.done_s + self._offset), int(stats.batch)])
-        if self.meter is not None and stats.step % 32 == 0:  # the meter drained just now
-            self._send_comm(loop)
         if stats.done_s - self._last >= self.interval_s:
             self._flush(loop)
 

@@ -230,7 +230,7 @@ class IparDashboard(SchedulerPlugin):
         out.append("<h2>Per layer and phase (per step)</h2>")
         out.append("<p class='muted'>Bytes and communication seconds: the cost model beside "
                    f"the workers' transfer logs (mean over the steps measured so far, "
-                   "updated every 32 steps). Compute and wait: from the timeline above "
+                   "updated at each epoch's end). Compute and wait: from the timeline above "
                    "(the largest over cells, mean of the recorded steps).</p>")
         out.append(phase_table_html(run.comm, tls))
         out.append("<h2>Training</h2>")

@@ -1,10 +1,12 @@
 """The run card: one self-contained HTML page per training run.
 
-It holds the model and grid, the training curve, the per-layer, per-phase
-predicted-vs-measured communication table, bytes per worker, and (when bokeh
-is installed) dask's own performance report embedded inline. Charts are
-plain inline SVG, so the card needs no JavaScript, no network and no extra
-dependency to render.
+It holds the model and grid, the training curves (loss, accuracy, throughput, with the
+validation and test figures), the per-cell timeline of the last recorded steps with the
+per-layer, per-phase table of the dashboard page (:mod:`dask_ipar.dashboard.render`),
+the predicted-vs-measured communication table and bytes per worker. Charts are
+inline SVG, so the card needs no JavaScript, no network and no extra dependency to
+render. Dask's own performance report, when recorded, is a file of its own beside the
+card (linked from it): its panels do not read well inside another page.
 """
 
 from __future__ import annotations
@@ -12,57 +14,15 @@ from __future__ import annotations
 import datetime as _dt
 import html
 
+from dask_ipar.dashboard.render import (CSS, curves_html, fmt_bytes, phase_table_html,
+                                        timeline_html)
+from dask_ipar.dashboard.timeline import step_timelines
+
 __all__ = ["render_run_card", "write_run_card"]
 
-_CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1100px;
-color:#1d2430;background:#fff}
-h1{font-size:1.6em;margin-bottom:.2em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid
-#dde;padding-bottom:.2em}
-table{border-collapse:collapse;margin:.5em 0;font-size:.92em}
-th,td{border:1px solid #cfd6e0;padding:.25em .6em;text-align:right}
-th{background:#eef2f7}td.l,th.l{text-align:left}
-.ok{color:#1a7f37;font-weight:600}.bad{color:#cf222e;font-weight:600}
-.kv td{text-align:left}.muted{color:#667}
+_CSS = CSS + """
 iframe{width:100%;height:900px;border:1px solid #cfd6e0}
 """
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
-def _line_chart(series: dict, width=520, height=200, title="") -> str:
-    """Inline SVG of one or more ``name -> [y, ...]`` series on a shared x axis."""
-    pad = 36
-    colors = ["#0969da", "#bf3989", "#1a7f37", "#9a6700"]
-    all_y = [v for ys in series.values() for v in ys]
-    if not all_y:
-        return ""
-    lo, hi = min(all_y), max(all_y)
-    hi = hi if hi > lo else lo + 1
-    n = max(len(ys) for ys in series.values())
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'role="img" aria-label="{html.escape(title)}">',
-             f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fbfcfe"/>',
-             f'<text x="{pad}" y="16" font-size="12">{html.escape(title)}</text>',
-             f'<text x="4" y="{pad}" font-size="10">{hi:.3g}</text>',
-             f'<text x="4" y="{height - pad + 10}" font-size="10">{lo:.3g}</text>']
-    for k, (name, ys) in enumerate(series.items()):
-        pts = " ".join(
-            f"{pad + (width - 2 * pad) * (i / max(n - 1, 1)):.1f},"
-            f"{height - pad - (height - 2 * pad) * ((y - lo) / (hi - lo)):.1f}"
-            for i, y in enumerate(ys))
-        c = colors[k % len(colors)]
-        parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.5" points="{pts}"/>')
-        parts.append(f'<text x="{width - 150}" y="{16 + 14 * k}" font-size="11" fill="{c}">'
-                     f'{html.escape(name)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
 
 
 def _bar_chart(rows, width=1000, bar_h=14) -> str:
@@ -86,13 +46,14 @@ def _bar_chart(rows, width=1000, bar_h=14) -> str:
             parts.append(f'<rect x="{label_w}" y="{y + k * bar_h}" width="{max(v * scale, 1):.1f}" '
                          f'height="{bar_h - 2}" fill="{c}"/>')
             parts.append(f'<text x="{label_w + v * scale + 4:.1f}" y="{y + k * bar_h + 10}" '
-                         f'font-size="10">{_fmt_bytes(v)}</text>')
+                         f'font-size="10">{fmt_bytes(v)}</text>')
         y += 2 * bar_h + 8
     parts.append("</svg>")
     return "".join(parts)
 
 
-def render_run_card(summary: dict, history, model, perf_report_html: str | None = None) -> str:
+def render_run_card(summary: dict, history, model, perf_report: str | None = None,
+                    records: dict | None = None) -> str:
     """The run card as an HTML string (see :func:`write_run_card`)."""
     esc = html.escape
     grid = model.binding.grid if model.binding is not None else None
@@ -129,10 +90,9 @@ def render_run_card(summary: dict, history, model, perf_report_html: str | None 
 
     if history.steps:
         out.append("<h2>Training</h2>")
-        out.append(_line_chart({"loss per step": [s.loss for s in history.steps]},
-                               title="loss per step"))
-        out.append(_line_chart({"accuracy per step": [s.accuracy for s in history.steps]},
-                               title="training accuracy per step"))
+        steps = [(s.step, s.loss, s.accuracy, s.done_s, s.batch) for s in history.steps]
+        out.append(curves_html(steps, history.epochs,
+                               {k: summary.get(k) for k in ("test_loss", "test_accuracy")}))
     if history.epochs:
         cols = [k for k in ("epoch", "loss", "accuracy", "val_loss", "val_accuracy", "lr",
                             "samples_per_s", "seconds") if k in history.epochs[0]]
@@ -143,14 +103,21 @@ def render_run_card(summary: dict, history, model, perf_report_html: str | None 
                 f"<td>{e[c]:.4g}</td>" if isinstance(e.get(c), float) else f"<td>{e.get(c)}</td>"
                 for c in cols) + "</tr>")
         out.append("</table>")
-        if "val_loss" in history.epochs[0]:
-            out.append(_line_chart({"training loss": [e["loss"] for e in history.epochs],
-                                    "validation loss": [e["val_loss"] for e in history.epochs]},
-                                   title="loss per epoch"))
         if history.stopped:
             out.append(f"<p>{esc(history.stopped)}</p>")
 
     comm = history.comm
+    if records and grid is not None:
+        cells = [((i, j), model.binding.worker(i, j)) for i, j in grid.cells()]
+        tls = step_timelines(records, {w: c for c, w in cells}, model.uid,
+                             complete_only=False)
+        out.append(f"<h2>Timeline of the last {len(tls)} recorded steps</h2>")
+        out.append(timeline_html(tls, cells))
+        out.append("<h2>Per layer and phase (per step)</h2>")
+        rows = [] if comm is None else [(r.layer, r.phase, r.predicted_bytes,
+                                         r.measured_bytes, r.predicted_s, r.measured_s)
+                                        for r in comm.rows]
+        out.append(phase_table_html(rows, tls))
     if comm is not None:
         out.append(f"<h2>Communication: predicted vs measured (per step, mean of {comm.steps} "
                    "steps)</h2>")
@@ -184,24 +151,26 @@ def render_run_card(summary: dict, history, model, perf_report_html: str | None 
                    "<th class='l'>worker</th><th>sent</th><th>received</th></tr>")
         for w in sorted(set(comm.sent_bytes) | set(comm.received_bytes)):
             out.append(f"<tr><td class='l'>{esc(w)}</td>"
-                       f"<td>{_fmt_bytes(comm.sent_bytes.get(w, 0))}</td>"
-                       f"<td>{_fmt_bytes(comm.received_bytes.get(w, 0))}</td></tr>")
+                       f"<td>{fmt_bytes(comm.sent_bytes.get(w, 0))}</td>"
+                       f"<td>{fmt_bytes(comm.received_bytes.get(w, 0))}</td></tr>")
         out.append("</table>")
 
-    out.append("<h2>Dask performance report</h2>")
-    if perf_report_html:
-        out.append(f"<iframe title='dask performance report' srcdoc=\"{esc(perf_report_html)}\">"
-                   "</iframe>")
-    else:
-        out.append("<p class='muted'>Not recorded (needs bokeh: pip install 'dask-ipar[train]')."
-                   "</p>")
+    if perf_report:
+        out.append(f"<h2>Dask performance report</h2><p>dask's own report of this run (task "
+                   f"stream, worker profile, bandwidth): <a href='{esc(perf_report)}'>"
+                   f"{esc(perf_report)}</a>.</p>")
     out.append("</body></html>")
     return "\n".join(out)
 
 
-def write_run_card(path, summary: dict, history, model, perf_report_html: str | None = None):
-    """Write the run card of a finished ``fit`` to ``path`` (one self-contained HTML file)."""
+def write_run_card(path, summary: dict, history, model, perf_report: str | None = None,
+                   records: dict | None = None):
+    """Write the run card of a finished ``fit`` to ``path`` (one self-contained HTML file).
+
+    ``perf_report``: the file name of dask's performance report beside it, to link;
+    ``records``: the workers' timeline records
+    (:func:`dask_ipar.dashboard.recorder.collect_records`), drawn as the timeline."""
     from pathlib import Path
 
-    Path(path).write_text(render_run_card(summary, history, model, perf_report_html),
+    Path(path).write_text(render_run_card(summary, history, model, perf_report, records),
                           encoding="utf-8")

@@ -1,0 +1,36 @@
+"""What ``dask-ipar train`` shows besides its result: the training page's address and
+dask's performance report beside the run card."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+__all__ = ["performance_report_beside", "training_page"]
+
+
+@contextlib.contextmanager
+def performance_report_beside(path):
+    """Record dask's performance report (inline bokeh) beside the run card, when one is
+    asked for: ``<card>.dask.html``, linked from the card."""
+    from dask_ipar.runtime.cluster import _has_bokeh
+
+    out = {}
+    if not path or not _has_bokeh():
+        yield out
+        return
+    from distributed import performance_report
+
+    fname = os.path.splitext(path)[0] + ".dask.html"
+    with performance_report(filename=fname, mode="inline"):
+        yield out
+    out["file"] = os.path.basename(fname)
+
+
+def training_page(client, cfg) -> str | None:
+    """The ``/ipar`` page's address where it answers (see the dashboard link's rules)."""
+    from dask_ipar.dashboard import install_dashboard, page_url
+
+    if not cfg["cluster"]["dashboard"] or not install_dashboard(client):
+        return None
+    return page_url(client)

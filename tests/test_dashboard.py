@@ -1,0 +1,271 @@
+"""The /ipar dashboard page and the run card's timeline: pure parts against hand-made
+records, the live page in headless Chromium during a run (both executors), an external
+scheduler, and the run card of a CNN."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+
+from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d, Sequential
+from dask_ipar.dashboard.svg import nice_ticks
+from dask_ipar.dashboard.timeline import bars_of, phase_summary, step_timelines
+from dask_ipar.runtime.loop import Callback
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+class _Rows(HTMLParser):
+    """Rows of the table with id ``table_id``: ``[[cell text, ...], ...]``."""
+
+    def __init__(self, table_id):
+        super().__init__()
+        self.id, self.rows, self._in, self._row, self._cell = table_id, [], False, None, None
+        self.ids = set()
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a:
+            self.ids.add(a["id"])
+        if tag == "table":
+            self._in = a.get("id") == self.id
+        elif tag == "tr" and self._in:
+            self._row = []
+        elif tag in ("td", "th") and self._row is not None:
+            self._cell = ""
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self._row.append(self._cell.strip())
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self.rows.append(self._row)
+            self._row = None
+        elif tag == "table":
+            self._in = False
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+
+def _table(html_text, table_id="phase-table"):
+    p = _Rows(table_id)
+    p.feed(html_text)
+    return p.rows, p.ids
+
+
+def _num(s):
+    return float(s) if s else 0.0
+
+
+def check_phase_table(html_text, layers, compute=("forward", "backward", "update"),
+                      ids=("grid", "timeline", "chart-loss", "chart-accuracy",
+                           "chart-throughput")):
+    """Every layer appears with its compute phases measured (> 0 ms) and every collective
+    the model predicts bytes for measured at the same bytes; one row is critical."""
+    rows, found = _table(html_text)
+    assert rows and rows[0][:4] == ["layer", "phase", "predicted bytes", "measured bytes"]
+    body = {(r[0], r[1].replace("◀ critical", "").strip()): r for r in rows[1:]}
+    for layer in layers:
+        for phase in compute:
+            assert _num(body[(layer, phase)][6]) > 0, (layer, phase, body.get((layer, phase)))
+    collectives = [r for r in body.values() if r[2] and _num(r[2]) > 0]
+    assert collectives, "no collective with predicted bytes"
+    for r in collectives:
+        assert _num(r[3]) == pytest.approx(_num(r[2])), r  # measured bytes = predicted
+        assert _num(r[5]) > 0, r  # and measured seconds
+    assert sum("critical" in r[1] for r in rows[1:]) == 1
+    assert set(ids) <= found
+    return body
+
+
+def _dump_dom(url, tmp_path, shot=None):
+    args = [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1400,2400"]
+    if shot is not None:
+        subprocess.run(args + [f"--screenshot={shot}", url], capture_output=True, timeout=120,
+                       check=True)
+    return subprocess.run(args + ["--dump-dom", url], capture_output=True, text=True,
+                          timeout=120, check=True).stdout
+
+
+def _digits(n=600, d=24, classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, d)).astype(np.float32)
+    return X, (X[:, :classes].argmax(1)).astype(np.int64)
+
+
+# ------------------------------------------------------------------ pure parts
+@pytest.mark.fast
+def test_timeline_bars_phases_and_the_critical_cell():
+    cells = {"a": (0, 0), "b": (1, 0)}
+    t = 100.0
+    recs = {
+        "a": [("dense0.act-u1-s5", "compute", t, t + 0.010, None),
+              ("dense0.act-u1-s5", "send", t + 0.010, t + 0.012, "b"),
+              ("dense0.bwd-u1-s5", "compute", t + 0.012, t + 0.015, None),
+              ("dense0.dz-u1-s5", "compute", t + 0.02, t + 0.021, None),
+              ("dense0.w-u1-s5", "compute", t + 0.021, t + 0.022, None),
+              ("dense0.dz-u1-s6", "compute", t + 1, t + 1.001, None),
+              ("dense0.dz-other-s5", "compute", t, t + 5, None)],  # another model's
+        "b": [("dense0.act-u1-s5", "wait", t + 0.001, t + 0.012, "a"),
+              ("dense0.dwp-u1-s5", "recv", t + 0.013, t + 0.030, "a"),
+              ("dense0.dz-u1-s5", "compute", t + 0.030, t + 0.040, None)],
+        "c": [("dense0.act-u1-s5", "compute", t, t + 9, None)],  # not a grid worker
+    }
+    per = bars_of(recs, cells, uid="u1")
+    assert sorted(per) == [5, 6]
+    five = per[5]
+    # dask's fetch is drawn on both lanes: received by b, sent by a
+    assert {(b.cell, b.kind) for b in five if b.phase == "dw_reduce"} == {((1, 0), "recv"),
+                                                                          ((0, 0), "send")}
+    wait = next(b for b in five if b.kind == "wait")
+    assert (wait.layer, wait.phase, wait.peer) == ("dense0", "fwd_gather", (0, 0))
+    tls = step_timelines(recs, cells, "u1")  # step 6 is the newest: not complete yet
+    assert [tl.step for tl in tls] == [5]
+    tl = tls[0]
+    assert tl.critical_cell() == (1, 0) and tl.seconds == pytest.approx(0.040)
+    rows, critical = phase_summary(tls)
+    by = {(r["layer"], r["phase"]): r for r in rows}
+    assert by[("dense0", "forward")]["compute_s"] == pytest.approx(0.010)
+    assert by[("dense0", "fwd_gather")]["wait_s"] == pytest.approx(0.011)
+    # the largest over cells: a's 3 + 1 ms against b's 10 ms
+    assert by[("dense0", "backward")]["compute_s"] == pytest.approx(0.010)
+    assert by[("dense0", "update")]["compute_s"] == pytest.approx(0.001)
+    # on the critical cell (1, 0) the 11 ms wait outweighs the 10 ms backward
+    assert (critical["layer"], critical["phase"]) == ("dense0", "fwd_gather")
+    assert critical["critical_s"] == pytest.approx(0.011)
+    assert [tl.step for tl in step_timelines(recs, cells, "u1", complete_only=False)] == [5, 6]
+
+
+@pytest.mark.fast
+def test_nice_ticks_cover_the_range():
+    for lo, hi in [(0, 1), (0.13, 0.97), (3, 1234), (-2.5, 7.1), (5, 5)]:
+        t = nice_ticks(lo, hi)
+        assert 2 <= len(t) <= 12 and t == sorted(t)
+        assert t[0] <= lo + 1e-9 or t[0] - lo < (t[1] - t[0])
+
+
+# ------------------------------------------------------------------ live page
+def _page_base(client):
+    port = client.scheduler_info()["services"]["dashboard"]
+    return f"http://127.0.0.1:{port}/ipar"
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+@pytest.mark.parametrize("executor", ["programs", "graph"])
+def test_page_shows_every_layer_and_phase_while_training(client, executor, tmp_path):
+    """The page, opened in headless Chromium while a 2x2 MLP trains, shows every layer's
+    compute phases with measured milliseconds and every collective with its bytes measured
+    equal to the prediction; the grid, the timeline and the curves are there."""
+    X, y = _digits(1200)
+    model = Sequential([Dense(32, "relu"), Dense(16, "relu"), Dense(4)], input_dim=24)
+    model.distribute(client, "2x2")
+    model.executor = executor
+    out = {}
+
+    class Watch(Callback):  # the run goes on until the page has been read
+        def on_step_end(self, loop, stats):
+            out["step"] = stats.step
+            if out.get("read"):
+                loop.stop("the page was read")
+
+    fit = threading.Thread(target=lambda: out.setdefault("h", model.fit(
+        X, y, epochs=60, batch_size=40, callbacks=[Watch()])))
+    fit.start()
+    try:
+        deadline = time.monotonic() + 120
+        while out.get("step", 0) < 40:  # the comm table comes at the end of each epoch (30 steps)
+            assert fit.is_alive() and time.monotonic() < deadline
+            time.sleep(0.1)
+        dom = _dump_dom(_page_base(client), tmp_path)
+    finally:
+        out["read"] = True
+        fit.join()
+        model.close()
+    assert out["h"].stopped and len(out["h"].epochs) < 60  # read mid-run
+    assert "training" in _table(dom, "run")[0][0][1]  # read mid-run
+    check_phase_table(dom, ["dense0", "dense1", "dense2"])
+    assert dom.count('class="bar"') > 20  # kernels drawn in the timeline
+    cells = _table(dom, "grid")[0]
+    assert len(cells) == 3 and all("memory" in c for r in cells[1:] for c in r[1:])
+    data = json.loads(urllib.request.urlopen(_page_base(client) + "/data.json").read())
+    assert data["run"]["executor"] == executor and data["timeline"]
+
+
+def test_page_on_an_external_scheduler(tmp_path):
+    """A scheduler started by ``dask scheduler`` (its dashboard on) gets the page from
+    the client that trains on it; the CLI prints its address."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
+                              "127.0.0.1", "--port", str(port), "--dashboard-address",
+                              "127.0.0.1:0"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
+                                "--nworkers", "2", "--nthreads", "1", "--no-dashboard"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        run = subprocess.run([sys.executable, "-m", "dask_ipar.cli", "train",
+                              "--scheduler-address", address, "--grid", "2x1", "--epochs",
+                              "2", "--no-progress", "--executor", "graph"],
+                             capture_output=True, text=True, timeout=180,
+                             env=dict(os.environ))
+        assert run.returncode == 0, run.stderr[-3000:]
+        page = next(ln.split()[-1] for ln in run.stderr.splitlines()
+                    if ln.startswith("dask-ipar: training page "))
+        assert page.startswith("http://127.0.0.1:") and page.endswith("/ipar")
+        html_text = urllib.request.urlopen(page).read().decode()
+        check_phase_table(html_text, ["dense0", "dense1", "dense2"])
+        assert "finished" in html_text and "test accuracy" in html_text
+    finally:
+        for p in (workers, sched):
+            p.terminate()
+        for p in (workers, sched):
+            p.wait(timeout=30)
+
+
+# ------------------------------------------------------------------ run card
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_run_card_of_a_cnn_shows_the_timeline(client, tmp_path):
+    """The run card of a 2x2 strip CNN: the timeline's per-layer table with every conv,
+    pooling and dense layer measured, curves with axes and the validation curve,
+    rendered by headless Chromium at 1,400 px."""
+    from dask_ipar.dashboard.recorder import collect_records
+    from dask_ipar.io.report import write_run_card
+
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((160, 1, 8, 8)).astype(np.float32)
+    y = (X[:, 0, :4, :4].sum((1, 2)) > 0).astype(np.int64)
+    model = Sequential([Conv2d(4, 3, activation="relu"), MaxPool2d(2), Flatten(),
+                        Dense(8, "relu"), Dense(2)], input_shape=(1, 8, 8))
+    model.distribute(client, "2x2")
+    hist = model.fit(X, y, epochs=2, batch_size=32, validation_data=(X[:32], y[:32]))
+    records = collect_records(client, model.binding.workers, model.uid)
+    path = tmp_path / "card.html"
+    write_run_card(path, {"grid": "2x2", "test_accuracy": 0.5, "test_loss": 0.7}, hist, model,
+                   records=records)
+    model.close()
+    dom = _dump_dom(path.as_uri(), tmp_path, tmp_path / "card.png")
+    body = check_phase_table(dom, ["dense3", "dense4"],
+                             ids=("cells", "timeline", "chart-loss", "chart-accuracy"))
+    assert _num(body[("conv0", "forward")][6]) > 0 and ("conv0", "halo_fwd") in body
+    assert "validation loss" in dom and "test accuracy" in dom and "<iframe" not in dom
+    assert (tmp_path / "card.png").stat().st_size > 50_000
