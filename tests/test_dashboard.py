@@ -11,8 +11,6 @@ import sys
 import threading
 import time
 import urllib.request
-from html.parser import HTMLParser
-
 import numpy as np
 import pytest
 
@@ -20,50 +18,17 @@ from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d, Sequential
 from dask_ipar.dashboard.svg import nice_ticks
 from dask_ipar.dashboard.timeline import bars_of, phase_summary, step_timelines
 from dask_ipar.runtime.loop import Callback
+from htmltables import Tables
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-class _Rows(HTMLParser):
-    """Rows of the table with id ``table_id``: ``[[cell text, ...], ...]``."""
-
-    def __init__(self, table_id):
-        super().__init__()
-        self.id, self.rows, self._in, self._row, self._cell = table_id, [], False, None, None
-        self.ids = set()
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if "id" in a:
-            self.ids.add(a["id"])
-        if tag == "table":
-            self._in = a.get("id") == self.id
-        elif tag == "tr" and self._in:
-            self._row = []
-        elif tag in ("td", "th") and self._row is not None:
-            self._cell = ""
-
-    def handle_endtag(self, tag):
-        if tag in ("td", "th") and self._cell is not None:
-            self._row.append(self._cell.strip())
-            self._cell = None
-        elif tag == "tr" and self._row is not None:
-            self.rows.append(self._row)
-            self._row = None
-        elif tag == "table":
-            self._in = False
-
-    def handle_data(self, data):
-        if self._cell is not None:
-            self._cell += data
-
-
 def _table(html_text, table_id="phase-table"):
-    p = _Rows(table_id)
+    p = Tables()
     p.feed(html_text)
-    return p.rows, p.ids
+    return p.tables.get(table_id, []), p.ids
 
 
 def _num(s):

@@ -2,45 +2,12 @@
 
 from __future__ import annotations
 
-from html.parser import HTMLParser
-
 import numpy as np
 import pytest
 
 from dask_ipar import Dense, Sequential
 from dask_ipar.io.report import write_run_card
-
-
-class _Tables(HTMLParser):
-    """Collect the cell texts of every table with an id."""
-
-    def __init__(self):
-        super().__init__()
-        self.tables, self._id, self._row, self._cell = {}, None, None, None
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if tag == "table" and "id" in a:
-            self._id = a["id"]
-            self.tables[self._id] = []
-        elif tag == "tr" and self._id:
-            self._row = []
-        elif tag in ("td", "th") and self._row is not None:
-            self._cell = ""
-
-    def handle_endtag(self, tag):
-        if tag in ("td", "th") and self._cell is not None:
-            self._row.append(self._cell.strip())
-            self._cell = None
-        elif tag == "tr" and self._row is not None:
-            self.tables[self._id].append(self._row)
-            self._row = None
-        elif tag == "table":
-            self._id = None
-
-    def handle_data(self, data):
-        if self._cell is not None:
-            self._cell += data
+from htmltables import Tables as _Tables
 
 
 @pytest.fixture(scope="module")
