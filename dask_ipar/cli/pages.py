@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["performance_report_beside", "training_page"]
+__all__ = ["dashboard_setting", "performance_report_beside", "training_page"]
 
 
 @contextlib.contextmanager
@@ -25,6 +25,16 @@ def performance_report_beside(path):
     with performance_report(filename=fname, mode="inline"):
         yield out
     out["file"] = os.path.basename(fname)
+
+
+def dashboard_setting(cfg):
+    """The dask config under which ``train`` fits: ``--no-dashboard`` (``cluster.dashboard:
+    false``) also turns off the ``/ipar`` page and its feed."""
+    import dask
+
+    if cfg["cluster"]["dashboard"]:
+        return contextlib.nullcontext()
+    return dask.config.set({"dask-ipar.dashboard": False})
 
 
 def training_page(client, cfg) -> str | None:

@@ -4,9 +4,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import signal
 import threading
 import time
@@ -16,7 +14,7 @@ import numpy as np
 from dask_ipar.cli import checks
 from dask_ipar.cli.args import add_cluster_flags, eprint, fraction, positive_int, report
 from dask_ipar.cli.args import resolve_grid, widths
-from dask_ipar.cli.pages import performance_report_beside, training_page
+from dask_ipar.cli.pages import dashboard_setting, performance_report_beside, training_page
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.loop import Callback, Interrupted
 
@@ -408,7 +406,8 @@ def _run(args, signals) -> int:
         t_fit = time.perf_counter()
         history = None
         try:
-            with performance_report_beside(args.report) as perf:
+            with performance_report_beside(args.report) as perf, \
+                    dashboard_setting(cfg):
                 history = model.fit(Xtr, ytr, epochs=t["epochs"], batch_size=t["batch"],
                                     optimizer=optimizer, seed=t["seed"],
                                     progress=not args.no_progress, machine=machine,

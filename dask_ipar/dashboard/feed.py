@@ -81,6 +81,10 @@ def page_url(client) -> str | None:
     return url if serves(url) else None
 
 
+def _cells(model) -> list:
+    return [[i, j, model.binding.worker(i, j)] for i, j in model.binding.grid.cells()]
+
+
 class DashboardFeed(Callback):
     """Publishes a run to the scheduler's ``/ipar`` page: the run when it begins, its
     steps (batched, at most one message a second), each epoch with the comm table (at an
@@ -120,10 +124,16 @@ class DashboardFeed(Callback):
         self._send(model.client, {
             "kind": "run", "uid": self.uid, "model_uid": model.uid, "model": repr(model),
             "grid": str(grid), "pr": grid.pr, "pc": grid.pc, "executor": model.executor,
-            "cells": [[i, j, model.binding.worker(i, j)] for i, j in grid.cells()],
+            "cells": _cells(model),
             "layers": [lay.name for lay in model.engine.layouts],
             "batch": int(loop.plan.batch), "total_steps": int(loop.total_steps),
             "predicted_step_s": pred, "predicted_note": note, "started": time.time()})
+
+    def on_rewind(self, loop, step):
+        if self.uid is not None and loop.model.binding is not None:  # the grid's new workers
+            self._steps = [s for s in self._steps if s[0] <= step]
+            self._send(loop.model.client, {"kind": "rewind", "uid": self.uid, "step": int(step),
+                                           "cells": _cells(loop.model)})
 
     def on_step_end(self, loop, stats):
         self._steps.append([int(stats.step), float(stats.loss), float(stats.accuracy),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import html
 import json
-import time
 from collections import deque
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -58,7 +57,6 @@ class _Run:
         self.ended: str | None = None
         self.records: dict = {}  # worker -> deque of records
         self.since: dict = {}  # worker -> end time of its newest record seen
-        self.updated = time.time()
 
     @property
     def cells(self):
@@ -77,7 +75,6 @@ class IparDashboard(SchedulerPlugin):
 
     def __init__(self):
         self.runs: dict = {}
-        self.served = False
 
     async def start(self, scheduler):
         self.scheduler = scheduler
@@ -107,7 +104,6 @@ class IparDashboard(SchedulerPlugin):
             (ROUTE + r"/fragment", _Handler, {"kind": "fragment"}),
             (ROUTE + r"/data\.json", _Handler, {"kind": "json"}),
         ])
-        self.served = True
 
     # ------------------------------------------------------------ events
     def log_event(self, topic, msg):
@@ -122,11 +118,16 @@ class IparDashboard(SchedulerPlugin):
         run = self.runs.get(uid)
         if run is None:
             return
-        run.updated = time.time()
         if kind == "steps":
             run.steps.extend(tuple(s) for s in msg["steps"])
         elif kind == "epoch":
             run.epochs.append(msg["record"])
+        elif kind == "rewind":  # back to a checkpoint, perhaps on other workers
+            run.info["cells"] = msg["cells"]
+            kept = [s for s in run.steps if s[0] <= msg["step"]]
+            run.steps.clear()
+            run.steps.extend(kept)
+            run.epochs = [e for e in run.epochs if e.get("steps", 0) <= msg["step"]]
         elif kind == "comm":
             run.comm = msg["rows"]
         elif kind == "end":
@@ -229,7 +230,7 @@ class IparDashboard(SchedulerPlugin):
         out.append(timeline_html(tls, run.cells))
         out.append("<h2>Per layer and phase (per step)</h2>")
         out.append("<p class='muted'>Bytes and communication seconds: the cost model beside "
-                   f"the workers' transfer logs (mean over the steps measured so far, "
+                   "the workers' transfer logs (mean over the steps measured so far, "
                    "updated at each epoch's end). Compute and wait: from the timeline above "
                    "(the largest over cells, mean of the recorded steps).</p>")
         out.append(phase_table_html(run.comm, tls))

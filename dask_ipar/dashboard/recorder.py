@@ -69,7 +69,8 @@ class TimelineRecorder(WorkerPlugin):
             return
         ts = self.worker.state.tasks.get(key)
         if start == "executing":
-            if getattr(getattr(ts, "run_spec", None), "func", None).__name__ == "pick":
+            func = getattr(getattr(ts, "run_spec", None), "func", None)
+            if getattr(func, "__name__", "") == "pick":
                 return  # an output taken from a program's result: not a kernel
             for ss in reversed(ts.startstops if ts is not None else ()):
                 if ss.get("action") == "compute":

@@ -12,7 +12,7 @@ import math
 import statistics
 
 from dask_ipar.dashboard.svg import legend_html, line_chart, phase_color, timeline_svg
-from dask_ipar.dashboard.timeline import phase_summary
+from dask_ipar.dashboard.timeline import layer_phase, phase_summary
 
 __all__ = ["CSS", "grid_html", "phase_table_html", "timeline_html", "curves_html",
            "step_time_s", "fmt_bytes"]
@@ -95,10 +95,8 @@ def grid_html(grid, cells, status: dict, cell_of: dict) -> str:
 
 
 def _what(name: str, block: bool = False) -> tuple:
-    from dask_ipar.dashboard.timeline import _layer_phase
-
     try:
-        return _layer_phase(name, "wait" if block else "compute")
+        return layer_phase(name, "wait" if block else "compute")
     except Exception:  # noqa: BLE001 - a name of another kind: shown as it is
         return (name,)
 

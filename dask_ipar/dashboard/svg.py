@@ -123,7 +123,7 @@ def line_chart(series: dict, *, x_label: str, y_label: str, title: str, width: i
         else:
             out.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.6" points="'
                        + " ".join(f"{a:.1f},{b:.1f}" for a, b in p) + '"/>')
-        out.append(f'<text x="{lx}" y="{16 + 0 * k}" dx="{-130 * (len(series) - 1 - k)}" '
+        out.append(f'<text x="{lx}" y="16" dx="{-130 * (len(series) - 1 - k)}" '
                    f'font-size="11" text-anchor="end" fill="{c}">&#9632; '
                    f'{html.escape(name)}</text>')
     out.append("</svg>")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from dask_ipar.nn.graph import phase_of_key, span_of_name
 
 __all__ = ["Bar", "StepTimeline", "bars_of", "step_timelines", "phase_summary", "step_of_name",
-           "uid_of_name", "KINDS"]
+           "uid_of_name", "layer_phase", "KINDS"]
 
 #: Record kinds: computing, waiting for a block, a block travelling out, one fetched in.
 KINDS = ("compute", "wait", "send", "recv")
@@ -77,7 +77,8 @@ class Bar:
         return f"{self.layer} {self.phase}{verb}{who}: {1e3 * self.seconds:.2f} ms"
 
 
-def _layer_phase(name: str, kind: str) -> tuple[str, str]:
+def layer_phase(name: str, kind: str) -> tuple[str, str]:
+    """``(layer, phase)`` of a key name: a kernel's span, or the collective moving a block."""
     if kind != "compute":  # a block in transit: the collective that moves it
         lp = phase_of_key(name)
         if lp is not None:
@@ -134,7 +135,7 @@ def bars_of(records, cell_of, uid: str | None = None):
             step = step_of_name(name)
             if step is None or (uid is not None and uid_of_name(name) != uid):
                 continue
-            layer, phase = _layer_phase(name, kind)
+            layer, phase = layer_phase(name, kind)
             other = cell_of.get(peer) if peer else None
             out[step].append(Bar(cell, layer, phase, kind, t0, t1, other))
             if kind == "recv" and other is not None:  # dask's fetch: the sender's side too

@@ -20,9 +20,6 @@ from dask_ipar.dashboard.timeline import step_timelines
 
 __all__ = ["render_run_card", "write_run_card"]
 
-_CSS = CSS + """
-iframe{width:100%;height:900px;border:1px solid #cfd6e0}
-"""
 
 
 def _bar_chart(rows, width=1000, bar_h=14) -> str:
@@ -59,12 +56,12 @@ def render_run_card(summary: dict, history, model, perf_report: str | None = Non
     grid = model.binding.grid if model.binding is not None else None
     out = ["<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
            f"<title>dask-ipar run card: {esc(str(summary.get('model', '')))} on "
-           f"{esc(str(grid))}</title><style>{_CSS}</style></head><body>",
+           f"{esc(str(grid))}</title><style>{CSS}</style></head><body>",
            "<h1>dask-ipar run card</h1>",
            f"<p class='muted'>{_dt.datetime.now().isoformat(timespec='seconds')}</p>",
            "<h2>Run</h2><table class='kv' id='summary'>"]
     for k, v in summary.items():
-        if k in ("comm", "history"):
+        if k in ("comm", "history", "input"):  # tables of their own below
             continue
         val = f"{v:.4g}" if isinstance(v, float) else str(v)
         out.append(f"<tr><th class='l'>{esc(str(k))}</th><td>{esc(val)}</td></tr>")
@@ -107,7 +104,7 @@ def render_run_card(summary: dict, history, model, perf_report: str | None = Non
             out.append(f"<p>{esc(history.stopped)}</p>")
 
     comm = history.comm
-    if records and grid is not None:
+    if grid is not None and records and any(records.values()):  # none: recorder off
         cells = [((i, j), model.binding.worker(i, j)) for i, j in grid.cells()]
         tls = step_timelines(records, {w: c for c, w in cells}, model.uid,
                              complete_only=False)
