@@ -60,6 +60,13 @@ def test_train_on_existing_scheduler(client, tmp_path, capsys):
     assert (f"; dashboard http://127.0.0.1:{port}/status" in line) == (serves == 200), line
     html = card.read_text()
     assert "comm-table" in html and "dense0" in html
+    from dask_ipar.runtime.cluster import _has_bokeh
+
+    if _has_bokeh():  # dask's report beside the card, calling code: the command typed
+        dask_html = (tmp_path / "run.dask.html").read_text()
+        assert "run.dask.html" in html
+        assert "dask-ipar train --scheduler-address" in dask_html
+        assert "performance_report_beside" not in dask_html
     assert out["grid"] == "2x1" and out["executor"] == "graph"
     assert out["test_accuracy"] > 0.5, out
     # the shared cluster keeps running: our own client still works

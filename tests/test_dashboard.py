@@ -15,9 +15,13 @@ import numpy as np
 import pytest
 
 from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d, Sequential
+from dask_ipar.dashboard.stream import program_records, splice, stream_groups
 from dask_ipar.dashboard.svg import nice_ticks
 from dask_ipar.dashboard.timeline import bars_of, phase_summary, step_timelines
 from dask_ipar.runtime.loop import Callback
+from dask.utils import key_split
+from distributed import get_task_stream
+from distributed.diagnostics.task_stream import TaskStreamPlugin, rectangles
 from htmltables import Tables
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -116,6 +120,41 @@ def test_timeline_bars_phases_and_the_critical_cell():
 
 
 @pytest.mark.fast
+def test_program_bars_replace_the_program_in_the_task_stream():
+    """A program's kernels and waits, grouped by layer and phase, take its place in
+    dask's task stream; the stream's running index still counts every entry."""
+    recs = [("dense0.act-u1-s4", "compute", 10.0, 10.1, None),
+            ("dense0.act-u1-s4", "send", 10.1, 10.2, "tcp://b"),
+            ("dense0.dwp-u1-s4", "wait", 10.1, 10.3, "tcp://b"),
+            ("dense0.act-u1-s4", "compute", 10.3001, 10.4, None),  # merges with the first
+            ("dense0.dz-u1-s4", "compute", 10.4, 10.5, None),
+            ("dense0.act-u1-s3", "compute", 10.5, 10.6, None),  # another step
+            ("dense0.dz-u1-s4", "compute", 9.0, 9.5, None)]  # before the program began
+    groups = stream_groups(program_records(recs, "u1-s4", 10.0))
+    assert [(k, a, len(s)) for k, a, s in groups] == [
+        ("dense0.forward-u1-s4", "compute", 2), ("dense0.dw_reduce-u1-s4-wait", "transfer", 1),
+        ("dense0.backward-u1-s4", "compute", 1)]
+    assert groups[0][2] == [[10.0, 10.1], [10.3001, 10.4]]  # the wait splits them
+
+    class Sched:
+        plugins: dict = {}
+
+    ts = TaskStreamPlugin(Sched(), maxlen=100)
+    prog = ("step.run0-u1-s4", 2)
+    for key in [("other", 0), prog]:
+        ts.transition(key, "processing", "memory", worker="tcp://a", thread=7, status="OK",
+                      startstops=[{"action": "compute", "start": 10.0, "stop": 10.5}])
+    assert splice(ts, prog, groups, delay=0.25)
+    assert ts.index == len(ts.buffer) == 4
+    rect = rectangles(list(ts.buffer))
+    assert sorted(set(rect["name"])) == ["dense0.backward", "dense0.forward", "other",
+                                         "transfer-dense0.dw_reduce"]
+    assert set(rect["worker_thread"]) == {"tcp://a-7"}  # the program's lane
+    assert min(rect["start"][1:]) == pytest.approx(1e3 * 10.30)  # mid-bar, shifted by 0.25
+    assert not splice(ts, prog, groups)  # replaced already
+
+
+@pytest.mark.fast
 def test_nice_ticks_cover_the_range():
     for lo, hi in [(0, 1), (0.13, 0.97), (3, 1234), (-2.5, 7.1), (5, 5)]:
         t = nice_ticks(lo, hi)
@@ -172,6 +211,34 @@ def test_page_shows_every_layer_and_phase_while_training(client, executor, tmp_p
     assert len(cells) == 3 and all("memory" in c for r in cells[1:] for c in r[1:])
     data = json.loads(urllib.request.urlopen(_page_base(client) + "/data.json").read())
     assert data["run"]["executor"] == executor and data["timeline"]
+
+
+def test_task_stream_names_each_program_layer_and_phase(client):
+    """With worker programs, dask's own task stream (``get_task_stream``, what the
+    dashboard's /status page and ``performance_report`` draw) shows each layer's forward,
+    backward and update and each collective's waits, not one bar per program."""
+    X, y = _digits(320)
+    model = Sequential([Dense(32, "relu"), Dense(16, "relu"), Dense(4)], input_dim=24)
+    model.distribute(client, "2x2")
+    try:
+        with get_task_stream(client) as ts:
+            model.fit(X, y, epochs=2, batch_size=40)
+            deadline = time.monotonic() + 10  # the last programs' bars follow their end
+            while any(key_split(e["key"]).startswith("step.run")
+                      for e in client.get_task_stream()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:
+        model.close()
+    names = {("transfer-" if ss["action"] == "transfer" else "") + key_split(e["key"])
+             for e in ts.data for ss in e["startstops"]}
+    assert not [n for n in names if n.startswith("step.run")], names
+    for layer in ("dense0", "dense1", "dense2"):
+        assert {f"{layer}.forward", f"{layer}.backward", f"{layer}.update"} <= names
+    waits = {n for n in names if n.startswith("transfer-dense")}
+    assert {"transfer-dense1.fwd_gather", "transfer-dense2.dx_reduce"} <= waits, names
+    lanes = {(e["worker"], e["thread"]) for e in ts.data
+             if key_split(e["key"]) == "dense1.forward"}
+    assert len({w for w, _ in lanes}) == 4  # every grid cell's worker
 
 
 def test_page_on_an_external_scheduler(tmp_path, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # what the user typed (dask's performance report shows it as the calling code)
+    args.command_line = "dask-ipar " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return 2

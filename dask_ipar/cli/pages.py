@@ -10,20 +10,25 @@ __all__ = ["dashboard_setting", "performance_report_beside", "training_page"]
 
 
 @contextlib.contextmanager
-def performance_report_beside(path):
+def performance_report_beside(path, command: str = "dask-ipar train"):
     """Record dask's performance report (inline bokeh) beside the run card, when one is
-    asked for: ``<card>.dask.html``, linked from the card."""
+    asked for: ``<card>.dask.html``, linked from the card. Its "calling code" is the
+    ``command`` the user typed (not the helper that opened the report)."""
     from dask_ipar.runtime.cluster import _has_bokeh
 
     out = {}
     if not path or not _has_bokeh():
         yield out
         return
-    from distributed import performance_report
+    from distributed import get_client, performance_report
 
     fname = os.path.splitext(path)[0] + ".dask.html"
-    with performance_report(filename=fname, mode="inline"):
+    report = performance_report(filename=fname, mode="inline")
+    report.__enter__()
+    try:
         yield out
+    finally:  # written whether or not the training ended well, as ``with`` would
+        get_client().sync(report.__aexit__, None, None, None, code=command)
     out["file"] = os.path.basename(fname)
 
 

@@ -406,7 +406,8 @@ def _run(args, signals) -> int:
         t_fit = time.perf_counter()
         history = None
         try:
-            with performance_report_beside(args.report) as perf, \
+            with performance_report_beside(
+                    args.report, getattr(args, "command_line", "dask-ipar train")) as perf, \
                     dashboard_setting(cfg):
                 history = model.fit(Xtr, ytr, epochs=t["epochs"], batch_size=t["batch"],
                                     optimizer=optimizer, seed=t["seed"],

@@ -11,6 +11,9 @@ It
   dask's dashboard, or only ``/health`` where that is off): ``/ipar`` (the page),
   ``/ipar/fragment`` (its live part, which the page fetches every two seconds) and
   ``/ipar/data.json``;
+* puts the kernels and waits of each worker program (sent under :data:`STREAM_TOPIC` when
+  it ends) into dask's own task stream in place of the program's one bar
+  (:mod:`dask_ipar.dashboard.stream`);
 * asks the grid's workers, when the page is fetched, what they did since the last fetch
   and what they do now (the ``ipar_timeline`` handler of
   :class:`~dask_ipar.dashboard.recorder.TimelineRecorder`), and reads their memory from
@@ -29,6 +32,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_ipar.dashboard.render import (CSS, curves_html, grid_html, phase_table_html,
                                         step_time_s, timeline_html)
+from dask_ipar.dashboard.stream import STREAM_TOPIC, splice
 from dask_ipar.dashboard.timeline import step_timelines
 
 __all__ = ["IparDashboard", "PLUGIN_NAME", "TOPIC", "ROUTE"]
@@ -75,6 +79,7 @@ class IparDashboard(SchedulerPlugin):
 
     def __init__(self):
         self.runs: dict = {}
+        self._stream_pending: dict = {}  # program key -> its bars, until it finishes
 
     async def start(self, scheduler):
         self.scheduler = scheduler
@@ -105,8 +110,37 @@ class IparDashboard(SchedulerPlugin):
             (ROUTE + r"/data\.json", _Handler, {"kind": "json"}),
         ])
 
+    # ------------------------------------------------------------ task stream
+    def _task_stream(self):
+        """dask's task-stream plugin, where something reads the task stream (the
+        dashboard's pages, ``get_task_stream``, ``performance_report``), else None."""
+        return self.scheduler.plugins.get("task-stream")
+
+    def _program_ended(self, msg):
+        """A worker program's kernels and waits: into the task stream, in place of the
+        program's bar (now, or once the scheduler hears that the program finished)."""
+        stream = self._task_stream()
+        if stream is None:
+            return
+        key = tuple(msg["program"])
+        if not splice(stream, key, msg["groups"], msg.get("delay", 0.0)):
+            self._stream_pending[key] = msg
+            while len(self._stream_pending) > 4096:  # programs whose end never came
+                self._stream_pending.pop(next(iter(self._stream_pending)))
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "memory" and self._stream_pending and key in self._stream_pending:
+            msg = self._stream_pending.pop(key)
+            # after every plugin's hook: the task stream's entry is added by its own
+            self.scheduler.loop.add_callback(
+                lambda: (s := self._task_stream()) is not None
+                and splice(s, key, msg["groups"], msg.get("delay", 0.0)))
+
     # ------------------------------------------------------------ events
     def log_event(self, topic, msg):
+        if topic == STREAM_TOPIC and isinstance(msg, dict):
+            self._program_ended(msg)
+            return
         if topic != TOPIC or not isinstance(msg, dict):
             return
         kind, uid = msg.get("kind"), msg.get("uid")

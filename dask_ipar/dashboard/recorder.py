@@ -6,12 +6,14 @@ the last :data:`RECORDS` intervals of dask-ipar tasks as records
 
 * worker programs (:func:`dask_ipar.runtime.programs.run_program`) add their kernels,
   their waits for blocks and their sends themselves, and say what they are doing now
-  (:meth:`TimelineRecorder.now`);
+  (:meth:`TimelineRecorder.now`); when a program ends its kernels and waits go to the
+  scheduler for dask's task stream (:meth:`TimelineRecorder.program_done`);
 * tasks of the task-graph executor are read from dask's own records when they finish
   (the worker's ``startstops`` of a computed task, its incoming transfer log of a
   fetched block), in the plugin's ``transition`` hook.
 
-Recording costs a tuple per kernel; nothing leaves the worker until someone asks:
+Recording costs a tuple per kernel; apart from a program's one message at its end,
+nothing leaves the worker until someone asks:
 the dashboard page (over the ``ipar_timeline`` handler, from the scheduler) or the run
 card (:func:`collect_records`, from the client).
 """
@@ -22,6 +24,8 @@ import time
 from collections import deque
 
 from distributed.diagnostics.plugin import WorkerPlugin
+
+from dask_ipar.dashboard.stream import STREAM_TOPIC, program_records, stream_groups
 
 __all__ = ["TimelineRecorder", "RECORDER_NAME", "RECORDS", "recorder", "collect_records",
            "install_recorder"]
@@ -55,6 +59,16 @@ class TimelineRecorder(WorkerPlugin):
     # programs (a worker thread): append is atomic on a deque
     def add(self, name, kind, t0, t1, peer=None):
         self.records.append((name, kind, t0, t1, peer))
+
+    def program_done(self, key, tag: str, since: float) -> None:
+        """Send what program ``key`` (step ``tag``, started at ``since``) did to the
+        scheduler, which shows it in dask's task stream in place of the program's one bar
+        (:mod:`dask_ipar.dashboard.stream`)."""
+        groups = stream_groups(program_records(list(self.records), tag, since))
+        if groups:
+            self.worker.log_event(STREAM_TOPIC, {
+                "program": list(key), "groups": groups,
+                "delay": float(getattr(self.worker, "scheduler_delay", 0.0))})
 
     def now(self, state, what="", peer=None):
         """Say what this worker's program does now: ``computing``, ``waiting``, ``idle``."""

@@ -93,6 +93,8 @@ class Program:
     timeout_s: float = DEFAULT_TIMEOUT_S
     #: keys taken from the result of this worker's first program (its only argument)
     carried: list = field(default_factory=list)
+    #: the program's own task key (what dask's task stream names it by)
+    key: tuple = ()
 
 
 def _order(dsk: dict) -> list:
@@ -201,6 +203,7 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
                 carried=sorted(carry.get(w, ()), key=str) if p == 1 else [],
             )
             pkey = (f"step.run{p if early else ''}-{tag}", n)
+            prog.key = pkey
             args = [TaskRef(prev)] if p == 1 else [TaskRef(k) for k in inputs]
             out.add(pkey, w, run_program, prog, *args)
             prog_keys.append(pkey)
@@ -235,6 +238,7 @@ def run_program(prog: Program, *values):
     worker = get_worker()
     plugin = _plugin(worker)
     rec = recorder(worker)  # the dashboard's timeline (None: not installed)
+    began = time.time()
     sender = _Sender(plugin, worker, rec)
     if prog.carried:
         env = {k: values[0][k] for k in prog.carried}
@@ -302,6 +306,7 @@ def run_program(prog: Program, *values):
         sender.flush()
         if rec is not None:
             rec.now("idle")
+            rec.program_done(prog.key, prog.tag, began)
         return {k: env[k] for k in prog.outputs}
     except BaseException as exc:
         reason = f"{type(exc).__name__} on {worker.address}: {exc}"
