@@ -3,7 +3,9 @@
 Trains a 2x2 MLP and a 2x2 strip CNN on the bundled digits on a LocalCluster of four
 worker processes, opens ``<dashboard>/ipar`` in headless Chromium while each one trains,
 writes each run card, and screenshots both at 1,400 px width into ``docs/img/``:
-``dashboard-mlp.png``, ``dashboard-cnn.png``, ``runcard-mlp.png``, ``runcard-cnn.png``.
+``dashboard-mlp.png``, ``dashboard-cnn.png``, ``runcard-mlp.png``, ``runcard-cnn.png``;
+and dask's own task stream of the 2x2 MLP's worker programs (the Task Stream tab of a
+``performance_report``), ``task-stream-programs.png``.
 
     python scripts/dashboard_shots.py          # needs Debian's chromium and dask-ipar[train]
 """
@@ -70,6 +72,26 @@ def train_and_shoot(client, chromium, name, model, X, y, Xv, yv, tmp, page_h, ca
     shot(chromium, card.as_uri(), OUT / f"runcard-{name}.png", card_h, tmp / "profile")
 
 
+def task_stream_shot(client, chromium, model, X, y, tmp):
+    """Dask's task stream of one epoch of worker programs: a bar per layer and phase."""
+    import re
+
+    from distributed import performance_report
+
+    model.distribute(client, "2x2")
+    report = tmp / "perf.html"
+    with performance_report(filename=str(report), mode="inline"):
+        model.fit(X, y, epochs=1, batch_size=64)
+        time.sleep(0.5)  # the last programs' bars
+    model.close()
+    page = report.read_text()  # open the report on its "Task Stream" tab
+    page, n = re.subn(r'("name":"Tabs","id":"p\d+","attributes":\{)', r'\1"active":1,', page,
+                      count=1)
+    assert n == 1, "the performance report's layout changed: no Tabs"
+    report.write_text(page)
+    shot(chromium, report.as_uri(), OUT / "task-stream-programs.png", 700, tmp / "profile")
+
+
 def main() -> int:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -89,6 +111,8 @@ def main() -> int:
         tmp = Path(d)
         mlp = Sequential([Dense(128, "relu"), Dense(64, "relu"), Dense(10)], input_dim=64)
         train_and_shoot(client, chromium, "mlp", mlp, Xtr, ytr, Xte, yte, tmp, 1900, 2900)
+        mlp = Sequential([Dense(128, "relu"), Dense(64, "relu"), Dense(10)], input_dim=64)
+        task_stream_shot(client, chromium, mlp, Xtr[:640], ytr[:640], tmp)
         img = lambda X: np.asarray(X, np.float32).reshape(-1, 1, 8, 8)  # noqa: E731
         cnn = Sequential([Conv2d(8, 3, activation="relu"), MaxPool2d(2), Flatten(),
                           Dense(64, "relu"), Dense(10)], input_shape=(1, 8, 8))
