@@ -60,7 +60,7 @@ from dask_ipar.io.checkpoint_format import FORMAT, VERSION, CheckpointCorrupt, C
 from dask_ipar.io.checkpoint_load import load, read_metadata
 from dask_ipar.io.checkpoint_save import save
 from dask_ipar.runtime.workers import scheduler_gone, scheduler_workers, wait_for_workers
-from dask_ipar.errors import IparError
+from dask_ipar.errors import IparError, WorkerHung
 from dask_ipar.runtime.loop import Callback
 
 __all__ = [
@@ -250,6 +250,9 @@ class Checkpointing(Callback):
         model = loop.model
         if scheduler_gone(model.client):
             return None  # no cluster to recover on: the error ends the run
+        if isinstance(exc, WorkerHung):  # restarted (or removed) already: it is gone
+            exc = WorkerLost(exc.workers, f"training step {loop._submitted} (it stopped "
+                             f"answering for {exc.silent_s:.0f} s and was restarted)")
         if not isinstance(exc, WorkerLost):
             workers = model.binding.workers
             alive = set(scheduler_workers(model.client))

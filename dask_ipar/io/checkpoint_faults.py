@@ -11,7 +11,8 @@ import contextlib
 import time
 
 from dask_ipar.io.checkpoint_format import CheckpointCorrupt, CheckpointStorageError
-from dask_ipar.runtime.workers import scheduler_workers
+from dask_ipar.runtime.workers import (hung_after_s, hung_workers, release_hung_workers,
+                                       scheduler_workers)
 from dask_ipar.errors import IparError
 
 __all__ = ["WorkerLost"]
@@ -55,7 +56,8 @@ def _gone_soon(client, workers, grace_s=20.0):
 def _wait_alive(client, futures, workers, what, timeout_s=None, poll_s=0.5):
     """Wait for ``futures`` while checking that every grid worker is still there.
 
-    Raises :class:`WorkerLost` when one left (its pinned tasks would wait forever),
+    Raises :class:`WorkerLost` when one left (its pinned tasks would wait forever) or
+    stopped answering (no heartbeat for ``dask-ipar.hung-after``: it is restarted first),
     IparError on timeout, and re-raises a task's own error.
     """
     from distributed import wait
@@ -73,9 +75,15 @@ def _wait_alive(client, futures, workers, what, timeout_s=None, poll_s=0.5):
             if gone:
                 raise WorkerLost(gone, what) from None
             raise
-        gone = [w for w in workers if w not in _alive(client)]
+        info = scheduler_workers(client)
+        gone = [w for w in workers if w not in info]
         if gone:
             raise WorkerLost(gone, what)
+        hung = hung_workers(info, workers, hung_after_s())
+        if hung:  # a stopped worker would hold the save forever: restart it, recover
+            release_hung_workers(client, [w for w, _ in hung])
+            raise WorkerLost([w for w, _ in hung], f"{what} (it stopped answering for "
+                             f"{max(s for _, s in hung):.0f} s and was restarted)")
         if deadline is not None and time.monotonic() > deadline:
             raise IparError(f"{what} did not finish within {timeout_s:.0f} s.")
     bad = [f for f in futures if f.status != "finished"]

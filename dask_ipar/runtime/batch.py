@@ -31,6 +31,7 @@ import warnings
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.worker_env import (
     QUIET_LOOP_CONFIG,
+    SCHEDULER_CONFIG,
     REUSE_MEMORY_ENV,
     blas_environ,
     check_n,
@@ -312,7 +313,7 @@ def start_batch_cluster(cfg: dict, n_workers: int, *, security=None, log=None):
         kw["protocol"] = "tls://"
     _mute_submit_tracebacks()
     try:
-        with dask.config.set(QUIET_LOOP_CONFIG), warnings.catch_warnings():
+        with dask.config.set({**QUIET_LOOP_CONFIG, **SCHEDULER_CONFIG}), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Port .* is already in use")
             # the scheduler runs in this process
             cluster = cluster_cls(scheduler_options=sched,

@@ -35,6 +35,7 @@ from dask_ipar.runtime.batch import (
 )
 from dask_ipar.runtime.worker_env import (
     QUIET_LOOP_CONFIG,
+    SCHEDULER_CONFIG,
     REUSE_MEMORY_ENV,
     blas_environ,
     check_n,
@@ -206,7 +207,7 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
         if cluster_cls is LocalCluster:
             kwargs["processes"] = True
         with warnings.catch_warnings(), worker_environment(c.get("reuse_memory", True)), \
-                dask.config.set(QUIET_LOOP_CONFIG):
+                dask.config.set({**QUIET_LOOP_CONFIG, **SCHEDULER_CONFIG}):
             warnings.filterwarnings("ignore", message="Port .* is already in use")
             cluster = cluster_cls(**kwargs)
     elif kind in JOBQUEUE_CLASSES:

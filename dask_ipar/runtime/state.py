@@ -16,12 +16,13 @@ import time
 import numpy as np
 from dask._task_spec import TaskRef
 
-from dask_ipar.errors import IparError
+from dask_ipar.errors import IparError, WorkerHung
 from dask_ipar.kernels import blocks as B
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.lineage import fold_finished_groups, missing_blocks, rekey_blocks
 from dask_ipar.runtime.weights import join_blocks
-from dask_ipar.runtime.workers import scheduler_workers
+from dask_ipar.runtime.workers import (hung_after_s, hung_workers, release_hung_workers,
+                                       scheduler_workers)
 
 __all__ = ["BlockStore"]
 
@@ -222,17 +223,34 @@ class BlockStore:
                 if (w := self.binding.worker(*c)) not in alive]
 
     def check_alive(self, step):
-        """Raise a clear error if a worker of the grid has left the cluster."""
-        gone = self._gone()
-        if gone:
-            cell, w = gone[0]
-            self.abort(f"worker {w} of grid cell {cell} left the cluster")
-            raise IparError(
-                f"worker {w} of grid cell {cell} left the cluster during step {step}; the blocks "
-                "it held are lost, so training stops here. Save checkpoints "
-                "(dask_ipar.io.checkpoint or `dask-ipar train --checkpoint-dir DIR`) and resume "
-                "from the last one (`--resume`) on the restarted cluster."
-            )
+        """Raise a clear error if a worker of the grid has left the cluster or stopped
+        answering (no heartbeat for ``dask-ipar.hung-after``; it is then restarted by its
+        nanny, or removed, so that a recovery finds it gone)."""
+        info = scheduler_workers(self.client)
+        cells = {self.binding.worker(*c): c for c in self.binding.grid.cells()}
+        gone = [(c, w) for w, c in cells.items() if w not in info]
+        if not gone:
+            hung = hung_workers(info, cells, hung_after_s())
+            if not hung:
+                return
+            w, silent = hung[0]
+            release_hung_workers(self.client, [h for h, _ in hung])
+            self.abort(f"worker {w} of grid cell {cells[w]} stopped answering")
+            raise WorkerHung(
+                f"worker {w} of grid cell {cells[w]} stopped answering during step {step} "
+                f"(no heartbeat for {silent:.0f} s: stopped, hung or swapping; "
+                "dask-ipar.hung-after); it was restarted or removed, the blocks it held are "
+                "lost, so training stops here. Save checkpoints (dask_ipar.io.checkpoint or "
+                "`dask-ipar train --checkpoint-dir DIR`): a run with them recovers by itself.",
+                [h for h, _ in hung], silent)
+        cell, w = gone[0]
+        self.abort(f"worker {w} of grid cell {cell} left the cluster")
+        raise IparError(
+            f"worker {w} of grid cell {cell} left the cluster during step {step}; the blocks "
+            "it held are lost, so training stops here. Save checkpoints "
+            "(dask_ipar.io.checkpoint or `dask-ipar train --checkpoint-dir DIR`) and resume "
+            "from the last one (`--resume`) on the restarted cluster."
+        )
 
     def wait_alive(self, futs, step):
         """Wait for ``futs``, checking every few seconds that the grid is intact."""

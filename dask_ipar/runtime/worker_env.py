@@ -12,7 +12,8 @@ import os
 from dask_ipar.config import DEFAULTS
 from dask_ipar.errors import IparError
 
-__all__ = ["QUIET_LOOP_CONFIG", "REUSE_MEMORY_ENV", "BLAS_THREAD_VARS", "blas_environ",
+__all__ = ["QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEMORY_ENV", "BLAS_THREAD_VARS",
+           "blas_environ",
            "config_environ", "config_exports", "worker_environment", "cluster_section",
            "check_n"]
 
@@ -25,6 +26,16 @@ __all__ = ["QUIET_LOOP_CONFIG", "REUSE_MEMORY_ENV", "BLAS_THREAD_VARS", "blas_en
 QUIET_LOOP_CONFIG = {
     "distributed.admin.tick.interval": "500ms",
     "distributed.admin.system-monitor.interval": "2s",
+}
+
+
+#: Settings of the schedulers dask-ipar starts (local and batch clusters): a worker that
+#: sends no heartbeat for a minute (stopped, hung, a suspended job) is removed from the
+#: cluster (dask's default waits 5 minutes). While a model trains or saves, dask-ipar
+#: notices sooner (``dask-ipar.hung-after``, 30 s) and restarts the worker through its
+#: nanny; this covers the rest (evaluation, prediction, idle clients).
+SCHEDULER_CONFIG = {
+    "distributed.scheduler.worker-ttl": "60s",
 }
 
 

@@ -9,8 +9,13 @@ from dask_ipar.errors import IparError
 from dask_ipar.runtime.batch import check_submissions, replace_dead_jobs, waiting_jobs_note
 from dask_ipar.layout.grid import Grid, GridBinding, parse_grid
 
-__all__ = ["scheduler_gone", "revive_lost_workers", "scheduler_workers", "wait_for_workers", "bind_grid", "hold_replicas",
-           "release_replicas"]
+__all__ = ["scheduler_gone", "revive_lost_workers", "scheduler_workers", "wait_for_workers",
+           "bind_grid", "hold_replicas", "release_replicas", "hung_after_s", "silent_for",
+           "hung_workers", "release_hung_workers", "HUNG_AFTER_S"]
+
+#: Seconds without a heartbeat (workers send one a second) after which a grid worker
+#: counts as hung: stopped (SIGSTOP, a suspended job), deadlocked or swapping.
+HUNG_AFTER_S = 30.0
 
 #: Models per scheduler address that hold dask's Active Memory Manager stopped.
 _AMM_HOLDS: dict[str, int] = {}
@@ -42,6 +47,70 @@ def scheduler_gone(client, timeout_s: float = 3.0) -> bool:
         except Exception:
             pass
     return True
+
+
+def hung_after_s() -> float:
+    """Seconds without a heartbeat after which a grid worker counts as hung: the dask config
+    key ``dask-ipar.hung-after`` (``"30s"`` by default; ``DASK_DASK_IPAR__HUNG_AFTER``)."""
+    import dask
+    from dask.utils import parse_timedelta
+
+    value = dask.config.get("dask-ipar.hung-after", HUNG_AFTER_S)
+    try:
+        secs = float(parse_timedelta(value, default="s"))
+    except (TypeError, ValueError, KeyError):
+        secs = -1.0
+    if not secs > 0:
+        raise IparError(f"the dask config key dask-ipar.hung-after is {value!r}; expected a "
+                        "positive duration such as '30s' or 45.")
+    return secs
+
+
+def silent_for(info: dict) -> dict:
+    """Seconds since each worker of ``info`` (the scheduler's ``identity()["workers"]``)
+    last sent a heartbeat, measured against the worker heard from last (so the client's
+    and the scheduler's clocks never meet, and a busy scheduler delays everyone alike).
+
+    >>> silent_for({"a": {"last_seen": 100.0}, "b": {"last_seen": 64.5}})
+    {'a': 0.0, 'b': 35.5}
+    """
+    seen = {w: v.get("last_seen") for w, v in info.items()
+            if isinstance(v.get("last_seen"), (int, float))}
+    newest = max(seen.values(), default=0.0)
+    return {w: newest - t for w, t in seen.items()}
+
+
+def hung_workers(info: dict, workers, after_s: float) -> list:
+    """``[(worker, seconds silent)]`` of ``workers`` silent for more than ``after_s``."""
+    ages = silent_for(info)
+    return [(w, ages[w]) for w in workers if ages.get(w, 0.0) > after_s]
+
+
+def release_hung_workers(client, workers, log=None, timeout_s: float = 10.0) -> list:
+    """Take hung ``workers`` out of the cluster: each one's nanny kills it and starts a new
+    worker (``Client.restart_workers``; the nanny kills after ``0.8 * timeout_s``); a worker
+    without a nanny is removed from the scheduler. Returns those still there after it."""
+    workers = list(workers)
+    if log is not None:
+        log(f"worker(s) {', '.join(workers)} stopped answering: restarting them")
+    try:
+        client.restart_workers(workers, timeout=timeout_s, raise_for_error=False)
+    except Exception:  # noqa: BLE001 - no nanny, or it did not answer: remove below
+        pass
+    still = [w for w in workers if w in scheduler_workers(client)]
+    if still:
+        async def _remove(addresses, dask_scheduler=None):  # pickled by value
+            for a in addresses:
+                if a in dask_scheduler.workers:
+                    await dask_scheduler.remove_worker(a, stimulus_id="dask-ipar-hung-worker",
+                                                       close=False)
+
+        try:
+            client.run_on_scheduler(_remove, still)
+        except Exception:  # noqa: BLE001 - the scheduler's worker-ttl removes it later
+            pass
+        still = [w for w in still if w in scheduler_workers(client)]
+    return still
 
 
 def hold_replicas(client) -> bool:
