@@ -1,6 +1,12 @@
 """Memory of long training: task records and RSS per step, with and without lineage cuts.
 
     python benchmarks/long_run.py [--steps 600] [--every 150] [--grid 2x2] [--save]
+    python benchmarks/long_run.py --fit [--steps 10000] [--every 500] [--save]
+
+``--fit``: the run ``dask-ipar train`` makes by default (the 64-128-64-10 MLP on the
+training split of the bundled digits, B = 64, 2x2, worker programs, the dashboard's recorder
+and feed, lineage cuts every 100 steps), through ``Sequential.fit`` for ``--steps`` steps,
+sampled by a callback; the same table. Without it:
 
 Trains the tiny 64-64-64-64-10 MLP (B = 64, batch embedded in the step graph) for
 ``--steps`` steps on a cluster whose scheduler is a process of its own
@@ -84,17 +90,7 @@ def run(lineage_steps, steps: int, every: int, grid: str) -> dict:
         for s in range(1, steps + 1):
             client.gather(model.train_step(*batches[s % 2], opt))
             if s % every == 0:
-                tasks, groups = client.run_on_scheduler(_scheduler_records)
-                samples.append({
-                    "step": s,
-                    "worker_rss_mib": max(w.memory_info().rss for w in workers) / 2**20,
-                    "scheduler_rss_mib": sched.memory_info().rss / 2**20,
-                    "worker_records": max(client.run(_worker_records).values()),
-                    "scheduler_records": tasks,
-                    "span_groups": groups,
-                    "scheduler_key_cache": client.run_on_scheduler(_key_cache),
-                    "worker_key_cache": max(client.run(_key_cache).values()),
-                })
+                samples.append(sample(client, workers, sched, s))
                 print(json.dumps({"lineage_steps": lineage_steps, **samples[-1]}), flush=True)
         secs = time.perf_counter() - t0
     finally:
@@ -102,6 +98,68 @@ def run(lineage_steps, steps: int, every: int, grid: str) -> dict:
         client.close()
         cluster.close()
     return {"lineage_steps": lineage_steps, "samples": samples, "seconds": secs}
+
+
+def sample(client, workers, sched, step) -> dict:
+    tasks, groups = client.run_on_scheduler(_scheduler_records)
+    return {
+        "step": step,
+        "worker_rss_mib": max(w.memory_info().rss for w in workers) / 2**20,
+        "scheduler_rss_mib": sched.memory_info().rss / 2**20,
+        "worker_records": max(client.run(_worker_records).values()),
+        "scheduler_records": tasks,
+        "span_groups": groups,
+        "scheduler_key_cache": client.run_on_scheduler(_key_cache),
+        "worker_key_cache": max(client.run(_key_cache).values()),
+    }
+
+
+def run_fit(steps: int, every: int, grid: str) -> dict:
+    """``dask-ipar train``'s default run through ``fit``, sampled every ``every`` steps."""
+    import psutil
+    from distributed import Client
+    from distributed.deploy.subprocess import SubprocessCluster
+
+    from dask_ipar import Dense, Sequential
+    from dask_ipar.cli.config import load_config
+    from dask_ipar.io.data import load_digits_split
+    from dask_ipar.layout.grid import parse_grid
+    from dask_ipar.runtime.cluster import QUIET_LOOP_CONFIG, SCHEDULER_CONFIG, config_environ
+    from dask_ipar.runtime.loop import Callback
+
+    cfg = load_config(None)
+    hidden, batch = cfg["model"]["hidden"], cfg["train"]["batch"]
+    n = parse_grid(grid).size
+    env = config_environ({**QUIET_LOOP_CONFIG, **SCHEDULER_CONFIG})
+    with mock.patch.dict(os.environ, env):
+        cluster = SubprocessCluster(n_workers=n, threads_per_worker=1, dashboard_address=None)
+    client = Client(cluster)
+    samples = []
+    try:
+        client.wait_for_workers(n)
+        sched = psutil.Process(client.run_on_scheduler(os.getpid))
+        workers = [psutil.Process(p) for p in client.run(os.getpid).values()]
+        Xtr, ytr, _, _ = load_digits_split()
+        model = Sequential([Dense(int(h), "relu") for h in hidden] + [Dense(10)],
+                           input_dim=Xtr.shape[1], seed=0).distribute(client, grid)
+
+        class Probe(Callback):
+            def on_step_end(self, loop, stats):
+                if stats.step % every == 0:
+                    samples.append(sample(client, workers, sched, stats.step))
+                    print(json.dumps({"fit": True, **samples[-1]}), flush=True)
+
+        spe = len(Xtr) // batch
+        t0 = time.perf_counter()
+        model.fit(Xtr, ytr, epochs=-(-steps // spe), batch_size=batch, callbacks=[Probe()],
+                  progress=False)
+        secs = time.perf_counter() - t0
+        model.close()
+    finally:
+        client.close()
+        cluster.close()
+    return {"lineage_steps": f"{model.lineage_steps} (fit)", "samples": samples,
+            "seconds": secs}
 
 
 def growth(samples) -> dict:
@@ -154,6 +212,8 @@ def main(argv=None):
     ap.add_argument("--every", type=int, default=150)
     ap.add_argument("--grid", default="2x2")
     ap.add_argument("--save", action="store_true")
+    ap.add_argument("--fit", action="store_true",
+                    help="dask-ipar train's default run through fit (one run)")
     ap.add_argument("--from-json", help="print a saved run (benchmarks/results/long-run-*.json)")
     a = ap.parse_args(argv)
     if a.from_json:
@@ -168,7 +228,8 @@ def main(argv=None):
     default = Sequential([Dense(2)], input_dim=2).lineage_steps  # the model's default
     out = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "grid": a.grid, "steps": a.steps, "key_cache_size": key_split.cache_info().maxsize,
-           "runs": [run(ls, a.steps, a.every, a.grid) for ls in (None, default)]}
+           "runs": [run_fit(a.steps, a.every, a.grid)] if a.fit else
+                   [run(ls, a.steps, a.every, a.grid) for ls in (None, default)]}
     render(out)
     if a.save:
         stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")

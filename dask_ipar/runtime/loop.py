@@ -27,6 +27,7 @@ callbacks :meth:`Callback.on_interrupt` (a checkpoint is written there) and rais
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dask_ipar.errors import IparError
+
+_log = logging.getLogger("dask_ipar")
 
 __all__ = ["BatchPlan", "Callback", "History", "Interrupted", "StepStats", "TrainLoop",
            "Diverged"]
@@ -214,6 +217,7 @@ class TrainLoop:
         if not isinstance(max_inflight, int) or max_inflight < 0:
             raise IparError(f"max_inflight must be an integer >= 0, got {max_inflight!r}.")
         self.model, self.X, self.y, self.plan = model, X, y, plan
+        self._gang = None  # the run's lock on its grid workers (:meth:`run`)
         self.optimizer = optimizer
         self.total_steps, self.step = total_steps, start_step
         self.start_step = start_step
@@ -244,7 +248,12 @@ class TrainLoop:
 
     # ---------------------------------------------------------------- run
     def run(self) -> History:
+        from dask_ipar.runtime.gang import GangLock
+
+        self._gang = GangLock(self.model.client, self.model.binding.workers,
+                              f"model {self.model.uid}", log=_log.warning)
         try:
+            self._gang.acquire()  # one run at a time on these workers (dask-ipar.gang)
             return self._run()
         except BaseException as exc:
             for cb in self.callbacks:
@@ -253,6 +262,9 @@ class TrainLoop:
                 except Exception:  # noqa: S110 - the run's own error is the one to see
                     pass
             raise
+        finally:
+            if self._gang is not None:
+                self._gang.release()
 
     def _run(self) -> History:
         self._each("on_train_begin")
@@ -298,6 +310,8 @@ class TrainLoop:
         self._epoch_t0 = time.perf_counter()
         self._stop_at_epoch = None
         h.stopped = None
+        if self._gang is not None:  # recovered on other workers: hold those
+            self._gang.rebind(self.model.binding.workers)
         for cb in self.callbacks:
             cb.on_rewind(self, step)
 
