@@ -23,12 +23,16 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from dask_ipar.errors import IparError
 
 __all__ = ["ExchangePlugin", "PLUGIN_NAME", "LOG_LENGTH", "install_exchange", "abort_programs",
-           "drain_exchange_log"]
+           "drain_exchange_log", "send_with_retry", "retry_settings", "KEEP_STEPS"]
 
 #: Name of the worker plugin (one per worker, shared by every model).
 PLUGIN_NAME = "dask-ipar-exchange"
 #: Entries a worker's transfer log of programs keeps (the oldest go first).
 LOG_LENGTH = 20_000
+#: A block still in a mailbox when its model has sent blocks of a step this many graph
+#: submissions newer is dropped: no program will take it (a late duplicate of a retried
+#: send, a block of a program that failed). Steps in flight are at most a few apart.
+KEEP_STEPS = 16
 
 
 # ------------------------------------------------------------------ worker side
@@ -72,6 +76,7 @@ class ExchangePlugin(WorkerPlugin):
         self.aborted: dict = {}  # tag -> reason (one step), uid -> (reason, when) (a model)
         self.dropped: set = set()  # keys of failed programs: dropped on arrival
         self.closing = False  # the worker is shutting down: waiting programs fail
+        self.newest: dict = {}  # model uid -> newest step number seen in a block
         # (sender, receiver, seconds, [(key, nbytes)]) of every block sent: bounded, as
         # nothing drains it when no CommMeter runs (one drains every 32 steps)
         self.log: deque = deque(maxlen=LOG_LENGTH)
@@ -97,8 +102,27 @@ class ExchangePlugin(WorkerPlugin):
                 pass  # a late block of a stopped step, or of a stopped model's
             else:
                 self.box[key] = data
+                self._purge(_tag_of(key))
             self.cond.notify_all()
         return "OK"
+
+    def _purge(self, tag) -> None:
+        """Drop blocks of the model of ``tag`` older than :data:`KEEP_STEPS` submissions
+        before its newest (under ``self.cond``): the mailbox stays bounded."""
+        uid, sep, step = (tag or "").rpartition("-s")
+        if not sep or not step.isdigit():
+            return
+        n = int(step)
+        if n <= self.newest.get(uid, -1):
+            return
+        self.newest[uid] = n
+        old = []
+        for k in self.box:
+            u, s, t = (_tag_of(k) or "").rpartition("-s")
+            if u == uid and s and t.isdigit() and int(t) < n - KEEP_STEPS:
+                old.append(k)
+        for k in old:
+            del self.box[k]
 
     def abort(self, tag=None, reason=None, model=False, upto=None):
         """Stop the programs of step ``tag`` (or, with ``model``, every program of model
@@ -115,6 +139,16 @@ class ExchangePlugin(WorkerPlugin):
                 del self.box[k]
             self.cond.notify_all()
         return "OK"
+
+    def stopped_tag(self, tag) -> str | None:
+        """Why the programs of step ``tag`` were stopped, or None (any thread)."""
+        if not tag:
+            return None
+        with self.cond:
+            reason = self.aborted.get(tag)
+            if reason is None and _stale(self.aborted, tag):
+                reason = self.aborted[tag.rsplit("-s", 1)[0]][0]
+            return reason if isinstance(reason, str) else None
 
     # program side (a worker thread)
     def _stopped(self, tag, started):
@@ -182,8 +216,15 @@ class _Sender:
 
     async def _send(self, dest, key, value, nbytes):
         t0, w0 = time.perf_counter(), time.time()
-        await self.worker.rpc(dest).ipar_put(key=key, data=self._ser(value),
-                                             sender=self.worker.address)
+        tag = _tag_of(key)
+        data = self._ser(value)
+
+        async def put():
+            return await self.worker.rpc(dest).ipar_put(key=key, data=data,
+                                                        sender=self.worker.address)
+
+        await send_with_retry(put, lambda: self.plugin.stopped_tag(tag),
+                              f"sending {key[0]} to {dest}")
         self.plugin.log.append((self.worker.address, dest, time.perf_counter() - t0,
                                 [(key, nbytes)]))
         if self.recorder is not None:
@@ -212,6 +253,39 @@ class _Sender:
             await self.worker.rpc(dest).ipar_abort(tag=tag, reason=reason)
         except Exception:  # noqa: BLE001 - best effort: the peer may be gone
             pass
+
+
+def retry_settings() -> tuple[int, float, float]:
+    """``(count, delay_min, delay_max)`` of a failed send's retries: dask's P2P shuffle
+    settings ``distributed.p2p.comm.retry.*`` (10 retries, 1 s doubling to 30 s)."""
+    import dask
+    from dask.utils import parse_timedelta
+
+    get = dask.config.get
+    return (int(get("distributed.p2p.comm.retry.count")),
+            float(parse_timedelta(get("distributed.p2p.comm.retry.delay.min"), default="s")),
+            float(parse_timedelta(get("distributed.p2p.comm.retry.delay.max"), default="s")))
+
+
+async def send_with_retry(op, stopped, what: str, settings=None):
+    """``await op()``, retried after a connection error (``OSError``, which dask's closed
+    comms are) as dask's P2P shuffle retries: at once, then after ``delay_min``,
+    ``3 * delay_min``, ... at most ``delay_max`` apart (10 % jitter), ``count`` times. It
+    stops retrying as soon as ``stopped()`` says why (the step was aborted: the peer is
+    gone or hung, and the client knows), raising the last error."""
+    import random
+
+    count, dmin, dmax = retry_settings() if settings is None else settings
+    for attempt in range(count + 1):
+        try:
+            return await op()
+        except OSError as exc:
+            reason = stopped()
+            if attempt == count or reason:
+                raise OSError(f"{what} failed after {attempt + 1} attempt(s)"
+                              + (f" ({reason})" if reason else "") + f": {exc}") from exc
+            delay = min(dmin * (2 ** attempt - 1), dmax)
+            await asyncio.sleep(delay * (1 + 0.1 * (2 * random.random() - 1)))
 
 
 def _plugin(worker):
