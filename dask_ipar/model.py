@@ -306,7 +306,8 @@ class Sequential:
             shuffle: bool = True, seed: int | None = None, progress=False,
             max_inflight: int = 2, measure: bool = True, machine=None, validation_data=None,
             standardize: bool = False, callbacks=(), checkpoint=None, log_file=None,
-            diverge_factor: float = 2.0, shuffle_window: int | None = None) -> History:
+            diverge_factor: float = 2.0, shuffle_window: int | None = None,
+            replicas=None) -> History:
         """Train on minibatches; returns a :class:`History` of per-epoch records.
 
         Runs :class:`dask_ipar.runtime.loop.TrainLoop`, the loop of every training run:
@@ -335,6 +336,10 @@ class Sequential:
             the model has one; every later input goes through it, and it is saved.
         callbacks : :class:`dask_ipar.runtime.loop.Callback` list (e.g. ``EarlyStopping``)
         checkpoint : :class:`dask_ipar.io.checkpoint.Checkpointing`: saves, resume, recovery
+        replicas : int or :class:`dask_ipar.runtime.replicas.Replicas`: every this many
+            steps each cell's state is copied to a buddy worker, and a lost grid worker is
+            rebuilt from those copies, no checkpoint needed (at most ``replicas - 1``
+            finished steps re-run); None or 0: off
         log_file : a metrics log, a row per epoch (CSV for ``.csv``, else JSON lines)
         diverge_factor : when a loss counts as divergence (:class:`~dask_ipar.runtime.loop.
             TrainLoop`; 0: only a non-finite one)
@@ -344,7 +349,7 @@ class Sequential:
                     measure=measure, machine=machine, validation_data=validation_data,
                     standardize=standardize, callbacks=callbacks, checkpoint=checkpoint,
                     log_file=log_file, diverge_factor=diverge_factor,
-                    shuffle_window=shuffle_window)
+                    shuffle_window=shuffle_window, replicas=replicas)
 
     def _require_bound(self):
         """Raise a clear error unless the model is on a cluster with its state intact."""

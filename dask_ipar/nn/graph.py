@@ -35,6 +35,7 @@ TASK_PHASE = {
     "rd": "redistribute",
     "rdx": "dx_reduce",
     "gnorm": "grad_norm",  # each cell's sum of squares, gathered by all (gradient clipping)
+    "rep": "replica",  # a cell's state snapshot, fetched by its buddy (runtime/replicas.py)
 }
 
 

@@ -237,11 +237,23 @@ class _Sender:
             futs.append(asyncio.run_coroutine_threadsafe(self._send(d, key, value, nbytes),
                                                          self.loop))
 
-    def flush(self, keys=None):
-        """Wait until the sends of ``keys`` (all when None) are written; raise their errors."""
+    def flush(self, keys=None, tag=None):
+        """Wait until the sends of ``keys`` (all when None) are written; raise their errors.
+        With ``tag``, stop waiting (IparError) once step ``tag`` is stopped: a send to a
+        dead peer would hold this worker's thread through its retries."""
+        import concurrent.futures
+
         for k in list(self.pending) if keys is None else [k for k in keys if k in self.pending]:
             for f in self.pending.pop(k):
-                f.result()
+                while True:
+                    try:
+                        f.result(timeout=0.5)
+                        break
+                    except concurrent.futures.TimeoutError:
+                        reason = None if tag is None else self.plugin.stopped_tag(tag)
+                        if reason:
+                            raise IparError(f"step {tag} stopped on worker "
+                                            f"{self.worker.address}: {reason}") from None
 
     def abort_peers(self, prog, reason):
         for p in prog.peers:

@@ -230,6 +230,13 @@ class CommMeter:
         if storage:
             self._pred_input["storage"] += storage
 
+    def add_phase(self, phase) -> None:
+        """Count one phase outside the steps' own (a refresh of the replicas,
+        :mod:`dask_ipar.runtime.replicas`) in the prediction."""
+        acc = self._pred[(phase.layer, phase.phase)]
+        acc[0] += phase.total_bytes
+        acc[1] += phase.seconds
+
     def _input_bytes(self, batch: int) -> tuple[int, int]:
         """Predicted data bytes of a step: what the client sends, and what the cells read
         from storage (the rows they need, as stored: uncompressed, no chunk rounding)."""

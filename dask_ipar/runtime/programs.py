@@ -287,7 +287,7 @@ def run_program(prog: Program, *values):
             last = time.monotonic()  # progress: a wait's timeout counts from its start
             deps = node.dependencies
             if isinstance(node, Task) and node.func in MUTATES:
-                sender.flush(deps)
+                sender.flush(deps, prog.tag)
             # the dashboard's fine performance metrics show each layer and phase's share
             if rec is not None:
                 rec.now("computing", key[0])
@@ -303,7 +303,7 @@ def run_program(prog: Program, *values):
                 uses[d] -= 1
                 if uses[d] == 0 and d not in keep:
                     env.pop(d, None)
-        sender.flush()
+        sender.flush(tag=prog.tag)
         if rec is not None:
             rec.now("idle")
             rec.program_done(prog.key, prog.tag, began)

@@ -108,7 +108,7 @@ def _window(X, y, window):
 def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, seed=None,
         progress=False, max_inflight=2, measure=True, machine=None, validation_data=None,
         standardize=False, callbacks=(), checkpoint=None, log_file=None,
-        diverge_factor=2.0, shuffle_window=None):
+        diverge_factor=2.0, shuffle_window=None, replicas=None):
     """:meth:`dask_ipar.model.Sequential.fit` (its docstring says what each argument does)."""
     from dask_ipar.optim import SGD
     from dask_ipar.runtime import callbacks as cbs
@@ -129,8 +129,14 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
     plan = BatchPlan(X.shape[0], batch, model.seed if seed is None else seed, shuffle,
                      **_window(X, y, shuffle and shuffle_window))
     pre = []
+    rep = None
+    if replicas:  # before the checkpoints: a recovery from replicas loses fewer steps
+        from dask_ipar.runtime.replicas import Replicas
+
+        rep = replicas if isinstance(replicas, Replicas) else Replicas(replicas)
+        pre.append(rep)
     if checkpoint is not None:
-        pre.append(checkpoint)  # first: resuming sets the step the others start from
+        pre.append(checkpoint)  # resuming sets the step the others start from
     post = []
     meter = None
     if measure:  # before validation: the epoch's training traffic is drained first
@@ -141,6 +147,8 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
                           inputs=X if hasattr(X, "tag") else None,
                           labels=y if hasattr(y, "tag") else None)
         post.append(cbs.Meter(meter))
+        if rep is not None:
+            rep.meter = meter
     if validation_data is not None:
         try:
             Xv, yv = validation_data

@@ -1,0 +1,314 @@
+"""In-memory redundancy: a lost grid worker costs no checkpoint.
+
+:class:`Replicas` is a training callback (``fit(replicas=N)``, ``dask-ipar train
+--replicas N``). Every ``N`` steps, with the steps in flight drained, each grid cell
+copies its training state (every layer's weight block and optimizer state, as one flat
+array: :func:`snapshot`) on its own worker, and its *buddy* cell
+(:func:`dask_ipar.cost.replica.buddy`, on another worker) fetches that copy. The local
+copy takes a few milliseconds and is all the next step waits for; the transfer to the
+buddy overlaps the next steps. Its bytes are a phase of their own in the comm table
+(layer ``state``, phase ``replica``, :func:`dask_ipar.cost.replica.replica_phase`).
+
+When a grid worker leaves (killed, its job cancelled, restarted by its nanny, or hung:
+:class:`dask_ipar.errors.WorkerHung`), :meth:`Replicas.on_error` takes the newest refresh
+that reached every buddy, waits for the cluster to have the grid's workers again (a
+restarted worker, a spare), binds the grid afresh and rebuilds every block on its new
+owner from a surviving copy: the cell's own snapshot where its worker lived, its buddy's
+otherwise. The training loop then re-runs the steps after that refresh with the same
+batches, so the run ends bit-equal to one without the fault. Where a cell's worker and
+its buddy's are both gone, the replicas cannot help: the error names them (a checkpoint,
+if there is one, is tried next).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dask_ipar.cost.replica import REPLICA_LAYER, buddy, replica_phase
+from dask_ipar.errors import IparError, WorkerHung
+from dask_ipar.runtime.loop import Callback
+
+__all__ = ["Replicas", "snapshot", "restore_block", "hold"]
+
+
+# ------------------------------------------------------------------ kernels
+def snapshot(*blocks):
+    """One flat copy of ``blocks`` (None skipped), on the cell's own worker."""
+    from dask_ipar.kernels.blocks import xp_of
+
+    parts = [b for b in blocks if b is not None]
+    xp = xp_of(parts[0])
+    return xp.concatenate([xp.reshape(b, (-1,)) for b in parts])
+
+
+def hold(flat):
+    """The buddy's copy: the array dask fetched."""
+    return flat
+
+
+def restore_block(flat, start: int, shape: tuple, module=None):
+    """Block ``shape`` at offset ``start`` of a snapshot, as a new array (the restored
+    state is updated in place later; the snapshot stays intact for another recovery);
+    on ``module`` ("cupy") when the model's blocks live on GPUs."""
+    from dask_ipar.kernels.blocks import to_device, xp_of
+
+    n = int(np.prod(shape))
+    out = xp_of(flat).reshape(flat[start:start + n], shape).copy()
+    return to_device(out, module) if module and xp_of(out).__name__ == "numpy" else out
+
+
+class _Generation:
+    """One refresh: per cell the futures of its own snapshot and of its buddy's copy."""
+
+    def __init__(self, step, opt, layout, own, held):
+        self.step, self.opt, self.layout = step, opt, layout
+        self.own, self.held = own, held  # cell -> future
+
+    def complete(self) -> bool:
+        return all(f.status == "finished" for f in self.held.values())
+
+    def futures(self):
+        return list(self.own.values()) + list(self.held.values())
+
+
+class Replicas(Callback):
+    """Keep each cell's training state on a buddy worker every ``every`` steps, and
+    rebuild the model from those copies when a grid worker is lost (see the module).
+
+    Parameters
+    ----------
+    every : int
+        Steps between refreshes; a fault re-runs at most ``every - 1`` finished steps.
+    wait_timeout_s : float
+        How long a recovery waits for the cluster to have the grid's workers again.
+    max_restarts : int
+        Recoveries allowed in one run.
+    meter : CommMeter, optional
+        Counts each refresh's predicted bytes beside the measured ones.
+    log : callable, optional
+        Gets one line per recovery.
+    """
+
+    def __init__(self, every: int = 1, *, wait_timeout_s: float = 120.0, max_restarts: int = 3,
+                 meter=None, log=None):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise IparError(f"replicas must refresh every positive number of steps, got "
+                            f"{every!r} (dask-ipar train --replicas N, N >= 1; 0 turns them "
+                            "off).")
+        self.every, self.wait_timeout_s, self.max_restarts = every, wait_timeout_s, max_restarts
+        self.meter, self.log = meter, log
+        self.gens: list[_Generation] = []
+        self.restarts = 0
+        self.refreshed_bytes = 0
+
+    def say(self, msg):
+        if self.log is not None:
+            self.log(msg)
+
+    # ------------------------------------------------------------------ refresh
+    def on_train_begin(self, loop):
+        grid = loop.model.grid
+        if grid.size < 2:
+            raise IparError(
+                f"replicas need a grid of at least 2 workers (a copy of each cell's state "
+                f"lives on another cell's worker); this model is on {grid.pr}x{grid.pc}. "
+                "Use a larger grid, or checkpoints (--checkpoint-dir) instead.")
+        self.refresh(loop.model, loop.step)
+
+    def wants_sync(self, loop, step):
+        return step % self.every == 0 and step < loop.total_steps
+
+    def on_sync(self, loop, step):
+        self.refresh(loop.model, step)
+
+    def on_rewind(self, loop, step):
+        if not self.gens or self.gens[-1].step != step:  # resumed from a checkpoint
+            self.release()
+            self.refresh(loop.model, step)
+
+    def on_train_end(self, loop):
+        self._settle(loop.model)
+
+    def on_epoch_end(self, loop, record):
+        self._settle(loop.model)  # before the comm meter's drain (a later callback)
+
+    def on_train_abort(self, loop, exc):
+        self.release()
+
+    def release(self):
+        self.gens.clear()  # their futures go with them
+
+    def _settle(self, model):
+        """Wait for the transfers of the newest refresh (the comm meter's last drain
+        counts them), then keep only it."""
+        from dask_ipar.io.checkpoint_faults import _wait_alive
+
+        if self.gens:
+            g = self.gens[-1]
+            _wait_alive(model.client, list(g.held.values()), model.binding.workers,
+                        f"replica of step {g.step}")
+            self.gens = [g]
+
+    def refresh(self, model, step: int) -> None:
+        """Snapshot every cell's state now (nothing in flight) and send it to its buddy."""
+        from dask_ipar.io.checkpoint_faults import _wait_alive
+
+        client = model.client
+        sb = model.state_blocks()
+        pr, pc = sb["grid"]
+        adam = model._store.opt[0] == "adam"
+        layout = []  # per layer: (w shape per cell, v shape per cell or None)
+        blocks: dict = {c: [] for c in model.binding.grid.cells()}
+        words: dict = dict.fromkeys(blocks, 0)
+        itemsize = np.dtype(sb["dtype"]).itemsize
+        for lay in sb["layers"]:
+            shapes = {}
+            for (i, j) in blocks:
+                r = lay["rows"][i][1] - lay["rows"][i][0]
+                c = lay["wcols"][j][1] - lay["wcols"][j][0]
+                vshape = None if lay["v"] is None else ((2, r, c) if adam else (r, c))
+                shapes[(i, j)] = ((r, c), vshape)
+                blocks[(i, j)].append(lay["w"][(i, j)])
+                words[(i, j)] += r * c
+                if vshape is not None:
+                    blocks[(i, j)].append(lay["v"][(i, j)])
+                    words[(i, j)] += int(np.prod(vshape))
+            layout.append(shapes)
+        n = model._next_step()
+        # the buddy's fetch of "rep" is the replica phase; "repheld" copies move only in a
+        # recovery (unattributed in the comm table: they are not a step's traffic)
+        tag = f"{REPLICA_LAYER}.rep-{model.uid}-s{n}"
+        held_tag = f"{REPLICA_LAYER}.repheld-{model.uid}-s{n}"
+        own, held = {}, {}
+        for (i, j), parts in blocks.items():
+            owner = model.binding.worker(i, j)
+            own[(i, j)] = client.submit(snapshot, *parts, key=(tag, i, j), workers=[owner],
+                                        allow_other_workers=False)
+            b = buddy(pr, pc, i, j)
+            held[(i, j)] = client.submit(hold, own[(i, j)], key=(held_tag, i, j),
+                                         workers=[model.binding.worker(*b)],
+                                         allow_other_workers=False)
+        # the next step updates the state in place: the local copies come first
+        _wait_alive(client, list(own.values()), model.binding.workers,
+                    f"replica of step {step}")
+        if self.meter is not None:
+            from dask_ipar.cost import Machine
+
+            m = self.meter.machine
+            self.meter.add_phase(replica_phase(words, pr, pc, Machine(
+                alpha_s=m.alpha_s, bandwidth_Bps=m.bandwidth_Bps, word_bytes=itemsize)))
+        self.refreshed_bytes += sum(words.values()) * itemsize
+        self.gens.append(_Generation(step, tuple(model._store.opt), layout, own, held))
+        # keep the newest complete refresh and any newer one
+        done = [k for k, g in enumerate(self.gens) if g.complete()]
+        if done:
+            self.gens = self.gens[done[-1]:]
+
+    # ------------------------------------------------------------------ recovery
+    def on_error(self, loop, exc):
+        from dask_ipar.io.checkpoint import _cluster_error
+        from dask_ipar.io.checkpoint_faults import WorkerLost, _gone_soon
+        from dask_ipar.runtime.workers import scheduler_gone, scheduler_workers
+
+        model = loop.model
+        if not self.gens or scheduler_gone(model.client):
+            return None
+        workers = list(model.binding.workers)
+        if isinstance(exc, WorkerHung):
+            gone = list(exc.workers)
+        elif isinstance(exc, WorkerLost):
+            gone = list(exc.workers)
+        else:
+            alive = set(scheduler_workers(model.client))
+            gone = [w for w in workers if w not in alive] or _gone_soon(
+                model.client, workers, 20.0 if _cluster_error(exc) else 2.0)
+        if not gone:
+            return None  # the run's own error
+        model.abort_programs(f"worker(s) {', '.join(gone)} left the cluster")
+        try:
+            self._sources(model, gone)
+        except WorkerLost:
+            if any(type(cb).__name__ == "Checkpointing" for cb in loop.callbacks):
+                self.say("the replicas cannot rebuild the lost cells: trying the checkpoints")
+                return None  # the checkpoints (a later callback) may
+            raise
+        while True:
+            self.restarts += 1
+            self.say(f"step {loop.step + 1}: worker(s) {', '.join(gone)} left the cluster")
+            if self.restarts > self.max_restarts:
+                raise WorkerLost(gone, f"training step {loop._submitted} (after "
+                                 f"{self.max_restarts} recoveries from replicas)")
+            try:
+                step = self._recover(model, gone)
+                break
+            except WorkerLost as again:
+                gone = sorted(set(gone) | set(again.workers))
+        self.say(f"recovered from the replicas of step {step} on workers "
+                 f"{', '.join(model.binding.workers)} (restart {self.restarts} of at most "
+                 f"{self.max_restarts}); re-running the steps after it")
+        return step
+
+    def _sources(self, model, gone):
+        """The newest complete refresh and, per cell, a surviving copy of it."""
+        from dask_ipar.io.checkpoint_faults import WorkerLost
+
+        gone = set(gone)
+        grid = model.binding.grid
+        for g in reversed(self.gens):
+            src = {}
+            for (i, j) in grid.cells():
+                owner = model.binding.worker(i, j)
+                b = buddy(grid.pr, grid.pc, i, j)
+                holder = model.binding.worker(*b)
+                if owner not in gone and g.own[(i, j)].status == "finished":
+                    src[(i, j)] = g.own[(i, j)]
+                elif holder not in gone and g.held[(i, j)].status == "finished":
+                    src[(i, j)] = g.held[(i, j)]
+            if len(src) == grid.size:
+                return g, src
+        lost = [c for c in grid.cells() if model.binding.worker(*c) in gone]
+        raise WorkerLost(sorted(gone), "training: the replicas of grid cell(s) "
+                         f"{', '.join(map(str, lost))} were on lost workers too (a cell and its "
+                         "buddy, the next cell down its column, lost together)")
+
+    def _recover(self, model, gone) -> int:
+        from dask_ipar.io.checkpoint_faults import _faults_as_worker_lost, _wait_alive
+        from dask_ipar.runtime.workers import wait_for_workers
+
+        gen, src = self._sources(model, gone)
+        grid = model.grid
+        client = model.client
+        model.drop_state()
+        try:
+            wait_for_workers(client, grid.size, self.wait_timeout_s, self.say, revive=True)
+        except IparError as exc:
+            raise IparError(f"{exc} (after a worker fault; the replicas of step {gen.step} "
+                            "are on the cluster until this run ends)") from None
+        with _faults_as_worker_lost(model, "recovery from replicas"):
+            model.distribute(client, grid)
+            has_v = any(v is not None for shapes in gen.layout for _, v in shapes.values())
+            w_names, v_names = model.reserve_state_keys(has_v)
+            futures = {}
+            offsets = dict.fromkeys(src, 0)
+            for k, shapes in enumerate(gen.layout):
+                for cell, (wshape, vshape) in shapes.items():
+                    owner = model.binding.worker(*cell)
+                    for name, shape in ((w_names[k], wshape), (v_names[k], vshape)):
+                        if shape is None:
+                            continue
+                        key = (name, *cell)
+                        futures[key] = client.submit(
+                            restore_block, src[cell], offsets[cell], shape,
+                            model.block_module or None, key=key, workers=[owner],
+                            allow_other_workers=False)
+                        offsets[cell] += int(np.prod(shape))
+            _wait_alive(client, list(futures.values()), model.binding.workers,
+                        "recovery from replicas")
+            v_kept = [n if any(v is not None for _, v in gen.layout[k].values()) else None
+                      for k, n in enumerate(v_names)]
+            model.adopt_state(w_names, v_kept, futures)
+            model._store.opt = gen.opt
+        # the restored state is the newest refresh: older ones can go
+        self.gens = [gen]
+        return gen.step
+
