@@ -90,7 +90,10 @@ DEFAULTS: dict = {
                   "weight_decay": 1.0e-4, "schedule": None, "clip_norm": None},
     # executor: programs (two dask tasks per worker and step) | graph (a dask task per kernel)
     # patience: stop when the validation loss has not improved for this many epochs
-    "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "programs", "patience": None},
+    # replicas: every this many steps each grid cell's state is copied to another worker,
+    # which rebuilds a lost worker's without a checkpoint (0: off)
+    "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "programs", "patience": None,
+              "replicas": 10},
     "cluster": {
         "kind": "local",  # local | slurm | pbs | lsf | sge
         "scheduler_address": None,  # join this running cluster instead
@@ -426,6 +429,9 @@ def validate(cfg: dict) -> dict:
           "a positive integer (epochs) or null")
     _need(t.get("executor") in ("graph", "programs"), "train.executor", t.get("executor"),
           "'graph' or 'programs'")
+    rp = t.get("replicas", 0)
+    _need(_is_int(rp) and rp >= 0, "train.replicas", rp,
+          "a non-negative integer (steps between replica refreshes; 0: off)")
 
     c = cfg.get("cluster", {})
     _need(c.get("kind") in CLUSTER_KINDS, "cluster.kind", c.get("kind"),

@@ -147,3 +147,132 @@ def test_a_bad_hung_after_setting_is_refused():
         with dask.config.set({"dask-ipar.hung-after": bad}), \
                 pytest.raises(IparError, match="dask-ipar.hung-after"):
             hung_after_s()
+
+
+# ------------------------------------------------------------------ replicas
+class KillAt(Callback):
+    """SIGKILL each of ``pids`` when step ``at`` has ended (before the next refresh)."""
+
+    def __init__(self, pids, at):
+        self.pids, self.at, self.done = list(pids), at, False
+
+    def on_step_end(self, loop, stats):
+        if stats.step == self.at and not self.done:
+            self.done = True
+            for pid in self.pids:
+                os.kill(pid, signal.SIGKILL)
+
+
+def _fit(model, X, y, **kw):
+    return model.fit(X, y, epochs=3, batch_size=12, optimizer=OPT, progress=False, **kw)
+
+
+@pytest.mark.parametrize("grid,seed", [("2x2", 1), ("4x1", 2), ("1x4", 3)])
+def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, seed):
+    """No checkpoint: a grid worker SIGKILLed at a random step is rebuilt from its buddy's
+    replica on the worker its nanny restarts, and the run ends bit-equal (float64); the
+    replicas' bytes are measured equal to the cost model's."""
+    from dask_ipar.runtime.replicas import Replicas
+
+    X, y = data
+    plain = make_model().distribute(client4, grid)
+    h = _fit(plain, X, y, replicas=1)
+    expected = plain.get_weights()
+    plain.close()
+    rows = {(r.layer, r.phase): r for r in h.comm.rows}
+    rep = rows[("state", "replica")]
+    assert rep.predicted_bytes > 0 and rep.measured_bytes == rep.predicted_bytes
+
+    at = int(np.random.default_rng(seed).integers(2, 11))
+    model = make_model().distribute(client4, grid)
+    victim = model.binding.worker(grid.startswith("4") and 2 or 0, grid.startswith("1") and 3 or 0)
+    pid = client4.run(os.getpid, workers=[victim])[victim]
+    lines = []
+    h = _fit(model, X, y, replicas=Replicas(1, log=lines.append), callbacks=[KillAt([pid], at)])
+    msg = f"killed after step {at}: {lines}"
+    assert any(ln.startswith("recovered from the replicas of step") for ln in lines), msg
+    assert victim not in model.binding.workers and len(h.steps) == 12, msg
+    for (w, b), (we, be) in zip(model.get_weights(), expected):
+        np.testing.assert_array_equal(w, we, err_msg=msg)
+        np.testing.assert_array_equal(b, be, err_msg=msg)
+    model.close()
+    client4.wait_for_workers(4, timeout=30)
+
+
+def test_a_cell_lost_with_its_buddy_is_named(client4, data):
+    """Cell (0, 0)'s replica lives on cell (1, 0): both lost at once, nothing rebuilds
+    it; without a checkpoint the error names the cells."""
+    from dask_ipar.io.checkpoint import WorkerLost
+
+    X, y = data
+    model = make_model().distribute(client4, "2x2")
+    pair = [model.binding.worker(0, 0), model.binding.worker(1, 0)]
+    pids = list(client4.run(os.getpid, workers=pair).values())
+    with pytest.raises(WorkerLost, match=r"replicas of grid cell\(s\) \(0, 0\), \(1, 0\)"):
+        _fit(model, X, y, replicas=1, callbacks=[KillAt(pids, 4)])
+    model.close()
+    client4.wait_for_workers(4, timeout=30)
+
+
+def test_cli_on_an_external_cluster_survives_a_killed_worker(tmp_path, capsys):
+    """The issue's acceptance: ``dask scheduler`` + ``dask worker --nworkers 5``,
+    ``dask-ipar train --grid 2x2 --dtype float64`` with no checkpoint directory and a grid
+    worker SIGKILLed mid-run: exit 0 and the final test loss of an uninterrupted run."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from distributed import Client
+
+    from dask_ipar.cli.main import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
+                              "127.0.0.1", "--port", str(port), "--no-dashboard"], **quiet)
+    workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
+                                "--nworkers", "5", "--nthreads", "1", "--no-dashboard"],
+                               **quiet)
+    args = ["train", "--scheduler-address", address, "--grid", "2x2", "--dtype", "float64",
+            "--epochs", "4", "--replicas", "5", "--no-progress", "--json", "--no-dashboard"]
+    try:
+        with Client(address, timeout=30) as watch:
+            watch.wait_for_workers(5, timeout=60)
+            assert main(args) == 0
+            plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+            killed = []
+
+            def kill_mid_run():  # once the run has made a few refreshes
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    done = watch.run_on_scheduler(lambda dask_scheduler: sum(
+                        1 for k in dask_scheduler.tasks if "state.rep-" in str(k)))
+                    if done >= 8:
+                        break
+                    time.sleep(0.05)
+                pids = watch.run(os.getpid)
+                victim = sorted(pids, key=lambda w: watch.scheduler_info()["workers"][w]
+                                ["name"])[1]
+                killed.append(victim)
+                os.kill(pids[victim], signal.SIGKILL)
+
+            t = threading.Thread(target=kill_mid_run)
+            t.start()
+            rc = main(args)
+            t.join()
+            cap = capsys.readouterr()
+    finally:
+        workers.terminate()
+        sched.terminate()
+        workers.wait(30)
+        sched.wait(30)
+    assert rc == 0, cap.err[-3000:]
+    assert killed and "recovered from the replicas of step" in cap.err, cap.err[-3000:]
+    got = json.loads(cap.out.strip().splitlines()[-1])
+    assert got["test_loss"] == plain["test_loss"], (got, plain)
+    assert got["test_accuracy"] == plain["test_accuracy"]

@@ -27,6 +27,16 @@ def positive_int(text):
     return v
 
 
+def non_negative_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
 def widths(text):
     """``--hidden`` / ``--filters``: comma-separated positive widths; ``none`` for no
     hidden layer (an empty value is refused: it would silently drop every layer)."""

@@ -66,6 +66,7 @@ TRAIN_FLAGS = {
     "batch": "train.batch",
     "seed": "train.seed",
     "executor": "train.executor",
+    "replicas": "train.replicas",
     "data": "data.path",
     "machine": "machine",
     "cluster": "cluster.kind",

@@ -12,7 +12,8 @@ import time
 import numpy as np
 
 from dask_ipar.cli import checks
-from dask_ipar.cli.args import add_cluster_flags, eprint, fraction, positive_int, report
+from dask_ipar.cli.args import (add_cluster_flags, eprint, fraction, non_negative_int,
+                                positive_int, report)
 from dask_ipar.cli.args import resolve_grid, widths
 from dask_ipar.cli.pages import dashboard_setting, performance_report_beside, training_page
 from dask_ipar.errors import IparError
@@ -88,6 +89,11 @@ def add_parser(sub):
                       wait_help="seconds to wait for the grid's workers to connect, at the "
                       "start and again after a lost worker (default 600; batch jobs may "
                       "queue that long)")
+    p.add_argument("--replicas", type=non_negative_int, metavar="N",
+                   help="every N steps copy each grid cell's training state to another "
+                   "grid worker; a lost worker is then rebuilt from the copies and at most "
+                   "N steps re-run, no checkpoint needed (default 10; 0: off; grids of 2 "
+                   "or more workers)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save model and optimizer state to Zarr checkpoints here")
     p.add_argument("--checkpoint-every", type=positive_int, metavar="N",
@@ -403,6 +409,12 @@ def _run(args, signals) -> int:
                                        allow_changes=args.resume_changed,
                                        wait_timeout_s=cfg["cluster"]["wait_timeout"],
                                        log=lambda m: eprint(f"dask-ipar: {m}"))
+        replicas = None
+        if t.get("replicas") and model.grid.size > 1:
+            from dask_ipar.runtime.replicas import Replicas
+
+            replicas = Replicas(t["replicas"], wait_timeout_s=cfg["cluster"]["wait_timeout"],
+                                log=lambda m: eprint(f"dask-ipar: {m}"))
         t_fit = time.perf_counter()
         history = None
         try:
@@ -414,7 +426,7 @@ def _run(args, signals) -> int:
                                     progress=not args.no_progress, machine=machine,
                                     validation_data=val, standardize=standardize,
                                     callbacks=callbacks, checkpoint=checkpoint,
-                                    log_file=args.log,
+                                    replicas=replicas, log_file=args.log,
                                     shuffle_window=cfg["data"]["shuffle_window"])
         except Interrupted as exc:
             interrupted = exc

@@ -66,7 +66,8 @@ def _wait_alive(client, futures, workers, what, timeout_s=None, poll_s=0.5):
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         try:
-            wait(futures, timeout=poll_s)
+            with client.as_current():  # not a client the caller made current
+                wait(futures, timeout=poll_s)
             break
         except TimeoutError:
             pass

@@ -258,7 +258,8 @@ class BlockStore:
 
         while True:
             try:
-                wait(futs, timeout=self.liveness_check_s)
+                with self.client.as_current():  # not a client the caller made current
+                    wait(futs, timeout=self.liveness_check_s)
                 return
             except TimeoutError:
                 self.check_alive(step)
@@ -355,7 +356,8 @@ class BlockStore:
             client=self.client.id,
         )
         try:
-            wait(list(futures.values()), timeout=120)
+            with self.client.as_current():
+                wait(list(futures.values()), timeout=120)
         except TimeoutError:
             raise IparError(
                 "the scheduler did not confirm the re-keyed weight blocks within 120 s; "
