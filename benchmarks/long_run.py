@@ -114,8 +114,10 @@ def sample(client, workers, sched, step) -> dict:
     }
 
 
-def run_fit(steps: int, every: int, grid: str) -> dict:
-    """``dask-ipar train``'s default run through ``fit``, sampled every ``every`` steps."""
+def run_fit(steps: int, every: int, grid: str, profile: bool = True) -> dict:
+    """``dask-ipar train``'s default run through ``fit``, sampled every ``every`` steps;
+    ``profile=False`` switches off dask's statistical profiler on the workers (whose
+    history of one sample tree a second is kept for an hour)."""
     import psutil
     from distributed import Client
     from distributed.deploy.subprocess import SubprocessCluster
@@ -130,7 +132,8 @@ def run_fit(steps: int, every: int, grid: str) -> dict:
     cfg = load_config(None)
     hidden, batch = cfg["model"]["hidden"], cfg["train"]["batch"]
     n = parse_grid(grid).size
-    env = config_environ({**QUIET_LOOP_CONFIG, **SCHEDULER_CONFIG})
+    env = config_environ({**QUIET_LOOP_CONFIG, **SCHEDULER_CONFIG,
+                          "distributed.worker.profile.enabled": profile})
     with mock.patch.dict(os.environ, env):
         cluster = SubprocessCluster(n_workers=n, threads_per_worker=1, dashboard_address=None)
     client = Client(cluster)
@@ -158,7 +161,8 @@ def run_fit(steps: int, every: int, grid: str) -> dict:
     finally:
         client.close()
         cluster.close()
-    return {"lineage_steps": f"{model.lineage_steps} (fit)", "samples": samples,
+    return {"lineage_steps": f"{model.lineage_steps} (fit{'' if profile else ', no profiler'})",
+            "samples": samples,
             "seconds": secs}
 
 
@@ -214,6 +218,8 @@ def main(argv=None):
     ap.add_argument("--save", action="store_true")
     ap.add_argument("--fit", action="store_true",
                     help="dask-ipar train's default run through fit (one run)")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="with --fit: dask's statistical profiler off on the workers")
     ap.add_argument("--from-json", help="print a saved run (benchmarks/results/long-run-*.json)")
     a = ap.parse_args(argv)
     if a.from_json:
@@ -228,7 +234,7 @@ def main(argv=None):
     default = Sequential([Dense(2)], input_dim=2).lineage_steps  # the model's default
     out = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "grid": a.grid, "steps": a.steps, "key_cache_size": key_split.cache_info().maxsize,
-           "runs": [run_fit(a.steps, a.every, a.grid)] if a.fit else
+           "runs": [run_fit(a.steps, a.every, a.grid, not a.no_profile)] if a.fit else
                    [run(ls, a.steps, a.every, a.grid) for ls in (None, default)]}
     render(out)
     if a.save:

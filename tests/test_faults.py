@@ -182,6 +182,17 @@ def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, see
     rows = {(r.layer, r.phase): r for r in h.comm.rows}
     rep = rows[("state", "replica")]
     assert rep.predicted_bytes > 0 and rep.measured_bytes == rep.predicted_bytes
+    # the planner prices the same bytes: 12 refreshes, the first before any momentum
+    from dask_ipar.cost import FC, Machine, evaluate_grid
+    from dask_ipar.cost.replica import network_state_words
+
+    pr, pc = map(int, grid.split("x"))
+    net = [FC(7, 9), FC(9, 5)]
+    planned = evaluate_grid(net, pr, pc, 12, Machine(word_bytes=8), replicas=1)
+    per_refresh = next(p for p in planned.phases if p.phase == "replica").total_bytes
+    first = sum(network_state_words(net, pr, pc, 0).values()) * 8
+    assert rep.measured_bytes * h.comm.steps == first + 11 * per_refresh
+    assert planned.replica_comm_s > 0
 
     at = int(np.random.default_rng(seed).integers(2, 11))
     model = make_model().distribute(client4, grid)

@@ -210,7 +210,8 @@ def test_cli_json(capsys):
     assert [(g["pr"], g["pc"]) for g in data["grids"]] == factorizations(12)
     for g in data["grids"]:
         assert set(g) == {"pr", "pc", "compute_s", "batch_comm_s", "model_comm_s", "domain_comm_s", "total_s",
-                          "mem_bytes"}
+                          "mem_bytes", "replica_comm_s"}
+        assert g["replica_comm_s"] == 0.0
         assert g["compute_s"] == pytest.approx(0.001 * 60000 / 256)
     assert set(data["best"]) == {"pr", "pc", "speedup_vs_batch", "comm_speedup_vs_batch"}
     best = min(data["grids"], key=lambda g: g["total_s"])

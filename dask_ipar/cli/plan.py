@@ -41,6 +41,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd",
                    help="optimizer whose state the memory per process counts: sgd (momentum, "
                    "one copy of the owned weights), adam/adamw (two moments); default sgd")
+    p.add_argument("--replicas", type=int, default=0, metavar="N",
+                   help="price in-memory replicas refreshed every N steps (dask-ipar train "
+                   "--replicas): their transfer per step and two snapshots per process in the "
+                   "memory; default 0 (none)")
     p.add_argument("--mem-limit", default=None, help="bytes per process, suffixes allowed (e.g. 16GiB)")
     p.add_argument("--machine", default=None, metavar="FILE", help="YAML machine file; flags override its values")
     p.add_argument("--convention", choices=("engine", "paper"), default="engine",
@@ -86,7 +90,10 @@ def _fmt_bytes(n: float) -> str:
 def format_table(result: PlanResult, *, title: str = "") -> str:
     """Human-readable table: one row per grid, the best marked with ``*``."""
     lines = [title] if title else []
-    head = f"  {'Pr':>6} {'Pc':>6} {'compute_s':>11} {'batch_comm_s':>13} {'model_comm_s':>13} {'domain_comm_s':>14} {'total_s':>11} {'mem/proc':>10}"
+    rep = any(g.feasible and g.replica_comm_s for g in result.grids)
+    head = (f"  {'Pr':>6} {'Pc':>6} {'compute_s':>11} {'batch_comm_s':>13} {'model_comm_s':>13} "
+            f"{'domain_comm_s':>14}" + (f" {'replica_s':>11}" if rep else "")
+            + f" {'total_s':>11} {'mem/proc':>10}")
     lines.append(f"times per {result.unit}")
     lines.append(head)
     for g in result.grids:
@@ -94,7 +101,8 @@ def format_table(result: PlanResult, *, title: str = "") -> str:
         if g.feasible:
             lines.append(
                 f"{mark} {g.pr:>6} {g.pc:>6} {g.compute_s:>11.4g} {g.batch_comm_s:>13.4g} {g.model_comm_s:>13.4g} "
-                f"{g.domain_comm_s:>14.4g} {g.total_s:>11.4g} {_fmt_bytes(g.mem_bytes):>10}"
+                f"{g.domain_comm_s:>14.4g}" + (f" {g.replica_comm_s:>11.4g}" if rep else "")
+                + f" {g.total_s:>11.4g} {_fmt_bytes(g.mem_bytes):>10}"
             )
         else:
             lines.append(f"  {g.pr:>6} {g.pc:>6}   excluded: {g.reason}")
@@ -162,11 +170,14 @@ def run(args) -> int:
         mem_limit = None if args.mem_limit is None else parse_bytes(args.mem_limit, name="--mem-limit")
         if mem_limit is not None and mem_limit <= 0:
             raise _InputError(f"--mem-limit: got {args.mem_limit!r}; expected a positive size such as 16GiB")
+        if args.replicas < 0:
+            raise _InputError(f"--replicas: got {args.replicas}; expected 0 (none) or the steps "
+                              "between refreshes, e.g. --replicas 10")
         machine = _machine_from_args(args)
         layers = get_network(args.model)
         result = plan(layers, args.procs, args.batch, machine, conv=args.conv, overlap=args.overlap,
                       mem_limit_bytes=mem_limit, convention=args.convention, samples=args.samples,
-                      opt_slots=1 if args.optimizer == "sgd" else 2)
+                      opt_slots=1 if args.optimizer == "sgd" else 2, replicas=args.replicas)
         title = (f"{args.model}: B={args.batch}, P={args.procs}, conv={args.conv}, convention={args.convention}"
                  f"{', overlap' if args.overlap else ''}; alpha={machine.alpha_s:g} s, "
                  f"bandwidth={machine.bandwidth_Bps:.4g} B/s, word={machine.word_bytes} B")

@@ -32,6 +32,7 @@ from dask_ipar.cost.machine import Machine
 from dask_ipar.layout.partition import grid_shapes
 from dask_ipar.cost.conv import domain_layer_phases
 from dask_ipar.cost.engine import ENGINE_ORDER, engine_layer_phases, engine_layout, engine_refusal
+from dask_ipar.cost.replica import network_state_words, replica_memory_bytes, replica_phase
 from dask_ipar.cost.model import (
     CONVENTIONS,
     PhaseCost,
@@ -79,23 +80,25 @@ class GridPlan:
     mem_bytes: int = 0
     schemes: tuple[tuple[str, str], ...] = ()
     phases: tuple[PhaseCost, ...] = field(default=(), repr=False)
+    #: in-memory replicas (``replicas`` refreshes): their transfer per step, amortized
+    replica_comm_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
-        return self.batch_comm_s + self.model_comm_s + self.domain_comm_s
+        return self.batch_comm_s + self.model_comm_s + self.domain_comm_s + self.replica_comm_s
 
     def scaled(self, factor: float) -> "GridPlan":
         return GridPlan(
             self.pr, self.pc, self.feasible, self.reason, self.compute_s * factor, self.batch_comm_s * factor,
             self.model_comm_s * factor, self.domain_comm_s * factor, self.total_s * factor, self.mem_bytes,
-            self.schemes, self.phases,
+            self.schemes, self.phases, self.replica_comm_s * factor,
         )
 
     def to_dict(self) -> dict:
         return {
             "pr": self.pr, "pc": self.pc, "compute_s": self.compute_s, "batch_comm_s": self.batch_comm_s,
             "model_comm_s": self.model_comm_s, "domain_comm_s": self.domain_comm_s, "total_s": self.total_s,
-            "mem_bytes": self.mem_bytes,
+            "mem_bytes": self.mem_bytes, "replica_comm_s": self.replica_comm_s,
         }
 
 
@@ -264,7 +267,7 @@ def _memory(layers, schemes, pr, pc, batch, machine, convention, opt_slots=1) ->
 
 
 def _finish(layers, pr, pc, batch, machine, found, overlap, convention, opt_slots=1,
-            grad_clip=False) -> GridPlan:
+            grad_clip=False, replicas=0) -> GridPlan:
     _, schemes, phases = found
     if grad_clip:  # the norm's one-word all-reduce over all P
         phases = [*phases, grad_norm_phase(pr * pc, machine)]
@@ -274,16 +277,24 @@ def _finish(layers, pr, pc, batch, machine, found, overlap, convention, opt_slot
     compute = machine.compute_s(network_flops(layers, batch), pr * pc)
     if overlap:  # perfect overlap of the weight-gradient all-reduce with backward compute
         buckets["batch"] = max(0.0, buckets["batch"] - _BACKWARD_SHARE * compute)
-    total = compute + buckets["batch"] + buckets["model"] + buckets["domain"]
     mem = _memory(layers, schemes, pr, pc, batch, machine, convention, opt_slots)
+    replica_s = 0.0
+    if replicas and pr * pc > 1:  # each cell's state to its buddy every ``replicas`` steps
+        words = network_state_words(layers, pr, pc, opt_slots)
+        rep = replica_phase(words, pr, pc, machine)
+        phases = [*phases, rep]
+        replica_s = rep.seconds / replicas
+        mem += replica_memory_bytes(words, pr, pc, machine.word_bytes)
+    total = compute + buckets["batch"] + buckets["model"] + buckets["domain"] + replica_s
     return GridPlan(pr, pc, True, "", compute, buckets["batch"], buckets["model"], buckets["domain"], total, mem,
-                    schemes, phases)
+                    schemes, phases, replica_s)
 
 
 def evaluate_grid(
     layers, pr: int, pc: int, batch: int, machine: Machine, *, conv: str = "auto", overlap: bool = False,
     mem_limit_bytes: float | None = None, convention: str = "engine", dx_size: str = "paper",
     schemes: tuple[str, ...] | None = None, opt_slots: int = 1, grad_clip: bool = False,
+    replicas: int = 0,
 ) -> GridPlan:
     """Price one ``Pr x Pc`` grid for a network (Eqs. 3-9).
 
@@ -297,7 +308,9 @@ def evaluate_grid(
     the engine refuses is infeasible (see :mod:`dask_ipar.cost.engine`). ``opt_slots``:
     optimizer state blocks per weight slice in the memory (1: momentum, 2: Adam);
     ``grad_clip``: gradient clipping by global norm adds its all-reduce
-    (:func:`dask_ipar.cost.model.grad_norm_phase`).
+    (:func:`dask_ipar.cost.model.grad_norm_phase`); ``replicas``: each cell's state copied
+    to a buddy every this many steps (:mod:`dask_ipar.cost.replica`: the transfer,
+    amortized, in ``replica_comm_s``; two snapshots per process in the memory; 0: none).
     """
     if conv not in MODES:
         raise ValueError(f"conv: got {conv!r}; expected one of {', '.join(MODES)}")
@@ -327,7 +340,7 @@ def evaluate_grid(
             reasons.append(why)
             continue
         plan_ = _finish(layers, pr, pc, batch, machine, found, overlap, convention, opt_slots,
-                        grad_clip)
+                        grad_clip, replicas)
         if mem_limit_bytes is not None and plan_.mem_bytes > mem_limit_bytes:
             reasons.append(f"needs {plan_.mem_bytes} bytes per process > limit {int(mem_limit_bytes)}")
             continue
@@ -378,7 +391,7 @@ def plan(
     layers, procs: int, batch: int, machine: Machine, *, conv: str = "auto", overlap: bool = False,
     mem_limit_bytes: float | None = None, convention: str = "engine", samples: int | None = None,
     dx_size: str = "paper", schemes: tuple[str, ...] | None = None, opt_slots: int = 1,
-    grad_clip: bool = False,
+    grad_clip: bool = False, replicas: int = 0,
 ) -> PlanResult:
     """Evaluate every factorization of ``procs`` and pick the fastest grid.
 
@@ -403,6 +416,9 @@ def plan(
         Restrict ``conv="auto"`` to these per-layer schemes (see :func:`evaluate_grid`).
     opt_slots : int
         Optimizer state per weight slice, in weight copies (SGD momentum 1, Adam 2).
+    replicas : int
+        Steps between refreshes of the in-memory replicas (0: none; see
+        :func:`evaluate_grid`).
     """
     for nm, v in (("batch", batch), ("opt_slots", opt_slots)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -415,7 +431,7 @@ def plan(
     grids = [
         evaluate_grid(layers, pr, pc, batch, machine, conv=conv, overlap=overlap, mem_limit_bytes=mem_limit_bytes,
                       convention=convention, dx_size=dx_size, schemes=schemes, opt_slots=opt_slots,
-                      grad_clip=grad_clip)
+                      grad_clip=grad_clip, replicas=replicas)
         for pr, pc in factorizations(procs)
     ]
     unit = "iteration"

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dask_ipar.cost.machine import Machine
 from dask_ipar.cost.model import PhaseCost, _phase
 
-__all__ = ["buddy", "state_words", "replica_phase", "replica_memory_bytes", "REPLICA_LAYER",
-           "REPLICA_PHASE", "GENERATIONS"]
+__all__ = ["buddy", "state_words", "replica_phase", "replica_memory_bytes", "network_state_words",
+           "REPLICA_LAYER", "REPLICA_PHASE", "GENERATIONS"]
 
 #: The comm table's row of the replicas: layer ``state``, phase ``replica``.
 REPLICA_LAYER, REPLICA_PHASE = "state", "replica"
@@ -51,6 +51,26 @@ def state_words(layers, pr: int, pc: int, slots: int) -> dict:
             out[(i, j)] = sum((rows[i][1] - rows[i][0]) * (cols[j][1] - cols[j][0])
                               for rows, cols in layers) * (1 + slots)
     return out
+
+
+def network_state_words(layers, pr: int, pc: int, slots: int) -> dict:
+    """:func:`state_words` of a network's layer specs as the engine blocks their weights:
+    ``rows`` the balanced split of the outputs over Pr, ``wcols`` of the inputs (a conv's
+    ``C * kh * kw``) plus the bias column over Pc; pooling layers have none."""
+    from dask_ipar.cost.layers import FC, Conv2d
+    from dask_ipar.layout.partition import split_bounds
+
+    mats = []
+    for layer in layers:
+        if isinstance(layer, FC):
+            n_out, n_in, bias = layer.d_out, layer.d_in, layer.bias
+        elif isinstance(layer, Conv2d):
+            n_out, n_in = layer.out_c, layer.in_c * layer.k_h * layer.k_w
+            bias = getattr(layer, "bias", True)
+        else:
+            continue
+        mats.append((split_bounds(n_out, pr), split_bounds(n_in + int(bias), pc)))
+    return state_words(mats, pr, pc, slots)
 
 
 def replica_phase(words: dict, pr: int, pc: int, machine: Machine) -> PhaseCost:
