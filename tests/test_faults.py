@@ -287,3 +287,32 @@ def test_cli_on_an_external_cluster_survives_a_killed_worker(tmp_path, capsys):
     got = json.loads(cap.out.strip().splitlines()[-1])
     assert got["test_loss"] == plain["test_loss"], (got, plain)
     assert got["test_accuracy"] == plain["test_accuracy"]
+
+
+def test_stopped_worker_is_rebuilt_from_replicas(client4, data):
+    """A hung worker (SIGSTOP) with replicas and no checkpoint: restarted, rebuilt from its
+    buddy's copy, the run bit-equal to an uninterrupted one."""
+    X, y = data
+    plain = make_model().distribute(client4, "2x2")
+    _fit(plain, X, y, replicas=2)
+    expected = plain.get_weights()
+    plain.close()
+    from dask_ipar.runtime.replicas import Replicas
+
+    model = make_model().distribute(client4, "2x2")
+    victim = model.binding.worker(1, 1)
+    pid = client4.run(os.getpid, workers=[victim])[victim]
+    lines = []
+    try:
+        with dask.config.set({"dask-ipar.hung-after": "4s"}):
+            _fit(model, X, y, replicas=Replicas(2, log=lines.append),
+                 callbacks=[StopAt(pid, 5)])
+    finally:
+        _resume(pid)
+    assert any(ln.startswith("recovered from the replicas") for ln in lines), lines
+    assert victim not in model.binding.workers
+    for (w, b), (we, be) in zip(model.get_weights(), expected):
+        np.testing.assert_array_equal(w, we)
+        np.testing.assert_array_equal(b, be)
+    model.close()
+    client4.wait_for_workers(4, timeout=30)
