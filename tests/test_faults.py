@@ -316,3 +316,67 @@ def test_stopped_worker_is_rebuilt_from_replicas(client4, data):
         np.testing.assert_array_equal(b, be)
     model.close()
     client4.wait_for_workers(4, timeout=30)
+
+
+def test_no_replacement_worker_regrids_onto_the_survivors(data):
+    """Workers without nannies (``dask worker --no-nanny``): a killed one never comes back,
+    so after the wait the run goes on on the largest grid the three survivors hold (1x3)
+    from the replicas, and ends bit-equal to an uninterrupted run that moved to 1x3 at the
+    same step."""
+    import socket
+    import subprocess
+    import sys
+
+    from distributed import Client
+
+    from dask_ipar.runtime.replicas import Replicas
+
+    X, y = data
+
+    class RegridAt(Callback):
+        def wants_sync(self, loop, step):
+            return step == 3
+
+        def on_sync(self, loop, step):
+            loop.model.distribute(loop.model.client, "1x3")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
+                               "127.0.0.1", "--port", str(port), "--no-dashboard"], **quiet)]
+    procs += [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
+                                "--no-nanny", "--nthreads", "1", "--name", f"w{k}",
+                                "--no-dashboard"], **quiet) for k in range(4)]
+    try:
+        client = Client(address, timeout=30)
+        client.wait_for_workers(4, timeout=60)
+        ref = make_model().distribute(client, "2x2")
+        _fit(ref, X, y, callbacks=[RegridAt()], measure=False)
+        assert ref.grid.pr == 1 and ref.grid.pc == 3
+        expected = ref.get_weights()
+        ref.close()
+
+        model = make_model().distribute(client, "2x2")
+        victim = model.binding.worker(1, 0)
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        lines = []
+        rep = Replicas(3, wait_timeout_s=2.0, log=lines.append)
+        h = _fit(model, X, y, replicas=rep, callbacks=[KillAt([pid], 4)])
+        assert any("going on on grid 1x3" in ln for ln in lines), lines
+        assert any("recovered from the replicas of step 3" in ln for ln in lines), lines
+        assert (model.grid.pr, model.grid.pc) == (1, 3) and len(h.steps) == 12
+        for (w, b), (we, be) in zip(model.get_weights(), expected):
+            np.testing.assert_array_equal(w, we)
+            np.testing.assert_array_equal(b, be)
+        rows = {(r.layer, r.phase): r for r in h.comm.rows}
+        assert rows[("state", "replica")].measured_bytes > 0
+        model.close()
+        client.close()
+    finally:  # a worker without a nanny can take long to close: no need here
+        for p in procs[::-1]:
+            p.kill()
+        for p in procs:
+            p.wait(30)

@@ -213,7 +213,7 @@ class Meter(Callback):
 
     def on_rewind(self, loop, step):
         if loop.model.binding is not None:
-            self.meter.rebind(loop.model.binding)
+            self.meter.rebind(loop.model.binding, loop.model.engine)
 
     def on_train_end(self, loop):
         loop.history.comm = self.meter.report()

@@ -189,11 +189,17 @@ class CommMeter:
         client.run(_widen_logs, WIDE_LOG, workers=self.workers)
         self.reset()
 
-    def rebind(self, binding):
+    def rebind(self, binding, engine=None):
         """Follow the model to the workers of ``binding`` (after a recovery re-bound it to
-        a replacement worker): their transfer logs are widened and drained from now on."""
+        a replacement worker, or to a smaller grid with its new ``engine``): their transfer
+        logs are widened and drained from now on, and the steps after it are predicted on
+        the new grid."""
         new = [w for w in binding.workers if w not in self.workers]
         self.workers = list(binding.workers)
+        if engine is not None and binding.grid != self.grid:
+            self.grid, self.engine = binding.grid, engine
+            self._phases.clear()
+            self._inputs_pred.clear()
         if new:
             self.client.run(_widen_logs, WIDE_LOG, workers=new)
 

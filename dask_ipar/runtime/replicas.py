@@ -28,7 +28,27 @@ from dask_ipar.cost.replica import REPLICA_LAYER, buddy, replica_phase
 from dask_ipar.errors import IparError, WorkerHung
 from dask_ipar.runtime.loop import Callback
 
-__all__ = ["Replicas", "snapshot", "restore_block", "hold"]
+__all__ = ["Replicas", "snapshot", "restore_block", "hold", "smaller_grid"]
+
+
+def smaller_grid(model, grid, workers: int):
+    """The largest grid with fewer cells than ``grid`` that fits on ``workers`` workers and
+    that the model's layers can be split over (closest to ``grid``'s shape first), or None."""
+    from dask_ipar.layout.grid import Grid
+    from dask_ipar.layout.partition import grid_shapes
+    from dask_ipar.nn.dense import check_dense_grid
+
+    for p in range(min(workers, grid.size - 1), 0, -1):
+        shapes = sorted(grid_shapes(p), key=lambda s: abs(np.log(s[0] / s[1])
+                                                          - np.log(grid.pr / grid.pc)))
+        for pr, pc in shapes:
+            g = Grid(pr, pc)
+            try:
+                check_dense_grid(model.dense_layers, model._first_dense, g, model.sizes)
+            except IparError:
+                continue
+            return g
+    return None
 
 
 # ------------------------------------------------------------------ kernels
@@ -273,17 +293,30 @@ class Replicas(Callback):
 
     def _recover(self, model, gone) -> int:
         from dask_ipar.io.checkpoint_faults import _faults_as_worker_lost, _wait_alive
-        from dask_ipar.runtime.workers import wait_for_workers
+        from dask_ipar.runtime.workers import scheduler_workers, wait_for_workers
 
         gen, src = self._sources(model, gone)
         grid = model.grid
         client = model.client
+        old_engine = model.engine  # the blocks' layout, for a regrid
         model.drop_state()
         try:
             wait_for_workers(client, grid.size, self.wait_timeout_s, self.say, revive=True)
-        except IparError as exc:
-            raise IparError(f"{exc} (after a worker fault; the replicas of step {gen.step} "
-                            "are on the cluster until this run ends)") from None
+        except IparError:
+            have = len(scheduler_workers(client))
+            new = smaller_grid(model, grid, have)
+            if new is None:
+                raise IparError(
+                    f"after a worker fault the cluster has {have} worker(s) left after waiting "
+                    f"{self.wait_timeout_s:.0f} s, and no grid of the model fits on them; "
+                    "start workers and train again (from a checkpoint with --resume where the "
+                    "run had --checkpoint-dir)") from None
+            self.say(f"no replacement worker within {self.wait_timeout_s:.0f} s: going on on "
+                     f"grid {new.pr}x{new.pc}, the largest the {have} worker(s) left can hold")
+            with _faults_as_worker_lost(model, "recovery from replicas"):
+                self._regrid(model, gen, src, old_engine, grid, new)
+            self.gens = []
+            return gen.step
         with _faults_as_worker_lost(model, "recovery from replicas"):
             model.distribute(client, grid)
             has_v = any(v is not None for shapes in gen.layout for _, v in shapes.values())
@@ -312,3 +345,32 @@ class Replicas(Callback):
         self.gens = [gen]
         return gen.step
 
+    def _regrid(self, model, gen, src, old_engine, old_grid, new_grid) -> None:
+        """Rebuild the state of refresh ``gen`` on ``new_grid``: the copies are gathered to
+        the client, joined into whole matrices and placed afresh (as ``distribute`` moves a
+        model between grids)."""
+        from dask_ipar.kernels.blocks import to_host
+        from dask_ipar.runtime.weights import assemble, join_blocks, weight_shape
+
+        client = model.client
+        cells = list(src)
+        flats = client.gather([client.submit(to_host, src[c], pure=False) for c in cells])
+        flat = dict(zip(cells, (np.asarray(f) for f in flats)))
+        offsets = dict.fromkeys(cells, 0)
+        params, velocity = [], []
+        for lay, shapes in zip(old_engine.param_layouts, gen.layout):
+            wblocks, vblocks = {}, {}
+            for cell, (wshape, vshape) in shapes.items():
+                for box, shape in ((wblocks, wshape), (vblocks, vshape)):
+                    if shape is None:
+                        continue
+                    n = int(np.prod(shape))
+                    box[("x", *cell)] = flat[cell][offsets[cell]:offsets[cell] + n].reshape(shape)
+                    offsets[cell] += n
+            params.append(assemble(lay, "x", wblocks, old_grid, weight_shape(old_engine, lay)))
+            velocity.append(join_blocks(vblocks, "x", old_grid) if vblocks else None)
+        model._init_params = params
+        model.distribute(client, new_grid)
+        if any(v is not None for v in velocity):
+            model._scatter_weights(params, velocity)
+            model._store.opt = gen.opt
