@@ -19,8 +19,21 @@ import statistics
 import time
 
 
+def _replica_bytes(dask_scheduler=None):
+    """Bytes of replica snapshots each worker holds now."""
+    out = {}
+    for key, ts in dask_scheduler.tasks.items():
+        name = key[0] if isinstance(key, tuple) else key
+        if isinstance(name, str) and name.startswith("state.rep") and ts.state == "memory":
+            for ws in ts.who_has:
+                out[ws.address] = out.get(ws.address, 0) + ts.nbytes
+    return out
+
+
 def one_fit(client, cfg, grid, replicas, steps):
     from dask_ipar import SGD, Dense, Sequential
+    from dask_ipar.runtime.loop import Callback
+    from dask_ipar.runtime.replicas import Replicas
 
     import common as C
 
@@ -30,15 +43,23 @@ def one_fit(client, cfg, grid, replicas, steps):
     opt = SGD(lr=0.01, momentum=0.9)
     model.fit(X[:2 * cfg.batch], y[:2 * cfg.batch], epochs=1, batch_size=cfg.batch,
               optimizer=opt, replicas=replicas or None)  # warm-up
-    done = []
-    h = model.fit(X, y, epochs=1, batch_size=cfg.batch, optimizer=opt,
-                  replicas=replicas or None, progress=lambda st: done.append(time.perf_counter()))
+    done, held = [], {}
+    rep = Replicas(replicas) if replicas else None
+
+    class Memory(Callback):  # the snapshots held once the run is under way
+        def on_step_end(self, loop, stats):
+            if rep is not None and stats.step == steps // 2:
+                held["bytes"] = max(client.run_on_scheduler(_replica_bytes).values())
+                held["refreshes"] = len(rep.gens)
+
+    h = model.fit(X, y, epochs=1, batch_size=cfg.batch, optimizer=opt, replicas=rep,
+                  callbacks=[Memory()], progress=lambda st: done.append(time.perf_counter()))
     model.close()
     gaps = [b - a for a, b in zip(done[3:], done[4:])]
     rows = {(r.layer, r.phase): r for r in h.comm.rows}
-    rep = rows.get(("state", "replica"))
-    return statistics.median(gaps), (None if rep is None else
-                                     (rep.predicted_bytes, rep.measured_bytes, h.comm.steps))
+    row = rows.get(("state", "replica"))
+    return statistics.median(gaps), (None if row is None else
+                                     (row.predicted_bytes, row.measured_bytes, h.comm.steps)), held
 
 
 def main():
@@ -66,34 +87,46 @@ def main():
                       dashboard_address=None) as cluster, Client(cluster) as client:
         for grid in a.grids.split(","):
             times = {r: [] for r in settings}
-            comm = {}
+            comm, mem = {}, {}
             for _ in range(a.rounds):
                 for r in settings:
-                    t, rep = one_fit(client, cfg, grid, r, a.steps)
+                    t, rep, held = one_fit(client, cfg, grid, r, a.steps)
                     times[r].append(t)
                     if rep is not None:
                         comm[r] = rep
+                    if held:
+                        mem[r] = held
             pr, pc = map(int, grid.split("x"))
             net = [FC(i, o) for i, o in zip(cfg.widths, cfg.widths[1:])]
             m = Machine(alpha_s=LOOPBACK_MACHINE.alpha_s,
                         bandwidth_Bps=LOOPBACK_MACHINE.bandwidth_Bps, word_bytes=4)
             base = statistics.median(times[0])
+            from dask_ipar.cost.replica import GENERATIONS
+
             for r in settings:
                 plan = evaluate_grid(net, pr, pc, cfg.batch, m, replicas=r)
+                plan0 = evaluate_grid(net, pr, pc, cfg.batch, m)
+                per_refresh = (plan.mem_bytes - plan0.mem_bytes) / GENERATIONS
                 rec = {"grid": grid, "replicas": r, "step_s": statistics.median(times[r]),
                        "ratio": statistics.median(times[r]) / base,
                        "rounds": times[r], "planner_replica_s": plan.replica_comm_s,
                        "planner_mem_bytes": plan.mem_bytes,
+                       "planner_replica_mem_per_refresh": per_refresh,
+                       "measured_replica_mem": mem.get(r),
                        "comm_per_step": comm.get(r)}
                 out.append(rec)
                 print(json.dumps(rec), flush=True)
-    print(f"\n| grid | replicas every | step (s) | ratio to off | replica bytes per step, "
-          f"predicted / measured | planner: replica s per step | planner: memory per process |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| grid | replicas every | step (s) | ratio to off | replica bytes per step, "
+          "predicted / measured | replica memory on the busiest worker, predicted / measured "
+          "(refreshes held) | planner: replica s per step | planner: memory per process |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in out:
-        c = r["comm_per_step"]
+        c, mm = r["comm_per_step"], r["measured_replica_mem"]
+        mem = "-" if not mm else (
+            f"{mm['refreshes'] * r['planner_replica_mem_per_refresh'] / 2**20:.1f} / "
+            f"{mm['bytes'] / 2**20:.1f} MiB ({mm['refreshes']})")
         print(f"| {r['grid']} | {r['replicas'] or 'off'} | {r['step_s']:.3f} | {r['ratio']:.2f} | "
-              + (f"{c[0]:,.0f} / {c[1]:,.0f}" if c else "-")
+              + (f"{c[0]:,.0f} / {c[1]:,.0f}" if c else "-") + f" | {mem}"
               + f" | {r['planner_replica_s']:.4f} | {r['planner_mem_bytes'] / 2**20:.0f} MiB |")
 
 

@@ -294,6 +294,7 @@ CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.faults
 def test_process_killed_during_checkpoint_write(client4, tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
@@ -322,6 +323,7 @@ def test_process_killed_during_checkpoint_write(client4, tmp_path):
     m.close()
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("grid,lineage",
                          [("2x2", 100), ("2x2", 1), ("4x1", 100), ("1x4", 100)],
                          ids=["default", "cut-every-step", "4x1-uneven", "1x4-uneven"])
@@ -379,6 +381,7 @@ def test_worker_killed_at_a_random_step_resumes_exactly(client4, data, tmp_path,
     again.close()
 
 
+@pytest.mark.faults
 def test_worker_killed_without_restarts_left_raises(client4, data, tmp_path):
     X, y = data
     model = make_model().distribute(client4, "2x2")

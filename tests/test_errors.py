@@ -183,6 +183,7 @@ def test_worker_lost_mid_training_stops_with_a_clear_error():
         assert killed
 
 
+@pytest.mark.faults
 def test_cli_scheduler_lost_mid_run_is_one_line_naming_the_checkpoint(tmp_path):
     """An external scheduler killed mid-run: exit 2 with one line saying the scheduler is
     gone and which checkpoint to resume from; no traceback. (Its workers, an external

@@ -210,12 +210,31 @@ def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, see
     client4.wait_for_workers(4, timeout=30)
 
 
-def test_a_cell_lost_with_its_buddy_is_named(client4, data):
-    """Cell (0, 0)'s replica lives on cell (1, 0): both lost at once, nothing rebuilds
-    it; without a checkpoint the error names the cells."""
+def test_two_workers_lost_at_once(client4, data):
+    """Two grid workers killed together: rebuilt when each one's buddy survived; a cell
+    lost with its buddy (cell (0, 0)'s replica lives on cell (1, 0)) cannot be, and
+    without a checkpoint the error names the cells."""
     from dask_ipar.io.checkpoint import WorkerLost
 
     X, y = data
+    plain = make_model().distribute(client4, "2x2")
+    _fit(plain, X, y, replicas=1)
+    expected = plain.get_weights()
+    plain.close()
+    model = make_model().distribute(client4, "2x2")
+    row = [model.binding.worker(0, 0), model.binding.worker(0, 1)]  # buddies: row 1
+    pids = list(client4.run(os.getpid, workers=row).values())
+    lines = []
+    from dask_ipar.runtime.replicas import Replicas
+
+    _fit(model, X, y, replicas=Replicas(1, log=lines.append), callbacks=[KillAt(pids, 5)])
+    assert any(ln.startswith("recovered from the replicas") for ln in lines), lines
+    for (w, b), (we, be) in zip(model.get_weights(), expected):
+        np.testing.assert_array_equal(w, we)
+        np.testing.assert_array_equal(b, be)
+    model.close()
+    client4.wait_for_workers(4, timeout=30)
+
     model = make_model().distribute(client4, "2x2")
     pair = [model.binding.worker(0, 0), model.binding.worker(1, 0)]
     pids = list(client4.run(os.getpid, workers=pair).values())

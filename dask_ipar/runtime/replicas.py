@@ -147,7 +147,8 @@ class Replicas(Callback):
             self.refresh(loop.model, step)
 
     def on_train_end(self, loop):
-        self._settle(loop.model)
+        self._settle(loop.model)  # every refresh's bytes are in the comm table
+        self.release()  # the run is over: nothing left to recover
 
     def on_epoch_end(self, loop, record):
         self._settle(loop.model)  # before the comm meter's drain (a later callback)
