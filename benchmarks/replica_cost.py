@@ -19,15 +19,16 @@ import statistics
 import time
 
 
-def _replica_bytes(dask_scheduler=None):
-    """Bytes of replica snapshots each worker holds now."""
-    out = {}
-    for key, ts in dask_scheduler.tasks.items():
+def _replica_bytes(dask_worker=None):
+    """Bytes of replica snapshots this worker holds now, each array once (the buddy's copy
+    and the fetched snapshot it was made from are one array under two keys)."""
+    seen = {}
+    for key in list(dask_worker.data.keys()):
         name = key[0] if isinstance(key, tuple) else key
-        if isinstance(name, str) and name.startswith("state.rep") and ts.state == "memory":
-            for ws in ts.who_has:
-                out[ws.address] = out.get(ws.address, 0) + ts.nbytes
-    return out
+        if isinstance(name, str) and name.startswith("state.rep"):
+            v = dask_worker.data[key]
+            seen[id(v)] = v.nbytes
+    return sum(seen.values())
 
 
 def one_fit(client, cfg, grid, replicas, steps):
@@ -49,7 +50,8 @@ def one_fit(client, cfg, grid, replicas, steps):
     class Memory(Callback):  # the snapshots held once the run is under way
         def on_step_end(self, loop, stats):
             if rep is not None and stats.step == steps // 2:
-                held["bytes"] = max(client.run_on_scheduler(_replica_bytes).values())
+                held["bytes"] = max(client.run(_replica_bytes, workers=model.binding.workers)
+                                    .values())
                 held["refreshes"] = len(rep.gens)
 
     h = model.fit(X, y, epochs=1, batch_size=cfg.batch, optimizer=opt, replicas=rep,

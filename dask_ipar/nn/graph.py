@@ -72,6 +72,8 @@ TASK_SPAN = {
     "gnorm": "grad_norm",
     "gfac": "grad_norm",
     "gclip": "update",
+    "rep": "replica",  # a cell's state snapshot (runtime/replicas.py)
+    "repheld": "replica",  # its buddy's copy
     "stats": "loss",
     "x": "input",
     "y": "input",
