@@ -303,11 +303,10 @@ class Sequential:
         return submit_step(self, Xb, yb, optimizer)
 
     def fit(self, X, y, *, epochs: int = 1, batch_size: int = 32, optimizer: SGD | None = None,
-            shuffle: bool = True, seed: int | None = None, progress=False,
-            max_inflight: int = 2, measure: bool = True, machine=None, validation_data=None,
-            standardize: bool = False, callbacks=(), checkpoint=None, log_file=None,
-            diverge_factor: float = 2.0, shuffle_window: int | None = None,
-            replicas=None) -> History:
+            shuffle: bool = True, seed: int | None = None, progress=False, max_inflight: int = 2,
+            measure: bool = True, machine=None, validation_data=None, standardize: bool = False,
+            callbacks=(), checkpoint=None, log_file=None, diverge_factor: float = 2.0,
+            shuffle_window: int | None = None, replicas=None) -> History:
         """Train on minibatches; returns a :class:`History` of per-epoch records.
 
         Runs :class:`dask_ipar.runtime.loop.TrainLoop`, the loop of every training run:
@@ -319,16 +318,14 @@ class Sequential:
         ----------
         X, y : inputs ``(n, features)`` or ``(n, C, H, W)`` images, integer labels ``(n,)``;
             NumPy, or read by the workers themselves (dask arrays, Zarr, HDF5, memmaps)
-        epochs, batch_size : int
-            ``n // batch_size`` steps per epoch; the last takes the samples left over too.
+        epochs, batch_size : ``n // batch_size`` steps per epoch (the last takes the rest)
         optimizer : SGD, Adam or AdamW, with its schedule and clipping (:mod:`dask_ipar.optim`)
         shuffle, seed : each epoch's sample order (``seed`` defaults to the model's)
         shuffle_window : data read from storage shuffles within windows of this many
             chunks (default 8; 0: full shuffle; :class:`~dask_ipar.runtime.loop.BatchPlan`)
         progress : True for a tqdm bar on stderr, or a callable given each :class:`StepStats`
-        max_inflight : int, steps submitted ahead of the one waited for
-        measure : bool
-            Put the per-layer, per-phase predicted-vs-measured bytes in ``history.comm``
+        max_inflight : steps submitted ahead of the one waited for
+        measure : put the per-layer, per-phase predicted-vs-measured bytes in ``history.comm``
             (predicted seconds from ``machine``, a :class:`dask_ipar.cost.Machine`).
         validation_data : ``(X_val, y_val)``: ``val_loss``, ``val_accuracy`` per epoch
         standardize : bool
@@ -336,10 +333,8 @@ class Sequential:
             the model has one; every later input goes through it, and it is saved.
         callbacks : :class:`dask_ipar.runtime.loop.Callback` list (e.g. ``EarlyStopping``)
         checkpoint : :class:`dask_ipar.io.checkpoint.Checkpointing`: saves, resume, recovery
-        replicas : int or :class:`dask_ipar.runtime.replicas.Replicas`: every this many
-            steps each cell's state is copied to a buddy worker, and a lost grid worker is
-            rebuilt from those copies, no checkpoint needed (at most ``replicas - 1``
-            finished steps re-run); None or 0: off
+        replicas : every this many steps (or a :class:`~dask_ipar.runtime.replicas.Replicas`)
+            copy each cell's state to a buddy worker, to rebuild a lost one from; 0: off
         log_file : a metrics log, a row per epoch (CSV for ``.csv``, else JSON lines)
         diverge_factor : when a loss counts as divergence (:class:`~dask_ipar.runtime.loop.
             TrainLoop`; 0: only a non-finite one)
@@ -348,8 +343,8 @@ class Sequential:
                     shuffle=shuffle, seed=seed, progress=progress, max_inflight=max_inflight,
                     measure=measure, machine=machine, validation_data=validation_data,
                     standardize=standardize, callbacks=callbacks, checkpoint=checkpoint,
-                    log_file=log_file, diverge_factor=diverge_factor,
-                    shuffle_window=shuffle_window, replicas=replicas)
+                    log_file=log_file, diverge_factor=diverge_factor, shuffle_window=shuffle_window,
+                    replicas=replicas)
 
     def _require_bound(self):
         """Raise a clear error unless the model is on a cluster with its state intact."""

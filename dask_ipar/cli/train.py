@@ -91,9 +91,9 @@ def add_parser(sub):
                       "queue that long)")
     p.add_argument("--replicas", type=non_negative_int, metavar="N",
                    help="every N steps copy each grid cell's training state to another "
-                   "grid worker; a lost worker is then rebuilt from the copies and at most "
-                   "N steps re-run, no checkpoint needed (default 10; 0: off; grids of 2 "
-                   "or more workers)")
+                   "grid worker; a lost worker is then rebuilt from the copies and the steps "
+                   "since the last copy re-run, no checkpoint needed (default 10; 0: off; "
+                   "grids of 2 or more workers)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save model and optimizer state to Zarr checkpoints here")
     p.add_argument("--checkpoint-every", type=positive_int, metavar="N",

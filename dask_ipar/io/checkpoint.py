@@ -55,7 +55,8 @@ import os
 import numpy as np
 
 from dask_ipar.io.checkpoint_dirs import checkpoints, latest
-from dask_ipar.io.checkpoint_faults import WorkerLost, _faults_as_worker_lost, _gone_soon
+from dask_ipar.io.checkpoint_faults import (WorkerLost, _cluster_error, _faults_as_worker_lost,
+                                            _gone_soon)
 from dask_ipar.io.checkpoint_format import FORMAT, VERSION, CheckpointCorrupt, CheckpointStorageError
 from dask_ipar.io.checkpoint_load import load, read_metadata
 from dask_ipar.io.checkpoint_save import save
@@ -284,17 +285,6 @@ class Checkpointing(Callback):
                  f"step {step} from {self.last} (restart {self.restarts} of at most "
                  f"{self.max_restarts})")
         return step
-
-
-def _cluster_error(exc) -> bool:
-    """Whether ``exc`` is of the kinds a lost worker causes (closed comms, cancelled or
-    lost futures, dask's own errors), as opposed to the run's own (a callback's, a bad
-    setting, an IparError), which end the run at once."""
-    import asyncio
-    import concurrent.futures
-
-    kinds = (OSError, TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError)
-    return isinstance(exc, kinds) or type(exc).__module__.split(".")[0] == "distributed"
 
 
 def train_with_checkpoints(model, X, y, *, steps: int, every: int, directory,

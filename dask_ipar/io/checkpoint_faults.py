@@ -118,3 +118,13 @@ def _faults_as_worker_lost(model, what):
             raise WorkerLost(gone, what) from exc
         raise
 
+
+def _cluster_error(exc) -> bool:
+    """Whether ``exc`` is of the kinds a lost worker causes (closed comms, cancelled or
+    lost futures, dask's own errors), as opposed to the run's own (a callback's, a bad
+    setting, an IparError), which end the run at once."""
+    import asyncio
+    import concurrent.futures
+
+    kinds = (OSError, TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError)
+    return isinstance(exc, kinds) or type(exc).__module__.split(".")[0] == "distributed"

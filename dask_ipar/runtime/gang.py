@@ -70,15 +70,23 @@ class GangLock:
         return {w: h for w, h in out.items() if isinstance(h, dict)}
 
     def _release_orphans(self, holders: dict) -> bool:
-        """Release the locks of holders whose client is gone; whether any was."""
+        """Release the locks of holders whose client is gone, and forget their records;
+        whether a lock was released (then the acquisition is worth another try)."""
         alive = set(self.client.run_on_scheduler(_clients))
-        stale = {h["lock"] for h in holders.values() if h.get("client") not in alive}
-        for lock_id in stale:
+        stale = {w: h for w, h in holders.items() if h.get("client") not in alive}
+        released = False
+        for lock_id in {h["lock"] for h in stale.values()}:
             try:
                 self.client.sync(self.client.scheduler.multi_lock_release, id=lock_id)
-            except Exception:  # noqa: BLE001 - released meanwhile
+                released = True
+            except Exception:  # noqa: BLE001 - released already (another run took over)
                 pass
-        return bool(stale)
+        for w in stale:
+            try:
+                self.client.set_metadata([_META, w], None)
+            except Exception:  # noqa: BLE001 - the record goes with the scheduler
+                pass
+        return released
 
     def _busy_message(self, holders: dict) -> str:
         held = sorted(holders) or self.workers
@@ -117,11 +125,14 @@ class GangLock:
         if lock is None:
             return
         try:
-            for w in self.workers:
-                self.client.set_metadata([_META, w], None)
             lock.release()
         except Exception:  # noqa: BLE001 - the scheduler is gone: so is the lock
-            pass
+            return
+        for w in self.workers:
+            try:
+                self.client.set_metadata([_META, w], None)
+            except Exception:  # noqa: BLE001 - the next run finds a record of no live lock
+                pass
 
     def rebind(self, workers) -> None:
         """Hold ``workers`` instead (the grid moved to replacement workers)."""

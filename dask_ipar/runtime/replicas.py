@@ -22,29 +22,37 @@ if there is one, is tried next).
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import numpy as np
 
-from dask_ipar.cost.replica import REPLICA_LAYER, buddy, replica_phase
+from dask_ipar.cost.replica import GENERATIONS, REPLICA_LAYER, buddy, replica_phase
 from dask_ipar.errors import IparError, WorkerHung
 from dask_ipar.runtime.loop import Callback
 
-__all__ = ["Replicas", "snapshot", "restore_block", "hold", "smaller_grid"]
+__all__ = ["Replicas", "snapshot", "restore_block", "hold", "smaller_grid", "bind_for_restore"]
 
 
 def smaller_grid(model, grid, workers: int):
-    """The largest grid with fewer cells than ``grid`` that fits on ``workers`` workers and
-    that the model's layers can be split over (closest to ``grid``'s shape first), or None."""
+    """The largest grid of at least 2 cells (replicas need a buddy), fewer than ``grid``'s,
+    that fits on ``workers`` workers and that the model's layers can be split over
+    (closest to ``grid``'s shape first), or None."""
     from dask_ipar.layout.grid import Grid
     from dask_ipar.layout.partition import grid_shapes
     from dask_ipar.nn.dense import check_dense_grid
 
-    for p in range(min(workers, grid.size - 1), 0, -1):
+    for p in range(min(workers, grid.size - 1), 1, -1):
         shapes = sorted(grid_shapes(p), key=lambda s: abs(np.log(s[0] / s[1])
                                                           - np.log(grid.pr / grid.pc)))
         for pr, pc in shapes:
             g = Grid(pr, pc)
             try:
                 check_dense_grid(model.dense_layers, model._first_dense, g, model.sizes)
+                if model._n_front:  # conv layers: rows and filters over the grid too
+                    from dask_ipar.nn.shapes import front_layouts
+
+                    front_layouts(model.layers[:model._n_front], model.input_shape, pr, pc)
             except IparError:
                 continue
             return g
@@ -77,12 +85,46 @@ def restore_block(flat, start: int, shape: tuple, module=None):
     return to_device(out, module) if module and xp_of(out).__name__ == "numpy" else out
 
 
+def bind_for_restore(model, client, grid):
+    """Bind ``model`` to ``grid`` with no state, which a recovery restores next block by
+    block on the workers: as ``Sequential.distribute`` after ``drop_state``, without
+    computing and placing initial weights (a whole model's scatter from the client)."""
+    from dask_ipar.layout.grid import parse_grid
+    from dask_ipar.nn.dense import check_dense_grid
+    from dask_ipar.runtime.state import BlockStore
+    from dask_ipar.runtime.workers import bind_grid, hold_replicas
+
+    grid = parse_grid(grid)
+    binding = bind_grid(grid, client)
+    model.drop_state()
+    model._amm_held = hold_replicas(client)
+    model.client, model.binding = client, binding
+    model._store = BlockStore(client, binding, model.uid, model.block_module,
+                              submit=lambda *a, **k: model._submit(*a, **k),
+                              abort=lambda reason: model.abort_programs(reason),
+                              liveness_s=lambda: model.liveness_check_s,
+                              cuts=model._cuts, opt=(None, 0))
+    model._init_params = model._init_velocity = None
+    check_dense_grid(model.dense_layers, model._first_dense, grid, model.sizes)
+    model.engine = model._make_engine(binding)
+    return model
+
+
+def _holders(client, future) -> list:
+    """Workers holding ``future``'s data, as the scheduler says (empty when it does not)."""
+    try:
+        return list(client.who_has([future]).get(future.key, ()))
+    except Exception:  # noqa: BLE001 - the scheduler is busy or gone: no evidence
+        return []
+
+
 class _Generation:
     """One refresh: per cell the futures of its own snapshot and of its buddy's copy."""
 
-    def __init__(self, step, opt, layout, own, held):
+    def __init__(self, step, opt, layout, own, held, where):
         self.step, self.opt, self.layout = step, opt, layout
         self.own, self.held = own, held  # cell -> future
+        self.where = where  # cell -> (worker of its own copy, worker of its buddy's copy)
 
     def complete(self) -> bool:
         return all(f.status == "finished" for f in self.held.values())
@@ -98,7 +140,9 @@ class Replicas(Callback):
     Parameters
     ----------
     every : int
-        Steps between refreshes; a fault re-runs at most ``every - 1`` finished steps.
+        Steps between refreshes. A fault re-runs the steps since the newest refresh that
+        reached every buddy: fewer than ``every``, or up to ``2 * every - 1`` when the
+        fault comes while a refresh is still on its way.
     wait_timeout_s : float
         How long a recovery waits for the cluster to have the grid's workers again.
     max_restarts : int
@@ -142,9 +186,15 @@ class Replicas(Callback):
         self.refresh(loop.model, step)
 
     def on_rewind(self, loop, step):
-        if not self.gens or self.gens[-1].step != step:  # resumed from a checkpoint
-            self.release()
+        # resumed or recovered: the copies made before it may lie on gone workers (a
+        # refresh waiting on one would never end) or predate a loaded checkpoint
+        self.release()
+        try:
             self.refresh(loop.model, step)
+        except Exception as exc:  # noqa: BLE001 - another fault: the next step meets it
+            self.release()
+            self.say(f"no replicas after the recovery ({type(exc).__name__}: {exc}); the "
+                     "next refresh makes them")
 
     def on_train_end(self, loop):
         self._settle(loop.model)  # every refresh's bytes are in the comm table
@@ -161,20 +211,31 @@ class Replicas(Callback):
 
     def _settle(self, model):
         """Wait for the transfers of the newest refresh (the comm meter's last drain
-        counts them), then keep only it."""
-        from dask_ipar.io.checkpoint_faults import _wait_alive
+        counts them), then keep only it. A transfer that does not end within the
+        recovery wait (its worker hung) leaves no replica rather than a stuck run."""
+        from dask_ipar.io.checkpoint_faults import WorkerLost, _wait_alive
 
         if self.gens:
             g = self.gens[-1]
-            _wait_alive(model.client, list(g.held.values()), model.binding.workers,
-                        f"replica of step {g.step}")
+            try:
+                _wait_alive(model.client, list(g.held.values()), model.binding.workers,
+                            f"replica of step {g.step}", timeout_s=self.wait_timeout_s)
+            except WorkerLost:
+                raise  # a recovery from the older complete refresh follows
+            except Exception as exc:  # noqa: BLE001 - a copy lost on its way: training goes on
+                self.gens.pop()
+                self.say(f"the replicas of step {g.step} did not reach their buddies "
+                         f"({type(exc).__name__}: {exc}); the next refresh makes new ones")
+                return
             self.gens = [g]
 
     def refresh(self, model, step: int) -> None:
         """Snapshot every cell's state now (nothing in flight) and send it to its buddy."""
-        from dask_ipar.io.checkpoint_faults import _wait_alive
+        from dask_ipar.io.checkpoint_faults import WorkerLost, _wait_alive
 
         client = model.client
+        if len(self.gens) >= GENERATIONS:  # at most two refreshes per process: the last
+            self._settle(model)            # one's copies must have arrived first
         sb = model.state_blocks()
         pr, pc = sb["grid"]
         adam = model._store.opt[0] == "adam"
@@ -200,9 +261,10 @@ class Replicas(Callback):
         # recovery (unattributed in the comm table: they are not a step's traffic)
         tag = f"{REPLICA_LAYER}.rep-{model.uid}-s{n}"
         held_tag = f"{REPLICA_LAYER}.repheld-{model.uid}-s{n}"
-        own, held = {}, {}
+        own, held, where = {}, {}, {}
         for (i, j), parts in blocks.items():
             owner = model.binding.worker(i, j)
+            where[(i, j)] = (owner, model.binding.worker(*buddy(pr, pc, i, j)))
             own[(i, j)] = client.submit(snapshot, *parts, key=(tag, i, j), workers=[owner],
                                         allow_other_workers=False)
             b = buddy(pr, pc, i, j)
@@ -210,8 +272,14 @@ class Replicas(Callback):
                                          workers=[model.binding.worker(*b)],
                                          allow_other_workers=False)
         # the next step updates the state in place: the local copies come first
-        _wait_alive(client, list(own.values()), model.binding.workers,
-                    f"replica of step {step}")
+        try:
+            _wait_alive(client, list(own.values()), model.binding.workers,
+                        f"replica of step {step}")
+        except WorkerLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no copy this time: training goes on
+            self.say(f"no replicas of step {step} ({type(exc).__name__}: {exc})")
+            return
         if self.meter is not None:
             from dask_ipar.cost import Machine
 
@@ -219,7 +287,7 @@ class Replicas(Callback):
             self.meter.add_phase(replica_phase(words, pr, pc, Machine(
                 alpha_s=m.alpha_s, bandwidth_Bps=m.bandwidth_Bps, word_bytes=itemsize)))
         self.refreshed_bytes += sum(words.values()) * itemsize
-        self.gens.append(_Generation(step, tuple(model._store.opt), layout, own, held))
+        self.gens.append(_Generation(step, tuple(model._store.opt), layout, own, held, where))
         # keep the newest complete refresh and any newer one
         done = [k for k, g in enumerate(self.gens) if g.complete()]
         if done:
@@ -227,8 +295,7 @@ class Replicas(Callback):
 
     # ------------------------------------------------------------------ recovery
     def on_error(self, loop, exc):
-        from dask_ipar.io.checkpoint import _cluster_error
-        from dask_ipar.io.checkpoint_faults import WorkerLost, _gone_soon
+        from dask_ipar.io.checkpoint_faults import WorkerLost, _cluster_error, _gone_soon
         from dask_ipar.runtime.workers import scheduler_gone, scheduler_workers
 
         model = loop.model
@@ -246,10 +313,11 @@ class Replicas(Callback):
         if not gone:
             return None  # the run's own error
         model.abort_programs(f"worker(s) {', '.join(gone)} left the cluster")
+        has_checkpoints = any(type(cb).__name__ == "Checkpointing" for cb in loop.callbacks)
         try:
             self._sources(model, gone)
         except WorkerLost:
-            if any(type(cb).__name__ == "Checkpointing" for cb in loop.callbacks):
+            if has_checkpoints:
                 self.say("the replicas cannot rebuild the lost cells: trying the checkpoints")
                 return None  # the checkpoints (a later callback) may
             raise
@@ -257,6 +325,8 @@ class Replicas(Callback):
             self.restarts += 1
             self.say(f"step {loop.step + 1}: worker(s) {', '.join(gone)} left the cluster")
             if self.restarts > self.max_restarts:
+                if has_checkpoints:
+                    return None
                 raise WorkerLost(gone, f"training step {loop._submitted} (after "
                                  f"{self.max_restarts} recoveries from replicas)")
             try:
@@ -264,6 +334,11 @@ class Replicas(Callback):
                 break
             except WorkerLost as again:
                 gone = sorted(set(gone) | set(again.workers))
+            except IparError as exc:  # no grid fits, or the wait ended: the checkpoints may
+                if has_checkpoints:
+                    self.say(f"the replicas cannot recover ({exc}): trying the checkpoints")
+                    return None
+                raise
         self.say(f"recovered from the replicas of step {step} on workers "
                  f"{', '.join(model.binding.workers)} (restart {self.restarts} of at most "
                  f"{self.max_restarts}); re-running the steps after it")
@@ -274,26 +349,25 @@ class Replicas(Callback):
         from dask_ipar.io.checkpoint_faults import WorkerLost
 
         gone = set(gone)
-        grid = model.binding.grid
+        grid = model.grid
         for g in reversed(self.gens):
             src = {}
             for (i, j) in grid.cells():
-                owner = model.binding.worker(i, j)
-                b = buddy(grid.pr, grid.pc, i, j)
-                holder = model.binding.worker(*b)
+                owner, holder = g.where[(i, j)]  # where the copies were made
                 if owner not in gone and g.own[(i, j)].status == "finished":
                     src[(i, j)] = g.own[(i, j)]
                 elif holder not in gone and g.held[(i, j)].status == "finished":
                     src[(i, j)] = g.held[(i, j)]
             if len(src) == grid.size:
                 return g, src
-        lost = [c for c in grid.cells() if model.binding.worker(*c) in gone]
+        lost = sorted(c for c, (owner, _) in self.gens[-1].where.items() if owner in gone) \
+            if self.gens else []
         raise WorkerLost(sorted(gone), "training: the replicas of grid cell(s) "
                          f"{', '.join(map(str, lost))} were on lost workers too (a cell and its "
                          "buddy, the next cell down its column, lost together)")
 
     def _recover(self, model, gone) -> int:
-        from dask_ipar.io.checkpoint_faults import _faults_as_worker_lost, _wait_alive
+        from dask_ipar.io.checkpoint_faults import _wait_alive
         from dask_ipar.runtime.workers import scheduler_workers, wait_for_workers
 
         gen, src = self._sources(model, gone)
@@ -309,17 +383,16 @@ class Replicas(Callback):
             if new is None:
                 raise IparError(
                     f"after a worker fault the cluster has {have} worker(s) left after waiting "
-                    f"{self.wait_timeout_s:.0f} s, and no grid of the model fits on them; "
-                    "start workers and train again (from a checkpoint with --resume where the "
-                    "run had --checkpoint-dir)") from None
+                    f"{self.wait_timeout_s:.0f} s, and no grid of 2 or more of them fits the "
+                    "model; start workers and train again (from a checkpoint with --resume "
+                    "where the run had --checkpoint-dir)") from None
             self.say(f"no replacement worker within {self.wait_timeout_s:.0f} s: going on on "
                      f"grid {new.pr}x{new.pc}, the largest the {have} worker(s) left can hold")
-            with _faults_as_worker_lost(model, "recovery from replicas"):
+            with self._faults(model, src):
                 self._regrid(model, gen, src, old_engine, grid, new)
-            self.gens = []
             return gen.step
-        with _faults_as_worker_lost(model, "recovery from replicas"):
-            model.distribute(client, grid)
+        with self._faults(model, src):
+            bind_for_restore(model, client, grid)
             has_v = any(v is not None for shapes in gen.layout for _, v in shapes.values())
             w_names, v_names = model.reserve_state_keys(has_v)
             futures = {}
@@ -342,9 +415,29 @@ class Replicas(Callback):
                       for k, n in enumerate(v_names)]
             model.adopt_state(w_names, v_kept, futures)
             model._store.opt = gen.opt
-        # the restored state is the newest refresh: older ones can go
-        self.gens = [gen]
         return gen.step
+
+    @contextlib.contextmanager
+    def _faults(self, model, src):
+        """A recovery's errors: :class:`WorkerLost` where a worker it uses (the new grid's,
+        or one holding a copy it restores from) left meanwhile; its own errors as they are
+        (not retried as faults)."""
+        from dask_ipar.io.checkpoint_faults import WorkerLost
+        from dask_ipar.runtime.workers import scheduler_workers
+
+        try:
+            yield
+        except WorkerLost:
+            raise
+        except Exception:
+            time.sleep(1.0)  # the scheduler may learn of a death a moment late
+            alive = set(scheduler_workers(model.client))
+            used = set(model.binding.workers if model.binding is not None else ())
+            used |= {w for f in src.values() for w in _holders(model.client, f)}
+            gone = sorted(w for w in used if w not in alive)
+            if gone:
+                raise WorkerLost(gone, "recovery from replicas") from None
+            raise
 
     def _regrid(self, model, gen, src, old_engine, old_grid, new_grid) -> None:
         """Rebuild the state of refresh ``gen`` on ``new_grid``: the copies are gathered to
@@ -370,8 +463,7 @@ class Replicas(Callback):
                     offsets[cell] += n
             params.append(assemble(lay, "x", wblocks, old_grid, weight_shape(old_engine, lay)))
             velocity.append(join_blocks(vblocks, "x", old_grid) if vblocks else None)
-        model._init_params = params
-        model.distribute(client, new_grid)
-        if any(v is not None for v in velocity):
-            model._scatter_weights(params, velocity)
-            model._store.opt = gen.opt
+        bind_for_restore(model, client, new_grid)
+        model._scatter_weights(params, velocity if any(v is not None for v in velocity)
+                               else None)
+        model._store.opt = gen.opt

@@ -234,13 +234,13 @@ class BlockStore:
             if not hung:
                 return
             w, silent = hung[0]
-            release_hung_workers(self.client, [h for h, _ in hung])
+            still = release_hung_workers(self.client, [h for h, _ in hung])
             self.abort(f"worker {w} of grid cell {cells[w]} stopped answering")
             raise WorkerHung(
                 f"worker {w} of grid cell {cells[w]} stopped answering during step {step} "
                 f"(no heartbeat for {silent:.0f} s: stopped, hung or swapping; "
-                "dask-ipar.hung-after); it was restarted or removed, the blocks it held are "
-                "lost, so training stops here. Save checkpoints (dask_ipar.io.checkpoint or "
+                f"dask-ipar.hung-after); {'it is still listed: its nanny could not restart it' if w in still else 'it was restarted or removed'}, "
+                "the blocks it held are lost, so training stops here. Save checkpoints (dask_ipar.io.checkpoint or "
                 "`dask-ipar train --checkpoint-dir DIR`): a run with them recovers by itself.",
                 [h for h, _ in hung], silent)
         cell, w = gone[0]

@@ -103,7 +103,7 @@ def release_hung_workers(client, workers, log=None, timeout_s: float = 10.0) -> 
             for a in addresses:
                 if a in dask_scheduler.workers:
                     await dask_scheduler.remove_worker(a, stimulus_id="dask-ipar-hung-worker",
-                                                       close=False)
+                                                       close=True)
 
         try:
             client.run_on_scheduler(_remove, still)
