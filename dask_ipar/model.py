@@ -189,12 +189,7 @@ class Sequential:
 
         self._amm_held = hold_replicas(client)
         self.client, self.binding = client, binding
-        # the store calls back through the model (its executor and settings may change)
-        self._store = BlockStore(client, binding, self.uid, self.block_module,
-                                 submit=lambda *a, **k: self._submit(*a, **k),
-                                 abort=lambda reason: self.abort_programs(reason),
-                                 liveness_s=lambda: self.liveness_check_s,
-                                 cuts=self._cuts, opt=opt)
+        self._store = BlockStore.of_model(self, client, binding, opt)
         self._init_params, self._init_velocity = params, velocity
         if self.input_dim is not None:
             self._build()

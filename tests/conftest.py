@@ -29,3 +29,18 @@ def client():
     yield c
     c.close()
     cluster.close()
+
+
+@pytest.fixture(scope="module")
+def client4():
+    """A cluster of 4 worker processes with nannies, for the tests that kill or stop
+    workers (a module's own: the session cluster stays intact)."""
+    from distributed import Client, LocalCluster
+
+    logging.getLogger("distributed").setLevel(logging.CRITICAL)
+    cluster = LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
+                           host="127.0.0.1", dashboard_address=None)
+    c = Client(cluster)
+    yield c
+    c.close()
+    cluster.close()

@@ -27,19 +27,6 @@ ACTS = ["tanh", "linear"]
 
 
 @pytest.fixture(scope="module")
-def client4():
-    from distributed import Client, LocalCluster
-
-    logging.getLogger("distributed").setLevel(logging.CRITICAL)
-    cluster = LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
-                           host="127.0.0.1", dashboard_address=None)
-    c = Client(cluster)
-    yield c
-    c.close()
-    cluster.close()
-
-
-@pytest.fixture(scope="module")
 def data():
     rng = np.random.default_rng(42)
     X = rng.standard_normal((48, 7))

@@ -8,7 +8,7 @@ last checkpoint, or stops with one line naming the worker.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
 import signal
 import time
@@ -28,21 +28,30 @@ pytestmark = pytest.mark.faults
 OPT = SGD(lr=0.1, momentum=0.9)
 
 
-@pytest.fixture(scope="module")
-def client4():
-    from distributed import Client, LocalCluster
-
-    logging.getLogger("distributed").setLevel(logging.CRITICAL)
-    cluster = LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
-                           host="127.0.0.1", dashboard_address=None)
-    c = Client(cluster)
-    yield c
-    c.close()
-    cluster.close()
-
-
 def make_model():
     return Sequential([Dense(9, "tanh"), Dense(5)], input_dim=7, dtype="float64", seed=3)
+
+
+def same_weights(model, expected, msg=""):
+    """The model's weights equal ``expected`` bit for bit."""
+    for (w, b), (we, be) in zip(model.get_weights(), expected):
+        np.testing.assert_array_equal(w, we, err_msg=msg)
+        np.testing.assert_array_equal(b, be, err_msg=msg)
+
+
+def uninterrupted(client, X, y, grid="2x2", **kw) -> list:
+    """The weights after a run without faults (``fit`` settings as :func:`_fit`)."""
+    model = make_model().distribute(client, grid)
+    _fit(model, X, y, **kw)
+    out = model.get_weights()
+    model.close()
+    return out
+
+
+def pids_of(client, workers) -> list:
+    """Process ids of ``workers``, in their order."""
+    got = client.run(os.getpid, workers=list(workers))
+    return [got[w] for w in workers]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +86,7 @@ def test_stopped_worker_ends_the_run_with_one_line_by_default(client4, data):
     X, y = data
     model = make_model().distribute(client4, "2x2")
     victim = model.binding.worker(1, 0)
-    pid = client4.run(os.getpid, workers=[victim])[victim]
+    [pid] = pids_of(client4, [victim])
     stop = StopAt(pid, 2)
     try:
         with pytest.raises(IparError, match="stopped answering") as err:
@@ -109,7 +118,7 @@ def test_stopped_worker_is_restarted_and_the_run_recovers_exactly(client4, data,
 
     model = make_model().distribute(client4, "2x2")
     victim = model.binding.worker(0, 1)
-    pid = client4.run(os.getpid, workers=[victim])[victim]
+    [pid] = pids_of(client4, [victim])
     lines, stopped = [], []
 
     def on_step(step, loss):
@@ -130,9 +139,7 @@ def test_stopped_worker_is_restarted_and_the_run_recovers_exactly(client4, data,
     assert any("stopped answering" in ln and victim in ln for ln in lines), msg
     assert any(ln.startswith("recovered on workers") for ln in lines), msg
     assert victim not in model.binding.workers, msg
-    for (w, b), (we, be) in zip(model.get_weights(), expected):
-        np.testing.assert_array_equal(w, we, err_msg=msg)
-        np.testing.assert_array_equal(b, be, err_msg=msg)
+    same_weights(model, expected, msg)
     model.close()
 
 
@@ -147,6 +154,33 @@ def test_a_bad_hung_after_setting_is_refused():
         with dask.config.set({"dask-ipar.hung-after": bad}), \
                 pytest.raises(IparError, match="dask-ipar.hung-after"):
             hung_after_s()
+
+
+@contextlib.contextmanager
+def external_cluster(*worker_args_each):
+    """``dask scheduler`` and one ``dask worker`` process per argument list (quiet, no
+    dashboards); yields the scheduler's address; every process is killed at the end."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
+                               "127.0.0.1", "--port", str(port), "--no-dashboard"], **quiet)]
+    procs += [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
+                                "--nthreads", "1", "--no-dashboard", *args], **quiet)
+              for args in worker_args_each]
+    try:
+        yield address
+    finally:  # no graceful close needed (a worker without a nanny can take long)
+        for p in procs[::-1]:
+            p.kill()
+        for p in procs:
+            p.wait(30)
 
 
 # ------------------------------------------------------------------ replicas
@@ -197,15 +231,13 @@ def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, see
     at = int(np.random.default_rng(seed).integers(2, 11))
     model = make_model().distribute(client4, grid)
     victim = model.binding.worker(grid.startswith("4") and 2 or 0, grid.startswith("1") and 3 or 0)
-    pid = client4.run(os.getpid, workers=[victim])[victim]
+    [pid] = pids_of(client4, [victim])
     lines = []
     h = _fit(model, X, y, replicas=Replicas(1, log=lines.append), callbacks=[KillAt([pid], at)])
     msg = f"killed after step {at}: {lines}"
     assert any(ln.startswith("recovered from the replicas of step") for ln in lines), msg
     assert victim not in model.binding.workers and len(h.steps) == 12, msg
-    for (w, b), (we, be) in zip(model.get_weights(), expected):
-        np.testing.assert_array_equal(w, we, err_msg=msg)
-        np.testing.assert_array_equal(b, be, err_msg=msg)
+    same_weights(model, expected, msg)
     model.close()
     client4.wait_for_workers(4, timeout=30)
 
@@ -217,27 +249,22 @@ def test_two_workers_lost_at_once(client4, data):
     from dask_ipar.io.checkpoint import WorkerLost
 
     X, y = data
-    plain = make_model().distribute(client4, "2x2")
-    _fit(plain, X, y, replicas=1)
-    expected = plain.get_weights()
-    plain.close()
+    expected = uninterrupted(client4, X, y, replicas=1)
     model = make_model().distribute(client4, "2x2")
     row = [model.binding.worker(0, 0), model.binding.worker(0, 1)]  # buddies: row 1
-    pids = list(client4.run(os.getpid, workers=row).values())
+    pids = pids_of(client4, row)
     lines = []
     from dask_ipar.runtime.replicas import Replicas
 
     _fit(model, X, y, replicas=Replicas(1, log=lines.append), callbacks=[KillAt(pids, 5)])
     assert any(ln.startswith("recovered from the replicas") for ln in lines), lines
-    for (w, b), (we, be) in zip(model.get_weights(), expected):
-        np.testing.assert_array_equal(w, we)
-        np.testing.assert_array_equal(b, be)
+    same_weights(model, expected)
     model.close()
     client4.wait_for_workers(4, timeout=30)
 
     model = make_model().distribute(client4, "2x2")
     pair = [model.binding.worker(0, 0), model.binding.worker(1, 0)]
-    pids = list(client4.run(os.getpid, workers=pair).values())
+    pids = pids_of(client4, pair)
     with pytest.raises(WorkerLost, match=r"replicas of grid cell\(s\) \(0, 0\), \(1, 0\)"):
         _fit(model, X, y, replicas=1, callbacks=[KillAt(pids, 4)])
     model.close()
@@ -249,58 +276,41 @@ def test_cli_on_an_external_cluster_survives_a_killed_worker(tmp_path, capsys):
     ``dask-ipar train --grid 2x2 --dtype float64`` with no checkpoint directory and a grid
     worker SIGKILLed mid-run: exit 0 and the final test loss of an uninterrupted run."""
     import json
-    import socket
-    import subprocess
-    import sys
     import threading
 
     from distributed import Client
 
     from dask_ipar.cli.main import main
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"tcp://127.0.0.1:{port}"
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
-                              "127.0.0.1", "--port", str(port), "--no-dashboard"], **quiet)
-    workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
-                                "--nworkers", "5", "--nthreads", "1", "--no-dashboard"],
-                               **quiet)
-    args = ["train", "--scheduler-address", address, "--grid", "2x2", "--dtype", "float64",
-            "--epochs", "4", "--replicas", "5", "--no-progress", "--json", "--no-dashboard"]
-    try:
-        with Client(address, timeout=30) as watch:
-            watch.wait_for_workers(5, timeout=60)
-            assert main(args) == 0
-            plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-            killed = []
+    with external_cluster(["--nworkers", "5"]) as address, \
+            Client(address, timeout=30) as watch:
+        args = ["train", "--scheduler-address", address, "--grid", "2x2", "--dtype",
+                "float64", "--epochs", "4", "--replicas", "5", "--no-progress", "--json",
+                "--no-dashboard"]
+        watch.wait_for_workers(5, timeout=60)
+        assert main(args) == 0
+        plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        killed = []
 
-            def kill_mid_run():  # once the run has made a few refreshes
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
-                    done = watch.run_on_scheduler(lambda dask_scheduler: sum(
-                        1 for k in dask_scheduler.tasks if "state.rep-" in str(k)))
-                    if done >= 8:
-                        break
-                    time.sleep(0.05)
-                pids = watch.run(os.getpid)
-                victim = sorted(pids, key=lambda w: watch.scheduler_info()["workers"][w]
-                                ["name"])[1]
-                killed.append(victim)
-                os.kill(pids[victim], signal.SIGKILL)
+        def kill_mid_run():  # once the run has made a few refreshes
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                done = watch.run_on_scheduler(lambda dask_scheduler: sum(
+                    1 for k in dask_scheduler.tasks if "state.rep-" in str(k)))
+                if done >= 8:
+                    break
+                time.sleep(0.05)
+            pids = watch.run(os.getpid)
+            victim = sorted(pids, key=lambda w: watch.scheduler_info()["workers"][w]
+                            ["name"])[1]
+            killed.append(victim)
+            os.kill(pids[victim], signal.SIGKILL)
 
-            t = threading.Thread(target=kill_mid_run)
-            t.start()
-            rc = main(args)
-            t.join()
-            cap = capsys.readouterr()
-    finally:
-        workers.terminate()
-        sched.terminate()
-        workers.wait(30)
-        sched.wait(30)
+        t = threading.Thread(target=kill_mid_run)
+        t.start()
+        rc = main(args)
+        t.join()
+        cap = capsys.readouterr()
     assert rc == 0, cap.err[-3000:]
     assert killed and "recovered from the replicas of step" in cap.err, cap.err[-3000:]
     got = json.loads(cap.out.strip().splitlines()[-1])
@@ -311,16 +321,14 @@ def test_cli_on_an_external_cluster_survives_a_killed_worker(tmp_path, capsys):
 def test_stopped_worker_is_rebuilt_from_replicas(client4, data):
     """A hung worker (SIGSTOP) with replicas and no checkpoint: restarted, rebuilt from its
     buddy's copy, the run bit-equal to an uninterrupted one."""
-    X, y = data
-    plain = make_model().distribute(client4, "2x2")
-    _fit(plain, X, y, replicas=2)
-    expected = plain.get_weights()
-    plain.close()
     from dask_ipar.runtime.replicas import Replicas
+
+    X, y = data
+    expected = uninterrupted(client4, X, y, replicas=2)
 
     model = make_model().distribute(client4, "2x2")
     victim = model.binding.worker(1, 1)
-    pid = client4.run(os.getpid, workers=[victim])[victim]
+    [pid] = pids_of(client4, [victim])
     lines = []
     try:
         with dask.config.set({"dask-ipar.hung-after": "4s"}):
@@ -330,9 +338,7 @@ def test_stopped_worker_is_rebuilt_from_replicas(client4, data):
         _resume(pid)
     assert any(ln.startswith("recovered from the replicas") for ln in lines), lines
     assert victim not in model.binding.workers
-    for (w, b), (we, be) in zip(model.get_weights(), expected):
-        np.testing.assert_array_equal(w, we)
-        np.testing.assert_array_equal(b, be)
+    same_weights(model, expected)
     model.close()
     client4.wait_for_workers(4, timeout=30)
 
@@ -342,10 +348,6 @@ def test_no_replacement_worker_regrids_onto_the_survivors(data):
     so after the wait the run goes on on the largest grid the three survivors hold (1x3)
     from the replicas, and ends bit-equal to an uninterrupted run that moved to 1x3 at the
     same step."""
-    import socket
-    import subprocess
-    import sys
-
     from distributed import Client
 
     from dask_ipar.runtime.replicas import Replicas
@@ -359,43 +361,23 @@ def test_no_replacement_worker_regrids_onto_the_survivors(data):
         def on_sync(self, loop, step):
             loop.model.distribute(loop.model.client, "1x3")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"tcp://127.0.0.1:{port}"
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
-                               "127.0.0.1", "--port", str(port), "--no-dashboard"], **quiet)]
-    procs += [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address,
-                                "--no-nanny", "--nthreads", "1", "--name", f"w{k}",
-                                "--no-dashboard"], **quiet) for k in range(4)]
-    try:
+    workers = [["--no-nanny", "--name", f"w{k}"] for k in range(4)]
+    with external_cluster(*workers) as address:
         client = Client(address, timeout=30)
         client.wait_for_workers(4, timeout=60)
-        ref = make_model().distribute(client, "2x2")
-        _fit(ref, X, y, callbacks=[RegridAt()], measure=False)
-        assert ref.grid.pr == 1 and ref.grid.pc == 3
-        expected = ref.get_weights()
-        ref.close()
+        expected = uninterrupted(client, X, y, callbacks=[RegridAt()], measure=False)
 
         model = make_model().distribute(client, "2x2")
         victim = model.binding.worker(1, 0)
-        pid = client.run(os.getpid, workers=[victim])[victim]
+        [pid] = pids_of(client, [victim])
         lines = []
         rep = Replicas(3, wait_timeout_s=2.0, log=lines.append)
         h = _fit(model, X, y, replicas=rep, callbacks=[KillAt([pid], 4)])
         assert any("going on on grid 1x3" in ln for ln in lines), lines
         assert any("recovered from the replicas of step 3" in ln for ln in lines), lines
         assert (model.grid.pr, model.grid.pc) == (1, 3) and len(h.steps) == 12
-        for (w, b), (we, be) in zip(model.get_weights(), expected):
-            np.testing.assert_array_equal(w, we)
-            np.testing.assert_array_equal(b, be)
+        same_weights(model, expected)
         rows = {(r.layer, r.phase): r for r in h.comm.rows}
         assert rows[("state", "replica")].measured_bytes > 0
         model.close()
         client.close()
-    finally:  # a worker without a nanny can take long to close: no need here
-        for p in procs[::-1]:
-            p.kill()
-        for p in procs:
-            p.wait(30)

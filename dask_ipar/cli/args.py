@@ -17,24 +17,22 @@ def eprint(*args):
     print(*args, file=sys.stderr, flush=True)
 
 
-def positive_int(text):
+def _int_at_least(text, lo: int, what: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        v = lo - 1
+    if v < lo:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return v
+
+
+def positive_int(text):
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def non_negative_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def widths(text):

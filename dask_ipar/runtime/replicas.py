@@ -99,11 +99,7 @@ def bind_for_restore(model, client, grid):
     model.drop_state()
     model._amm_held = hold_replicas(client)
     model.client, model.binding = client, binding
-    model._store = BlockStore(client, binding, model.uid, model.block_module,
-                              submit=lambda *a, **k: model._submit(*a, **k),
-                              abort=lambda reason: model.abort_programs(reason),
-                              liveness_s=lambda: model.liveness_check_s,
-                              cuts=model._cuts, opt=(None, 0))
+    model._store = BlockStore.of_model(model, client, binding)
     model._init_params = model._init_velocity = None
     check_dense_grid(model.dense_layers, model._first_dense, grid, model.sizes)
     model.engine = model._make_engine(binding)

@@ -57,6 +57,15 @@ class BlockStore:
         self.cuts = cuts
         self.opt = tuple(opt)
 
+    @classmethod
+    def of_model(cls, model, client, binding, opt=(None, 0)) -> "BlockStore":
+        """The store of ``model`` on ``binding``; it calls back through the model (its
+        executor and settings may change)."""
+        return cls(client, binding, model.uid, model.block_module,
+                   submit=lambda *a, **k: model._submit(*a, **k),
+                   abort=lambda reason: model.abort_programs(reason),
+                   liveness_s=lambda: model.liveness_check_s, cuts=model._cuts, opt=opt)
+
     @property
     def liveness_check_s(self) -> float:
         """Seconds between checks that every grid worker is alive while waiting."""
