@@ -304,3 +304,21 @@ def test_run_card_of_a_cnn_shows_the_timeline(client, tmp_path):
     assert _num(body[("conv0", "forward")][6]) > 0 and ("conv0", "halo_fwd") in body
     assert "validation loss" in dom and "test accuracy" in dom and "<iframe" not in dom
     assert (tmp_path / "card.png").stat().st_size > 50_000
+
+
+@pytest.mark.fast
+def test_long_runs_keep_a_bounded_thinned_curve():
+    """The scheduler keeps at most STEPS_KEPT points of a run's curve: the older half
+    thinned, the newest steps whole (its memory stays flat over any number of steps)."""
+    from dask_ipar.dashboard.page import STEPS_KEPT, IparDashboard
+
+    page = IparDashboard()
+    page.log_event("dask-ipar", {"kind": "run", "uid": "u", "model_uid": "m", "grid": "1x2",
+                                 "cells": [], "started": 1.0})
+    for start in range(1, 50_001, 100):
+        page.log_event("dask-ipar", {"kind": "steps", "uid": "u", "steps": [
+            [s, 0.5, 0.5, 0.01] for s in range(start, start + 100)]})
+    steps = [s[0] for s in page.runs["u"].steps]
+    assert len(steps) <= STEPS_KEPT + 100 and steps == sorted(steps)
+    assert steps[0] == 1 and steps[-1] == 50_000
+    assert steps[-STEPS_KEPT // 2:] == list(range(50_001 - STEPS_KEPT // 2, 50_001))

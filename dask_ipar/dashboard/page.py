@@ -43,8 +43,10 @@ PLUGIN_NAME = "dask-ipar-dashboard"
 TOPIC = "dask-ipar"
 #: Path of the page on the scheduler's web server.
 ROUTE = "/ipar"
-#: Steps (loss, accuracy, time) a run keeps for its curves.
-STEPS_KEPT = 50_000
+#: Steps (loss, accuracy, time) a run keeps for its curves: past this many, the older
+#: half is thinned to every second step, so a run of any length holds at most this many
+#: points (the newest at full resolution) and the scheduler's memory stays flat.
+STEPS_KEPT = 4000
 #: Records per worker kept between page fetches.
 RECORDS_KEPT = 6000
 
@@ -54,13 +56,19 @@ class _Run:
 
     def __init__(self, info: dict):
         self.info = info
-        self.steps: deque = deque(maxlen=STEPS_KEPT)
+        self.steps: deque = deque()
         self.epochs: list = []
         self.comm: list = []
         self.test: dict = {}
         self.ended: str | None = None
         self.records: dict = {}  # worker -> deque of records
         self.since: dict = {}  # worker -> end time of its newest record seen
+
+    def thin(self):
+        """Keep every second of the older half of the steps (curves of long runs)."""
+        steps = list(self.steps)
+        half = len(steps) // 2
+        self.steps = deque(steps[:half:2] + steps[half:])
 
     @property
     def cells(self):
@@ -154,6 +162,8 @@ class IparDashboard(SchedulerPlugin):
             return
         if kind == "steps":
             run.steps.extend(tuple(s) for s in msg["steps"])
+            if len(run.steps) > STEPS_KEPT:
+                run.thin()
         elif kind == "epoch":
             run.epochs.append(msg["record"])
         elif kind == "rewind":  # back to a checkpoint, perhaps on other workers
