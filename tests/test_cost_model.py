@@ -415,3 +415,19 @@ def test_importing_cost_model_does_not_import_dask():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_replica_words_follow_the_engines_blocks():
+    """Each cell's replicated state: its weight block (outputs over Pr, inputs plus the bias
+    column over Pc; a grouped conv's inputs are C / groups * kh * kw) times 1 + slots."""
+    from dask_ipar.cost import FC, Conv2d, Pool2d
+    from dask_ipar.cost.replica import network_state_words, replica_memory_bytes
+
+    conv = Conv2d(in_h=8, in_w=8, in_c=4, out_c=8, k_h=3, k_w=3, groups=2)
+    words = network_state_words([conv, Pool2d(in_h=8, in_w=8, channels=8, k=2)], 1, 2, 1)
+    assert words == {(0, 0): 8 * 10 * 2, (0, 1): 8 * 9 * 2}  # 4/2*9 + 1 = 19 -> 10 + 9
+    words = network_state_words([FC(7, 9), FC(9, 5)], 2, 2, 2)  # Adam: 2 slots
+    assert words[(0, 0)] == (5 * 4 + 3 * 5) * 3 and sum(words.values()) == (9 * 8 + 5 * 10) * 3
+    # busiest process: its own cell and its buddy's (cell (i+1, j) holds cell (i, j)'s)
+    assert replica_memory_bytes(words, 2, 2, 4) == 2 * 4 * max(
+        words[(i, j)] + words[((i + 1) % 2, j)] for i in range(2) for j in range(2))

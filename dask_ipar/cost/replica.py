@@ -56,7 +56,7 @@ def state_words(layers, pr: int, pc: int, slots: int) -> dict:
 def network_state_words(layers, pr: int, pc: int, slots: int) -> dict:
     """:func:`state_words` of a network's layer specs as the engine blocks their weights:
     ``rows`` the balanced split of the outputs over Pr, ``wcols`` of the inputs (a conv's
-    ``C * kh * kw``) plus the bias column over Pc; pooling layers have none."""
+    ``C / groups * kh * kw``) plus the bias column over Pc; pooling layers have none."""
     from dask_ipar.cost.layers import FC, Conv2d
     from dask_ipar.layout.partition import split_bounds
 
@@ -65,7 +65,7 @@ def network_state_words(layers, pr: int, pc: int, slots: int) -> dict:
         if isinstance(layer, FC):
             n_out, n_in, bias = layer.d_out, layer.d_in, layer.bias
         elif isinstance(layer, Conv2d):
-            n_out, n_in = layer.out_c, layer.in_c * layer.k_h * layer.k_w
+            n_out, n_in = layer.out_c, layer.in_c // layer.groups * layer.k_h * layer.k_w
             bias = getattr(layer, "bias", True)
         else:
             continue
