@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d, Sequential
-from dask_ipar.dashboard.stream import program_records, splice, stream_groups
+from dask_ipar.dashboard.stream import splice, stream_groups
 from dask_ipar.dashboard.svg import nice_ticks
 from dask_ipar.dashboard.timeline import bars_of, phase_summary, step_timelines
 from dask_ipar.runtime.loop import Callback
@@ -123,14 +123,11 @@ def test_timeline_bars_phases_and_the_critical_cell():
 def test_program_bars_replace_the_program_in_the_task_stream():
     """A program's kernels and waits, grouped by layer and phase, take its place in
     dask's task stream; the stream's running index still counts every entry."""
-    recs = [("dense0.act-u1-s4", "compute", 10.0, 10.1, None),
-            ("dense0.act-u1-s4", "send", 10.1, 10.2, "tcp://b"),
-            ("dense0.dwp-u1-s4", "wait", 10.1, 10.3, "tcp://b"),
-            ("dense0.act-u1-s4", "compute", 10.3001, 10.4, None),  # merges with the first
-            ("dense0.dz-u1-s4", "compute", 10.4, 10.5, None),
-            ("dense0.act-u1-s3", "compute", 10.5, 10.6, None),  # another step
-            ("dense0.dz-u1-s4", "compute", 9.0, 9.5, None)]  # before the program began
-    groups = stream_groups(program_records(recs, "u1-s4", 10.0))
+    trace = [["dense0.act-u1-s4", "compute", 10.0, 10.1],  # as a program records them
+             ["dense0.dwp-u1-s4", "wait", 10.1, 10.3],
+             ["dense0.act-u1-s4", "compute", 10.3001, 10.4],  # merges with the first
+             ["dense0.dz-u1-s4", "compute", 10.4, 10.5]]
+    groups = stream_groups(trace)
     assert [(k, a, len(s)) for k, a, s in groups] == [
         ("dense0.forward-u1-s4", "compute", 2), ("dense0.dw_reduce-u1-s4-wait", "transfer", 1),
         ("dense0.backward-u1-s4", "compute", 1)]

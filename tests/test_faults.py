@@ -98,6 +98,7 @@ def test_stopped_worker_ends_the_run_with_one_line_by_default(client4, data):
         model.close()
     msg = str(err.value)
     assert victim in msg and "grid cell (1, 0)" in msg and "\n" not in msg, msg
+    print(f"stopped worker named after {detected:.1f} s")
     assert 25 < detected < 60, detected
     from dask_ipar.runtime.workers import scheduler_workers
 

@@ -25,7 +25,7 @@ from collections import deque
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from dask_ipar.dashboard.stream import STREAM_TOPIC, program_records, stream_groups
+from dask_ipar.dashboard.stream import STREAM_TOPIC, stream_groups
 
 __all__ = ["TimelineRecorder", "RECORDER_NAME", "RECORDS", "recorder", "collect_records",
            "install_recorder"]
@@ -60,11 +60,11 @@ class TimelineRecorder(WorkerPlugin):
     def add(self, name, kind, t0, t1, peer=None):
         self.records.append((name, kind, t0, t1, peer))
 
-    def program_done(self, key, tag: str, since: float) -> None:
-        """Send what program ``key`` (step ``tag``, started at ``since``) did to the
-        scheduler, which shows it in dask's task stream in place of the program's one bar
-        (:mod:`dask_ipar.dashboard.stream`)."""
-        groups = stream_groups(program_records(list(self.records), tag, since))
+    def program_done(self, key, trace) -> None:
+        """Send what program ``key`` did (its kernels and waits, ``[name, kind, start,
+        stop]``) to the scheduler, which shows it in dask's task stream in place of the
+        program's one bar (:mod:`dask_ipar.dashboard.stream`)."""
+        groups = stream_groups(trace)
         if groups:
             self.worker.log_event(STREAM_TOPIC, {
                 "program": list(key), "groups": groups,

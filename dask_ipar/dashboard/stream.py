@@ -14,8 +14,8 @@ stream in place of the program's bar, on the same worker lane:
   moves the block (``transfer-dense1.dw_reduce``), as dask draws the fetch of a task's
   inputs.
 
-:func:`program_records` and :func:`stream_groups` (pure, on the worker) turn a program's
-records into named, merged intervals; :func:`splice` (on the scheduler) replaces the
+:func:`stream_groups` (pure, on the worker) turns a program's kernels and waits into
+named, merged intervals; :func:`splice` (on the scheduler) replaces the
 program's entry with them. The entry format is that of
 ``distributed.diagnostics.task_stream.TaskStreamPlugin`` (a private structure: see the
 table in ``docs/concepts.md``).
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dask_ipar.dashboard.timeline import layer_phase, uid_of_name
 
-__all__ = ["STREAM_TOPIC", "MERGE_GAP_S", "program_records", "stream_groups",
-           "stream_entries", "splice", "find_entry"]
+__all__ = ["STREAM_TOPIC", "MERGE_GAP_S", "stream_groups", "stream_entries", "splice",
+           "find_entry"]
 
 #: Event topic on which programs send their records to the scheduler.
 STREAM_TOPIC = "dask-ipar-stream"
@@ -34,22 +34,6 @@ STREAM_TOPIC = "dask-ipar-stream"
 MERGE_GAP_S = 5e-4
 #: How far back in the task stream a program's own entry is looked for.
 SEARCH_BACK = 512
-
-
-def program_records(records, tag: str, since: float) -> list:
-    """The compute and wait records of the program of step ``tag`` (``"<uid>-s<step>"``)
-    that started at ``since`` or later, as ``[name, kind, start, stop]`` lists, oldest
-    first. ``records`` are in the order they ended; the scan stops a few seconds before
-    ``since``."""
-    end = "-" + tag
-    out = []
-    for r in reversed(records):
-        if r[3] < since - 5.0:
-            break
-        if r[2] >= since and r[1] in ("compute", "wait") and r[0].endswith(end):
-            out.append([r[0], r[1], r[2], r[3]])
-    out.reverse()
-    return out
 
 
 def stream_groups(records) -> list:

@@ -55,13 +55,12 @@ import os
 import numpy as np
 
 from dask_ipar.io.checkpoint_dirs import checkpoints, latest
-from dask_ipar.io.checkpoint_faults import (WorkerLost, _cluster_error, _faults_as_worker_lost,
-                                            _gone_soon)
+from dask_ipar.io.checkpoint_faults import WorkerLost, _faults_as_worker_lost, as_worker_fault
 from dask_ipar.io.checkpoint_format import FORMAT, VERSION, CheckpointCorrupt, CheckpointStorageError
 from dask_ipar.io.checkpoint_load import load, read_metadata
 from dask_ipar.io.checkpoint_save import save
-from dask_ipar.runtime.workers import scheduler_gone, scheduler_workers, wait_for_workers
-from dask_ipar.errors import IparError, WorkerHung
+from dask_ipar.runtime.workers import scheduler_gone, wait_for_workers
+from dask_ipar.errors import IparError
 from dask_ipar.runtime.loop import Callback
 
 __all__ = [
@@ -251,20 +250,9 @@ class Checkpointing(Callback):
         model = loop.model
         if scheduler_gone(model.client):
             return None  # no cluster to recover on: the error ends the run
-        if isinstance(exc, WorkerHung):  # restarted (or removed) already: it is gone
-            exc = WorkerLost(exc.workers, f"training step {loop._submitted} (it stopped "
-                             f"answering for {exc.silent_s:.0f} s and was restarted)")
-        if not isinstance(exc, WorkerLost):
-            workers = model.binding.workers
-            alive = set(scheduler_workers(model.client))
-            gone = [w for w in workers if w not in alive]
-            if not gone:  # the scheduler may learn of a death late: wait longer for
-                # the errors a lost worker causes than for the run's own
-                gone = _gone_soon(model.client, workers, 20.0 if _cluster_error(exc) else 2.0)
-            if not gone:
-                return None  # the run's own error (a callback's, a bad setting): at once
-            exc = WorkerLost(gone, f"training step {loop._submitted}")
-        fault = exc
+        fault = as_worker_fault(model, exc, f"training step {loop._submitted}")
+        if fault is None:
+            return None  # the run's own error (a callback's, a bad setting): at once
         # worker programs still waiting for the lost worker's blocks hold their threads
         model.abort_programs(str(fault))
         while True:  # a replacement worker may die too: recover again

@@ -128,3 +128,22 @@ def _cluster_error(exc) -> bool:
 
     kinds = (OSError, TimeoutError, asyncio.CancelledError, concurrent.futures.CancelledError)
     return isinstance(exc, kinds) or type(exc).__module__.split(".")[0] == "distributed"
+
+
+def as_worker_fault(model, exc, what: str):
+    """The :class:`WorkerLost` behind a training run's error ``exc``, or None when no grid
+    worker is gone (the run's own error). A hung worker (:class:`WorkerHung`) was restarted
+    or removed already, so it counts as lost; for other errors the scheduler is asked,
+    allowing it longer to notice a death after the errors a lost worker causes."""
+    from dask_ipar.errors import WorkerHung
+
+    if isinstance(exc, WorkerHung):
+        return WorkerLost(exc.workers, f"{what} (it stopped answering for "
+                          f"{exc.silent_s:.0f} s and was restarted)")
+    if isinstance(exc, WorkerLost):
+        return exc
+    workers = model.binding.workers
+    alive = set(scheduler_workers(model.client))
+    gone = [w for w in workers if w not in alive] or _gone_soon(
+        model.client, workers, 20.0 if _cluster_error(exc) else 2.0)
+    return WorkerLost(gone, what) if gone else None

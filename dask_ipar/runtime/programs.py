@@ -238,7 +238,7 @@ def run_program(prog: Program, *values):
     worker = get_worker()
     plugin = _plugin(worker)
     rec = recorder(worker)  # the dashboard's timeline (None: not installed)
-    began = time.time()
+    trace = []  # this program's kernels and waits, for dask's task stream at its end
     sender = _Sender(plugin, worker, rec)
     if prog.carried:
         env = {k: values[0][k] for k in prog.carried}
@@ -278,7 +278,8 @@ def run_program(prog: Program, *values):
                     arrived = plugin.wait(prog, waiting, started, last,
                                           None if seceded else SECEDE_AFTER_S)
                 if rec is not None:
-                    rec.add(due[0], "wait", t0, time.time(), prog.remote.get(due))
+                    trace.append([due[0], "wait", t0, time.time()])
+                    rec.add(*trace[-1], prog.remote.get(due))
                 if not arrived and not seceded:
                     secede()  # a long wait: free the thread for other tasks
                     seceded = True
@@ -295,7 +296,8 @@ def run_program(prog: Program, *values):
             with context_meter.meter(" ".join(span_of_name(key[0])["name"][1:])):
                 env[key] = value = node({d: env[d] for d in deps})
             if rec is not None:
-                rec.add(key[0], "compute", t0, time.time())
+                trace.append([key[0], "compute", t0, time.time()])
+                rec.add(*trace[-1])
             if key in prog.sends:
                 sender.push(key, value, prog.sends[key])
                 sent(key)
@@ -306,7 +308,7 @@ def run_program(prog: Program, *values):
         sender.flush(tag=prog.tag)
         if rec is not None:
             rec.now("idle")
-            rec.program_done(prog.key, prog.tag, began)
+            rec.program_done(prog.key, trace)
         return {k: env[k] for k in prog.outputs}
     except BaseException as exc:
         reason = f"{type(exc).__name__} on {worker.address}: {exc}"

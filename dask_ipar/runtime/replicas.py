@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from dask_ipar.cost.replica import GENERATIONS, REPLICA_LAYER, buddy, replica_phase
-from dask_ipar.errors import IparError, WorkerHung
+from dask_ipar.errors import IparError
 from dask_ipar.runtime.loop import Callback
 
 __all__ = ["Replicas", "snapshot", "restore_block", "hold", "smaller_grid", "bind_for_restore"]
@@ -291,23 +291,16 @@ class Replicas(Callback):
 
     # ------------------------------------------------------------------ recovery
     def on_error(self, loop, exc):
-        from dask_ipar.io.checkpoint_faults import WorkerLost, _cluster_error, _gone_soon
-        from dask_ipar.runtime.workers import scheduler_gone, scheduler_workers
+        from dask_ipar.io.checkpoint_faults import WorkerLost, as_worker_fault
+        from dask_ipar.runtime.workers import scheduler_gone
 
         model = loop.model
         if not self.gens or scheduler_gone(model.client):
             return None
-        workers = list(model.binding.workers)
-        if isinstance(exc, WorkerHung):
-            gone = list(exc.workers)
-        elif isinstance(exc, WorkerLost):
-            gone = list(exc.workers)
-        else:
-            alive = set(scheduler_workers(model.client))
-            gone = [w for w in workers if w not in alive] or _gone_soon(
-                model.client, workers, 20.0 if _cluster_error(exc) else 2.0)
-        if not gone:
+        fault = as_worker_fault(model, exc, f"training step {loop._submitted}")
+        if fault is None:
             return None  # the run's own error
+        gone = list(fault.workers)
         model.abort_programs(f"worker(s) {', '.join(gone)} left the cluster")
         has_checkpoints = any(type(cb).__name__ == "Checkpointing" for cb in loop.callbacks)
         try:
