@@ -382,3 +382,79 @@ def test_no_replacement_worker_regrids_onto_the_survivors(data):
         assert rows[("state", "replica")].measured_bytes > 0
         model.close()
         client.close()
+
+
+# ------------------------------------------------------------------ preemption
+class TermAt(Callback):
+    """SIGTERM each of ``pids`` when step ``at`` has ended (a batch system ending a job)."""
+
+    def __init__(self, pids, at):
+        self.pids, self.at, self.done = list(pids), at, False
+
+    def on_step_end(self, loop, stats):
+        if stats.step == self.at and not self.done:
+            self.done = True
+            for pid in self.pids:
+                os.kill(pid, signal.SIGTERM)
+
+
+def test_sigterm_to_a_worker_job_saves_its_step_and_the_run_goes_on(data, tmp_path):
+    """SIGTERM to a ``dask worker`` process and its worker (what SLURM sends every process
+    of a job before its walltime ends): the run saves the step it is on before the worker
+    goes, recovers from that step on the spare worker (no step runs twice) and ends
+    bit-equal to an uninterrupted run. With replicas and no checkpoint directory, the
+    replicas are refreshed at that step instead."""
+    from distributed import Client
+
+    from dask_ipar.runtime.replicas import Replicas
+
+    X, y = data
+    with external_cluster(*[["--nworkers", "1"]] * 6) as address, \
+            Client(address, timeout=30) as client:  # a spare worker for each run
+        client.wait_for_workers(6, timeout=60)
+        expected = uninterrupted(client, X, y)
+        for kind in ("checkpoint", "replicas"):
+            model = make_model().distribute(client, "2x2")
+            victim = model.binding.worker(1, 0)
+            [pid] = pids_of(client, [victim])
+            nanny = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            lines = []
+            if kind == "checkpoint":
+                kw = dict(checkpoint=ck.Checkpointing(tmp_path / "ck", log=lines.append))
+            else:
+                kw = dict(replicas=Replicas(10, log=lines.append))
+            h = _fit(model, X, y, callbacks=[TermAt([nanny, pid], 5)], **kw)
+            msg = f"{kind}: {lines}"
+            left = [ln for ln in lines if "leaving" in ln]
+            assert len(left) == 1 and victim in left[0], msg
+            at = int(left[0].split(":")[0].split()[1])
+            if kind == "checkpoint":
+                assert left[0].endswith(f"their state is in {tmp_path / 'ck'}/ckpt-{at}"), msg
+                assert any(f"resuming after step {at} from" in ln for ln in lines), msg
+            else:
+                assert any(ln.startswith(f"recovered from the replicas of step {at} ")
+                           for ln in lines), msg
+            assert victim not in model.binding.workers and len(h.steps) == 12, msg
+            same_weights(model, expected, msg)
+            model.close()
+            # the worker's `dask worker` process ended: nothing restarts it
+            assert len(client.scheduler_info(n_workers=-1)["workers"]) == 5 - (kind == "replicas")
+
+
+def test_sigterm_with_preempt_stop_saves_and_ends_the_run(client4, data, tmp_path):
+    """``dask-ipar.preempt: stop``: a worker's SIGTERM ends the run after a checkpoint of
+    the step it was on, as a SIGTERM to the training process does."""
+    from dask_ipar.runtime.loop import Interrupted
+
+    X, y = data
+    model = make_model().distribute(client4, "2x2")
+    [pid] = pids_of(client4, [model.binding.worker(0, 1)])
+    with dask.config.set({"dask-ipar.preempt": "stop"}), pytest.raises(Interrupted) as e:
+        _fit(model, X, y, checkpoint=ck.Checkpointing(tmp_path / "ck"),
+             callbacks=[TermAt([pid], 3)])
+    assert e.value.signum == signal.SIGTERM and e.value.saved, e.value
+    assert "got SIGTERM" in str(e.value)
+    assert ck.latest(tmp_path / "ck").endswith(f"ckpt-{e.value.step}"), e.value
+    assert e.value.step >= 3
+    model.close()
+    client4.wait_for_workers(4, timeout=30)

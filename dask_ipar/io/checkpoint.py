@@ -240,6 +240,14 @@ class Checkpointing(Callback):
         if step != self._saved_step:
             self._save(loop, step)
 
+    def on_preempt(self, loop, step, workers):
+        if step != self._saved_step:
+            self._save(loop, step)
+        self.say(f"step {step}: grid worker(s) {', '.join(workers)} leaving "
+                 f"({', '.join(sorted(set(workers.values())))}); their state is in "
+                 f"{self.last}")
+        return True
+
     def on_train_end(self, loop):
         if loop.step != self._saved_step:  # stopped early (early stopping)
             self._save(loop, loop.step)

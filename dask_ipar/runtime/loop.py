@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -197,6 +198,12 @@ class Callback:
         restoring the state of that step), or None to let the error end the run."""
         return None
 
+    def on_preempt(self, loop, step: int, workers: dict) -> bool | None:
+        """Grid workers ``workers`` (``{address: why}``) are about to leave (a batch system's
+        SIGTERM: :mod:`dask_ipar.runtime.preempt`); every step up to ``step`` is done.
+        Make the state of ``step`` recoverable now; return True if this callback did."""
+        return None
+
     def on_train_end(self, loop): ...
 
 
@@ -218,6 +225,7 @@ class TrainLoop:
             raise IparError(f"max_inflight must be an integer >= 0, got {max_inflight!r}.")
         self.model, self.X, self.y, self.plan = model, X, y, plan
         self._gang = None  # the run's lock on its grid workers (:meth:`run`)
+        self._preempt = None  # notices of grid workers about to leave (:meth:`run`)
         self.optimizer = optimizer
         self.total_steps, self.step = total_steps, start_step
         self.start_step = start_step
@@ -248,12 +256,18 @@ class TrainLoop:
 
     # ---------------------------------------------------------------- run
     def run(self) -> History:
+        import uuid
+
         from dask_ipar.runtime.gang import GangLock
+        from dask_ipar.runtime.preempt import PreemptWatch
 
         self._gang = GangLock(self.model.client, self.model.binding.workers,
                               f"model {self.model.uid}", log=_log.warning)
+        self._preempt = PreemptWatch(self.model.client, self.model.binding.workers,
+                                     f"{self.model.uid}-{uuid.uuid4().hex[:8]}")
         try:
             self._gang.acquire()  # one run at a time on these workers (dask-ipar.gang)
+            self._preempt.start()
             return self._run()
         except BaseException as exc:
             for cb in self.callbacks:
@@ -263,6 +277,7 @@ class TrainLoop:
                     pass
             raise
         finally:
+            self._preempt.close()
             if self._gang is not None:
                 self._gang.release()
 
@@ -312,12 +327,16 @@ class TrainLoop:
         h.stopped = None
         if self._gang is not None:  # recovered on other workers: hold those
             self._gang.rebind(self.model.binding.workers)
+        if self._preempt is not None:
+            self._preempt.rebind(self.model.binding.workers)
         for cb in self.callbacks:
             cb.on_rewind(self, step)
 
     def _steps(self):
         spe = self.plan.steps_per_epoch
         while self._submitted < self.total_steps:
+            if self._preempt is not None and self._preempt.pending():
+                self._preempted(self._preempt.pending())
             if self._stop_request is not None:
                 self.drain()
                 self._each("on_interrupt", self._submitted)
@@ -339,6 +358,28 @@ class TrainLoop:
                 if self._stop_at_epoch is not None:
                     self.history.stopped = self._stop_at_epoch
                     return
+
+    def _preempted(self, leaving: dict):
+        """Grid workers announced their leave: finish the steps in flight, let the
+        callbacks save that step (:meth:`Callback.on_preempt`), let the workers go, then
+        stop (``dask-ipar.preempt: stop``) or recover from the step saved (the default)."""
+        from dask_ipar.io.checkpoint_faults import WorkerLost, _gone_soon
+
+        self.drain()
+        step = self._submitted
+        saved = [cb for cb in self.callbacks if cb.on_preempt(self, step, leaving)]
+        names = ", ".join(f"{w} ({why})" for w, why in leaving.items())
+        self._preempt.ack(leaving, step)
+        if not saved:
+            _log.warning("grid worker(s) %s leaving at step %d; nothing saves this run's "
+                         "state (no checkpoint directory, no replicas)", names, step)
+        if self._preempt.mode == "stop":
+            self.request_stop(f"grid worker(s) {', '.join(leaving)} got SIGTERM",
+                              signal.SIGTERM)
+            return
+        gone = _gone_soon(self.model.client, list(leaving), self._preempt.grace_s + 10.0)
+        if gone:
+            raise WorkerLost(gone, f"training step {step + 1} (preempted: {names})")
 
     def batch(self, step: int):
         """Inputs and labels of training step ``step``: arrays, or for data the cells

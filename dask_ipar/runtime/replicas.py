@@ -192,6 +192,26 @@ class Replicas(Callback):
             self.say(f"no replicas after the recovery ({type(exc).__name__}: {exc}); the "
                      "next refresh makes them")
 
+    def on_preempt(self, loop, step, workers):
+        """Refresh at ``step`` and wait for the copies to reach their buddies; whether
+        every leaving cell's buddy stays (else these copies go with it)."""
+        model = loop.model
+        pr, pc = model.grid.pr, model.grid.pc
+        if not self.gens or self.gens[-1].step != step:
+            self.refresh(model, step)
+        self._settle(model)
+        if not self.gens or self.gens[-1].step != step:
+            return False
+        cells = {model.binding.worker(i, j): (i, j) for (i, j) in model.binding.grid.cells()}
+        lost = [w for w in workers if w in cells
+                and model.binding.worker(*buddy(pr, pc, *cells[w])) in workers]
+        if lost:
+            return False
+        self.say(f"step {step}: grid worker(s) {', '.join(workers)} leaving "
+                 f"({', '.join(sorted(set(workers.values())))}); their state is on their "
+                 "buddies")
+        return True
+
     def on_train_end(self, loop):
         self._settle(loop.model)  # every refresh's bytes are in the comm table
         self.release()  # the run is over: nothing left to recover
