@@ -34,6 +34,7 @@ import ctypes
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -82,8 +83,10 @@ def cleanup_all(prefix=PREFIX):
 
 
 class _Cluster:
-    def __init__(self, n_workers, rate, client_rate, threads, port, tag):
+    def __init__(self, n_workers, rate, client_rate, threads, port, tag, peers=0):
         self.n, self.rate, self.client_rate = n_workers, rate, client_rate
+        self.peers = peers
+        self.peer_ns: list = []  # (namespace, address) of each PyTorch rank's host
         self.threads, self.port = threads, port
         self.tag = tag
         self.ns = []
@@ -151,6 +154,8 @@ class _Cluster:
                                "--host", w_ip, "--nthreads", "1", "--no-nanny",
                                "--name", f"w{k}", "--memory-limit", "0",
                                "--no-dashboard"], env, f"w{k}")
+        for k in range(self.peers):  # hosts of their own for the PyTorch ranks, same links
+            self.peer_ns.append(self._add_node(f"p{k}", 50 + k, self.rate))
         # the calling thread joins the client namespace
         self.orig_ns_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         _setns(f"/run/netns/{c_ns}")
@@ -187,17 +192,65 @@ class _Cluster:
             f.close()
 
 
+def run_peer(cl, mode: str, mesh: str, widths, batch: int, steps: int, threads: int,
+             check: bool = False, timeout_s: float = 900.0) -> dict:
+    """Run the PyTorch peer ``mode`` (:mod:`peers`) on ``mesh`` with one rank in each peer
+    namespace of the cluster ``cl`` (rank k on host p<k>); rank 0's JSON result."""
+    pr, pc = (int(v) for v in mesh.split("x"))
+    world = pr * pc
+    if world > len(cl.peer_ns):
+        raise ValueError(f"{mesh} needs {world} peer hosts; the cluster has {len(cl.peer_ns)}")
+    master = f"{cl.peer_ns[0][1]}:{29500 + int(time.time()) % 400}"
+    t = str(threads)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS=t, MKL_NUM_THREADS=t,
+               OPENBLAS_NUM_THREADS=t, PYTHONWARNINGS="ignore")
+    args = [sys.executable, os.path.join(HERE, "peers.py"), "--mode", mode, "--mesh", mesh,
+            "--world", str(world), "--master", master, "--widths",
+            ",".join(map(str, widths)), "--batch", str(batch), "--steps", str(steps),
+            "--threads", t] + (["--check"] if check else [])
+    procs = []
+    for r in range(world):
+        ns = cl.peer_ns[r][0]
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *args, "--rank", str(r)],
+                                      stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True, env=env,
+                                      start_new_session=True))
+    try:
+        out, err = procs[0].communicate(timeout=timeout_s)
+    finally:
+        for p in procs[1:]:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    lines = [ln for ln in (out or "").splitlines() if ln.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"peer {mode} {mesh} printed no result: {(err or '')[-2000:]}")
+    return json.loads(lines[-1])
+
+
 @contextlib.contextmanager
 def emulated_cluster(n_workers: int, rate: str = "1gbit", *, client_rate: str | None = None,
-                     threads: int = 1, port: int = 8786, wait_s: float = 60.0):
+                     threads: int = 1, port: int = 8786, wait_s: float = 60.0,
+                     peers: int = 0, handle: list | None = None):
     """Build the emulated cluster, yield the scheduler address, tear everything down.
 
     While inside the ``with``, the calling thread (and threads it starts, e.g. the
-    dask Client's event loop) lives in the client namespace.
+    dask Client's event loop) lives in the client namespace. ``peers`` adds that many hosts
+    for PyTorch ranks on links of the same rate (:func:`run_peer`); ``handle`` (a list)
+    gets the cluster object appended, for :func:`run_peer`.
     """
     if os.geteuid() != 0:
         raise PermissionError("emulated_cluster needs root (network namespaces, tc)")
-    cl = _Cluster(n_workers, rate, client_rate, threads, port, f"{os.getpid() % 100000}")
+    cl = _Cluster(n_workers, rate, client_rate, threads, port, f"{os.getpid() % 100000}",
+                  peers)
+    if handle is not None:
+        handle.append(cl)
     atexit.register(cl.stop)
     old_term = signal.getsignal(signal.SIGTERM)
 
@@ -246,8 +299,31 @@ def parse_rate_Bps(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: use e.g. 1gbit or 500mbit")
 
 
+#: the PyTorch peers and the meshes each runs on, for P processes (see peers.py)
+def peer_runs(p: int, modes) -> list[tuple[str, str]]:
+    runs = []
+    for mode in modes:
+        if mode in ("ddp", "fsdp"):
+            runs.append((mode, f"1x{p}"))
+        elif mode == "tp":
+            import common as C
+
+            runs += [("tp", f"{pr}x{pc}") for pr, pc in C.grids_of(p) if pr > 1]
+    return runs
+
+
+def _peer(cl, mode, mesh, cfg, steps, threads, check=False):
+    print(f"{cfg.label} torch {mode} {mesh} ...", flush=True)
+    r = run_peer(cl, mode, mesh, cfg.widths, cfg.batch, steps, threads, check=check)
+    print(f"   {r['step_s']:.3f} s", flush=True)
+    return r
+
+
 def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, only=None,
-                  executor="graph"):
+                  executor="graph", peers=(), configs=None):
+    """Time dask-ipar on every grid of the emulated cluster, and with ``peers`` (modes of
+    peers.py) the PyTorch peers on the same links, side by side in one run: per MLP, DDP
+    first, dask-ipar's grids, FSDP and tensor + data parallel, DDP again (so drift shows)."""
     import numpy as np  # noqa: F401
     import warnings
     from distributed import Client
@@ -258,22 +334,43 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     warnings.filterwarnings("ignore")
     out = {"workers": n_workers, "rate": rate, "client_rate": client_rate, "threads": threads,
            "steps": steps, "quick": quick, "grids": {}, "targets": [], "executor": executor,
-           "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    with emulated_cluster(n_workers, rate, client_rate=client_rate, threads=threads) as addr:
+           "peers": list(peers), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    handle: list = []
+    with emulated_cluster(n_workers, rate, client_rate=client_rate, threads=threads,
+                          peers=n_workers if peers else 0, handle=handle) as addr:
+        cl = handle[0]
         with Client(addr) as client:
             ws = sorted(client.scheduler_info()["workers"])
             big, small = C.transfer_time(client, ws[0], ws[1], 64 * 2**20)
             bw = 64 * 2**20 / max(big - small, 1e-9)
+            hop = C.program_hop(client, ws[0], ws[1])
             out["link"] = {"t_64MiB_s": big, "t_4B_s": small, "bandwidth_Bps": bw,
-                           "nominal_Bps": parse_rate_Bps(rate)}
+                           "nominal_Bps": parse_rate_Bps(rate), "program_hop_4B_s": hop}
             print(f"link check: 64 MiB in {big:.3f} s -> {bw * 8 / 1e9:.3f} Gbit/s "
-                  f"(nominal {rate}); 4-byte transfer {small * 1e3:.1f} ms", flush=True)
+                  f"(nominal {rate}); 4-byte dask task transfer {small * 1e3:.1f} ms, "
+                  f"4-byte program hop {hop * 1e3:.2f} ms", flush=True)
+            if peers:
+                pp = run_peer(cl, "pingpong", f"1x{n_workers}", [1], 1, 1, threads)
+                out["peer_link"] = pp
+                print(f"peer link check (gloo): 64 MiB in {pp['t_64MiB_s']:.3f} s -> "
+                      f"{pp['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s; 4-byte hop "
+                      f"{pp['hop_4B_s'] * 1e3:.2f} ms", flush=True)
+                ratio = hop / pp["hop_4B_s"]
+                out["targets"].append({
+                    "target": f"emulated {rate}, {n_workers} hosts: 4-byte hop, worker "
+                              f"programs / gloo ({hop * 1e3:.2f} / {pp['hop_4B_s'] * 1e3:.2f} ms)",
+                    "limit": "<= 2.0", "value": ratio, "ok": ratio <= 2.0})
             machine = Machine(alpha_s=small, bandwidth_Bps=bw, compute_s_per_iter=0.0)
-            for cfg in C.configs(quick):
+            for cfg in configs or C.configs(quick):
                 if only and cfg.key not in only:
                     continue
                 pl = plan(mlp(list(cfg.widths)), n_workers, cfg.batch, machine)
                 pred = {f"{g.pr}x{g.pc}": g for g in pl.grids if g.feasible}
+                runs = peer_runs(n_workers, peers)
+                got = {}
+                if ("ddp", f"1x{n_workers}") in runs:
+                    got["ddp"] = [_peer(cl, "ddp", f"1x{n_workers}", cfg, steps, threads,
+                                        check=True)]
                 by = {}
                 for pr, pc in C.grids_of(n_workers):
                     g = f"{pr}x{pc}"
@@ -284,16 +381,50 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                              "pred_comm_s": pred[g].comm_s if g in pred else None,
                              "pred_total_s": pred[g].total_s if g in pred else None}
                     print(f"   {r['step_s']:.3f} s (predicted comm {by[g]['pred_comm_s']:.3f} s)", flush=True)
+                for mode, mesh in runs:
+                    if mode != "ddp":
+                        got[f"{mode} {mesh}"] = [_peer(cl, mode, mesh, cfg, steps, threads,
+                                                       check=True)]
+                if "ddp" in got:
+                    got["ddp"].append(_peer(cl, "ddp", f"1x{n_workers}", cfg, steps, threads))
                 om = sorted(by, key=lambda g: by[g]["step_s"])
                 op = sorted(by, key=lambda g: by[g]["pred_total_s"])
                 best = f"{pl.best.pr}x{pl.best.pc}"
                 batch_g = f"1x{n_workers}"
                 sp = by[batch_g]["step_s"] / by[best]["step_s"]
-                out["grids"][cfg.key] = {
+                entry = {
                     "label": cfg.label, "widths": cfg.widths, "batch": cfg.batch, "by_grid": by,
                     "order_measured": om, "order_predicted": op, "planner_grid": best,
                     "speedup_vs_batch": sp, "ranking_matches": om == op,
                 }
+                out["grids"][cfg.key] = entry
+                if got:
+                    peer_s = {k: statistics.median([r["step_s"] for r in v])
+                              for k, v in got.items()}
+                    best_peer = min(peer_s, key=peer_s.get)
+                    entry["peers"] = {k: {"step_s": peer_s[k],
+                                          "runs_s": [r["step_s"] for r in v],
+                                          "loss0": v[0]["loss0"],
+                                          "loss0_single": v[0].get("loss0_single")}
+                                      for k, v in got.items()}
+                    entry["best_peer"] = best_peer
+                    entry["ratio_vs_best_peer"] = by[best]["step_s"] / peer_s[best_peer]
+                    out["targets"].append({
+                        "target": f"emulated {rate}, {n_workers} hosts, {cfg.label}: "
+                                  f"dask-ipar's planner grid ({best}) / best peer "
+                                  f"({best_peer})", "limit": "<= 1.00",
+                        "value": entry["ratio_vs_best_peer"],
+                        "ok": entry["ratio_vs_best_peer"] <= 1.0})
+                    if "ddp" in peer_s:
+                        entry["ratio_vs_ddp"] = by[best]["step_s"] / peer_s["ddp"]
+                        limit = 0.10 if (cfg.key == "weight" and n_workers == 4 and
+                                         parse_rate_Bps(rate) == 1e9 / 8) else None
+                        if limit is not None:
+                            out["targets"].append({
+                                "target": f"emulated {rate}, {n_workers} hosts, {cfg.label}: "
+                                          f"dask-ipar's planner grid ({best}) / DDP",
+                                "limit": f"<= {limit:.2f}", "value": entry["ratio_vs_ddp"],
+                                "ok": entry["ratio_vs_ddp"] <= limit})
                 if cfg.key == "weight":
                     out["targets"].append({
                         "target": f"emulated {rate}, {n_workers} workers: pure batch step / planner's "
@@ -319,6 +450,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--executor", choices=["graph", "programs"], default="graph",
                     help="Sequential.executor of the timed steps")
+    ap.add_argument("--peers", default="",
+                    help="comma list of PyTorch peers run on the same links: ddp,fsdp,tp "
+                         "(needs torch)")
     ap.add_argument("--check-only", action="store_true", help="only build the cluster and test the link")
     ap.add_argument("--cleanup", action="store_true", help="delete leftover namespaces and exit")
     a = ap.parse_args(argv)
@@ -339,8 +473,12 @@ def main(argv=None):
                       f"4 B in {small * 1e3:.1f} ms")
         print("namespaces left:", list_namespaces())
         return 0
+    peers = [m for m in a.peers.split(",") if m]
+    bad = [m for m in peers if m not in ("ddp", "fsdp", "tp")]
+    if bad:
+        ap.error(f"--peers {a.peers}: unknown {', '.join(bad)}; use ddp, fsdp, tp")
     out = run_benchmark(a.workers, a.rate, a.quick, steps, a.client_rate, threads,
-                        a.only.split(",") if a.only else None, a.executor)
+                        a.only.split(",") if a.only else None, a.executor, peers)
     print("namespaces left:", list_namespaces())
     if a.json:
         with open(a.json, "w") as f:
