@@ -404,6 +404,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                     best_peer = min(peer_s, key=peer_s.get)
                     entry["peers"] = {k: {"step_s": peer_s[k],
                                           "runs_s": [r["step_s"] for r in v],
+                                          "steps_s": [t for r in v for t in r["steps_s"]],
                                           "loss0": v[0]["loss0"],
                                           "loss0_single": v[0].get("loss0_single")}
                                       for k, v in got.items()}
