@@ -249,3 +249,33 @@ def test_blocks_of_a_stopped_model_are_dropped_on_arrival():
     plugin.put(key=["dense0.w-xyz-s1", 0, 1], data=b"other model")
     assert sorted(k[0] for k in plugin.box) == ["dense0.w-abc-c3", "dense0.w-abc-s6",
                                                 "dense0.w-xyz-s1"]
+
+
+def _exchange_log(dask_worker=None):
+    from dask_ipar.runtime.exchange import drain_exchange_log
+
+    return [[len(e[3]), max(nb for _, nb in e[3])] for e in drain_exchange_log(
+        dask_worker=dask_worker)]
+
+
+def test_small_blocks_to_one_peer_go_as_one_message(client):
+    """Blocks under MERGE_BYTES that a program sends to one peer without computing in
+    between (its weight slices at the start of a step) travel as one message; the step
+    stays bit-equal to the task graph's (the test above) and the bytes exact (the first)."""
+    from dask_ipar.runtime.exchange import MERGE_BYTES
+
+    X, y = awkward_problem((37, 29, 13, 10), batch=23)
+    model = Sequential([Dense(29, "relu"), Dense(13, "relu"), Dense(10)], input_dim=37,
+                       dtype="float64", seed=3).distribute(client, "2x2")
+    model.executor = "programs"
+    try:
+        model.state_blocks()
+        client.run(_exchange_log)
+        client.gather(model.train_step(X, y, SGD(lr=0.1)))
+        msgs = [m for log in client.run(_exchange_log).values() for m in log]
+    finally:
+        model.close()
+    merged = [m for m in msgs if m[0] > 1]
+    assert merged, msgs
+    assert all(biggest < MERGE_BYTES for _, biggest in merged)
+    assert len(msgs) < sum(n for n, _ in msgs)
