@@ -52,6 +52,79 @@ class MLPConfig:
         return (f"{self.widths[0]}-" + "-".join(str(w) for w in hidden) + f"-{self.widths[-1]}, "
                 f"B={self.batch}")
 
+    def spec(self) -> dict:
+        """The model for the PyTorch peers (peers.py ``--spec``)."""
+        return {"kind": "mlp", "widths": list(self.widths)}
+
+    def layers(self):
+        from dask_ipar import Dense
+
+        return [Dense(w, "relu") for w in self.widths[1:-1]] + [Dense(self.widths[-1])]
+
+    def build_model(self, layers=None):
+        from dask_ipar import Sequential
+
+        return Sequential(layers or self.layers(), input_dim=self.widths[0], dtype="float32",
+                          seed=0)
+
+    def data(self, n_batches: int = 2, seed: int = 0):
+        return make_data(self, n_batches, seed)
+
+
+@dataclass(frozen=True)
+class CNNConfig:
+    """A CNN in the paper's regime: 3x3 convs (same padding, ReLU), each followed by a 2x2
+    max pooling, then large dense layers."""
+
+    key: str
+    label: str
+    image: tuple      # (C, H, W)
+    filters: tuple    # output channels of each conv
+    dense: tuple      # hidden dense widths
+    classes: int
+    batch: int
+
+    @property
+    def widths(self) -> tuple:  # the dense part, as an MLP's: (flattened, *dense, classes)
+        c, h, w = self.image
+        k = 2 ** len(self.filters)
+        return (self.filters[-1] * (h // k) * (w // k), *self.dense, self.classes)
+
+    def describe(self) -> str:
+        return (f"{'x'.join(map(str, self.image))} input, convs {'-'.join(map(str, self.filters))}"
+                f" (3x3, each + 2x2 max pool), dense {'-'.join(map(str, self.widths))}, "
+                f"B={self.batch}")
+
+    def spec(self) -> dict:
+        return {"kind": "cnn", "image": list(self.image), "filters": list(self.filters),
+                "dense": list(self.dense), "classes": self.classes}
+
+    def layers(self):
+        from dask_ipar import Dense
+        from dask_ipar.nn.layers import Conv2d, Flatten, MaxPool2d
+
+        front = [lay for f in self.filters for lay in (Conv2d(f, 3, activation="relu"),
+                                                       MaxPool2d(2))]
+        return front + [Flatten()] + [Dense(w, "relu") for w in self.dense] + [
+            Dense(self.classes)]
+
+    def build_model(self, layers=None):
+        from dask_ipar import Sequential
+
+        return Sequential(layers or self.layers(), input_shape=self.image, dtype="float32",
+                          seed=0)
+
+    def data(self, n_batches: int = 2, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        X = rng.standard_normal((self.batch * n_batches, *self.image), dtype=np.float32)
+        y = rng.integers(0, self.classes, self.batch * n_batches)
+        return X, y
+
+
+#: The CNN of issue 23's peer comparison, and a small one (``--quick``).
+CNN = CNNConfig("cnn", "CNN", (3, 64, 64), (32, 32, 64, 64), (4096, 4096), 10, 64)
+CNN_QUICK = CNNConfig("cnn", "CNN", (3, 32, 32), (16, 16, 32, 32), (1024, 1024), 10, 16)
+
 
 def configs(quick: bool) -> list[MLPConfig]:
     if quick:
@@ -477,19 +550,18 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
 # -------------------------------------------------------------- timed dask steps
 def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 1,
                    memory: bool = False, pids=None, profile: bool = True,
-                   executor: str = "graph") -> dict:
+                   executor: str = "graph", layers=None) -> dict:
     """Median step time of dask-ipar on ``grid`` (train_step + gather), with the
     per-step overhead profile and (optionally) peak RSS per worker. ``executor``:
-    ``Sequential.executor`` of the steps."""
+    ``Sequential.executor`` of the steps; ``layers``: the model's layers (a CNN's with the
+    planner's conv schemes), else ``cfg``'s."""
     from distributed import wait
 
-    from dask_ipar import SGD, Dense, Sequential
+    from dask_ipar import SGD
 
     opt = SGD(lr=0.01, momentum=0.9)
-    hidden = cfg.widths[1:-1]
-    model = Sequential([Dense(w, "relu") for w in hidden] + [Dense(cfg.widths[-1])],
-                       input_dim=cfg.widths[0], dtype="float32", seed=0)
-    X, y = make_data(cfg, 2)
+    model = cfg.build_model(layers)
+    X, y = cfg.data(2)
     batches = [(X[k * cfg.batch:(k + 1) * cfg.batch], y[k * cfg.batch:(k + 1) * cfg.batch])
                for k in range(2)]
     out = {"grid": grid, "executor": executor, "load1": os.getloadavg()[0]}

@@ -192,7 +192,7 @@ class _Cluster:
             f.close()
 
 
-def run_peer(cl, mode: str, mesh: str, widths, batch: int, steps: int, threads: int,
+def run_peer(cl, mode: str, mesh: str, spec: dict, batch: int, steps: int, threads: int,
              check: bool = False, timeout_s: float = 900.0) -> dict:
     """Run the PyTorch peer ``mode`` (:mod:`peers`) on ``mesh`` with one rank in each peer
     namespace of the cluster ``cl`` (rank k on host p<k>); rank 0's JSON result."""
@@ -205,8 +205,8 @@ def run_peer(cl, mode: str, mesh: str, widths, batch: int, steps: int, threads: 
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS=t, MKL_NUM_THREADS=t,
                OPENBLAS_NUM_THREADS=t, PYTHONWARNINGS="ignore")
     args = [sys.executable, os.path.join(HERE, "peers.py"), "--mode", mode, "--mesh", mesh,
-            "--world", str(world), "--master", master, "--widths",
-            ",".join(map(str, widths)), "--batch", str(batch), "--steps", str(steps),
+            "--world", str(world), "--master", master, "--spec", json.dumps(spec),
+            "--batch", str(batch), "--steps", str(steps),
             "--threads", t] + (["--check"] if check else [])
     procs = []
     for r in range(world):
@@ -314,7 +314,7 @@ def peer_runs(p: int, modes) -> list[tuple[str, str]]:
 
 def _peer(cl, mode, mesh, cfg, steps, threads, check=False):
     print(f"{cfg.label} torch {mode} {mesh} ...", flush=True)
-    r = run_peer(cl, mode, mesh, cfg.widths, cfg.batch, steps, threads, check=check)
+    r = run_peer(cl, mode, mesh, cfg.spec(), cfg.batch, steps, threads, check=check)
     print(f"   {r['step_s']:.3f} s", flush=True)
     return r
 
@@ -350,7 +350,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                   f"(nominal {rate}); 4-byte dask task transfer {small * 1e3:.1f} ms, "
                   f"4-byte program hop {hop * 1e3:.2f} ms", flush=True)
             if peers:
-                pp = run_peer(cl, "pingpong", f"1x{n_workers}", [1], 1, 1, threads)
+                pp = run_peer(cl, "pingpong", f"1x{n_workers}", {"kind": "mlp", "widths": [1, 1]},
+                              1, 1, threads)
                 out["peer_link"] = pp
                 print(f"peer link check (gloo): 64 MiB in {pp['t_64MiB_s']:.3f} s -> "
                       f"{pp['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s; 4-byte hop "
@@ -364,8 +365,20 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
             for cfg in configs or C.configs(quick):
                 if only and cfg.key not in only:
                     continue
-                pl = plan(mlp(list(cfg.widths)), n_workers, cfg.batch, machine)
-                pred = {f"{g.pr}x{g.pc}": g for g in pl.grids if g.feasible}
+                schemes = {}  # a CNN's conv schemes per grid, as --conv auto picks them
+                if isinstance(cfg, C.CNNConfig):
+                    from dask_ipar.nn.planning import plan_layers
+
+                    pred = {}
+                    for pr, pc in C.grids_of(n_workers):
+                        _, lays, gp = plan_layers(cfg.layers(), cfg.image, n_workers,
+                                                  cfg.batch, machine, grid=f"{pr}x{pc}")
+                        pred[f"{pr}x{pc}"], schemes[f"{pr}x{pc}"] = gp, lays
+                    best_g = min(pred, key=lambda g: pred[g].total_s)
+                else:
+                    pl = plan(mlp(list(cfg.widths)), n_workers, cfg.batch, machine)
+                    pred = {f"{g.pr}x{g.pc}": g for g in pl.grids if g.feasible}
+                    best_g = f"{pl.best.pr}x{pl.best.pc}"
                 runs = peer_runs(n_workers, peers)
                 got = {}
                 if ("ddp", f"1x{n_workers}") in runs:
@@ -376,7 +389,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                     g = f"{pr}x{pc}"
                     print(f"{cfg.label} {g} ...", flush=True)
                     r = C.time_dask_grid(client, cfg, g, steps, warmup=1, profile=False,
-                                         executor=executor)
+                                         executor=executor, layers=schemes.get(g))
                     by[g] = {"step_s": r["step_s"], "steps_s": r["steps_s"],
                              "pred_comm_s": pred[g].comm_s if g in pred else None,
                              "pred_total_s": pred[g].total_s if g in pred else None}
@@ -389,14 +402,19 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                     got["ddp"].append(_peer(cl, "ddp", f"1x{n_workers}", cfg, steps, threads))
                 om = sorted(by, key=lambda g: by[g]["step_s"])
                 op = sorted(by, key=lambda g: by[g]["pred_total_s"])
-                best = f"{pl.best.pr}x{pl.best.pc}"
+                best = best_g
                 batch_g = f"1x{n_workers}"
                 sp = by[batch_g]["step_s"] / by[best]["step_s"]
                 entry = {
                     "label": cfg.label, "widths": cfg.widths, "batch": cfg.batch, "by_grid": by,
                     "order_measured": om, "order_predicted": op, "planner_grid": best,
                     "speedup_vs_batch": sp, "ranking_matches": om == op,
+                    "describe": cfg.describe(),
                 }
+                if schemes:
+                    entry["conv_schemes"] = {g: [getattr(lay, "parallel", None) for lay in ls
+                                                 if type(lay).__name__ == "Conv2d"]
+                                             for g, ls in schemes.items()}
                 out["grids"][cfg.key] = entry
                 if got:
                     peer_s = {k: statistics.median([r["step_s"] for r in v])
@@ -418,8 +436,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                         "ok": entry["ratio_vs_best_peer"] <= 1.0})
                     if "ddp" in peer_s:
                         entry["ratio_vs_ddp"] = by[best]["step_s"] / peer_s["ddp"]
-                        limit = 0.10 if (cfg.key == "weight" and n_workers == 4 and
-                                         parse_rate_Bps(rate) == 1e9 / 8) else None
+                        at_1g4 = n_workers == 4 and parse_rate_Bps(rate) == 1e9 / 8
+                        limit = {"weight": 0.10, "cnn": 0.50}.get(cfg.key) if at_1g4 else None
                         if limit is not None:
                             out["targets"].append({
                                 "target": f"emulated {rate}, {n_workers} hosts, {cfg.label}: "

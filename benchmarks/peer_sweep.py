@@ -62,7 +62,11 @@ def render(res: dict) -> str:
           f"{link['t_4B_s'] * 1e3:.1f} ms).")
         w("")
         for key, v in run["grids"].items():
-            w(f"**{v['label']} MLP** ({'-'.join(map(str, v['widths']))}, B={v['batch']})")
+            w(f"**{v['label']}{'' if key == 'cnn' else ' MLP'}** "
+              f"({v.get('describe') or '-'.join(map(str, v['widths'])) + ', B=' + str(v['batch'])})"
+              + (f"; dask-ipar's conv schemes per grid (the planner's): "
+                 + ", ".join(f"{g} {'/'.join(s)}" for g, s in v['conv_schemes'].items())
+                 if v.get("conv_schemes") else ""))
             w("")
             w("| who | grid / mesh | step (s) | timed steps, fastest-slowest (s) | dask-ipar "
               "planner grid / it | first loss - one process's |")
@@ -124,7 +128,8 @@ def main(argv=None):
                     help="comma list of PxRATE (e.g. 4x1gbit)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--peers", default="ddp,fsdp,tp")
-    ap.add_argument("--only", default=None, help="comma list of MLPs: compute,weight")
+    ap.add_argument("--only", default=None,
+                    help="comma list of models: compute,weight (the MLPs), cnn")
     ap.add_argument("--quick", action="store_true", help="the small MLPs")
     ap.add_argument("--md", default=None, help="write the section into this markdown file")
     ap.add_argument("--from-json", default=None, help="render a saved sweep again")
@@ -133,8 +138,17 @@ def main(argv=None):
         with open(a.from_json) as fh:
             res = json.load(fh)
     else:
+        import common as C
         import netcluster as N
         import torch
+
+        models = C.configs(a.quick) + [C.CNN_QUICK if a.quick else C.CNN]
+        if a.only:
+            keep = a.only.split(",")
+            bad = [k for k in keep if k not in {m.key for m in models}]
+            if bad:
+                ap.error(f"--only {a.only}: unknown {', '.join(bad)}; use compute, weight, cnn")
+            models = [m for m in models if m.key in keep]
 
         runs = []
         for item in a.runs.split(","):
@@ -150,9 +164,8 @@ def main(argv=None):
         for p, rate in runs:
             print(f"=== P = {p}, {rate}", flush=True)
             threads = max(1, (os.cpu_count() or 1) // p)
-            out = N.run_benchmark(p, rate, a.quick, a.steps, None, threads,
-                                  a.only.split(",") if a.only else None, "programs",
-                                  [m for m in a.peers.split(",") if m])
+            out = N.run_benchmark(p, rate, a.quick, a.steps, None, threads, None, "programs",
+                                  [m for m in a.peers.split(",") if m], configs=models)
             res["results"].append(out)
             with open(path, "w") as fh:  # after every run: a killed sweep keeps what it has
                 json.dump(res, fh, indent=1, default=str)

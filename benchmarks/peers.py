@@ -13,7 +13,8 @@ Modes (the batch of B samples is split over the data-parallel ranks):
   the backward), ``--mesh 1xP``.
 * ``fsdp``: FSDP2 ``fully_shard`` on every linear layer and on the model (parameters
   all-gathered per layer, gradients reduce-scattered), ``--mesh 1xP``.
-* ``tp``: Megatron-style tensor parallel on a 2-D ``DeviceMesh`` (``dp``, ``tp``) =
+* ``tp``: Megatron-style tensor parallel (of the dense layers; a CNN's convs are
+  replicated over the ``tp`` ranks and data parallel over ``dp``) on a 2-D ``DeviceMesh`` (``dp``, ``tp``) =
   (PC, PR): the linear layers alternate ``ColwiseParallel`` and ``RowwiseParallel`` over
   the ``tp`` ranks (a column-parallel last layer gathers its logits); the gradients of
   each rank's shards are then summed over the ``dp`` ranks as one flat all-reduce after
@@ -43,6 +44,30 @@ import time
 MODES = ("ddp", "fsdp", "tp", "pingpong")
 
 
+def build(spec: dict, seed: int = 0):
+    """The model of ``spec``: ``{"kind": "mlp", "widths"}`` or ``{"kind": "cnn", "image",
+    "filters", "dense", "classes"}`` (3x3 same-padded convs with ReLU, each followed by a
+    2x2 max pooling, then the dense layers), as benchmarks/common.py's configurations."""
+    if spec["kind"] == "mlp":
+        return build_mlp(spec["widths"], seed)
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    c, h, w = spec["image"]
+    layers = []
+    for f in spec["filters"]:
+        layers += [nn.Conv2d(c, f, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        c, h, w = f, h // 2, w // 2
+    layers.append(nn.Flatten())
+    widths = [c * h * w, *spec["dense"], spec["classes"]]
+    for k, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if k < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
 def build_mlp(widths, seed: int = 0):
     import torch
     from torch import nn
@@ -56,13 +81,17 @@ def build_mlp(widths, seed: int = 0):
     return nn.Sequential(*layers)
 
 
-def batch_of(widths, batch: int, seed: int = 0):
+def batch_of(spec: dict, batch: int, seed: int = 0):
     """The whole batch (every rank draws the same one and keeps its share)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    X = torch.randn(batch, widths[0], generator=g)
-    y = torch.randint(0, widths[-1], (batch,), generator=g)
+    if spec["kind"] == "mlp":
+        shape, classes = (spec["widths"][0],), spec["widths"][-1]
+    else:
+        shape, classes = tuple(spec["image"]), spec["classes"]
+    X = torch.randn(batch, *shape, generator=g)
+    y = torch.randint(0, classes, (batch,), generator=g)
     return X, y
 
 
@@ -161,12 +190,13 @@ def rank_main(a) -> dict | None:
         out = pingpong(a.rank)
         dist.destroy_process_group()
         return out
-    widths = [int(w) for w in a.widths.split(",")]
+    spec = json.loads(a.spec) if a.spec else {
+        "kind": "mlp", "widths": [int(w) for w in a.widths.split(",")]}
     pr, pc = parse_mesh(a.mesh)
     if pr * pc != a.world:
         raise SystemExit(f"--mesh {a.mesh} has {pr * pc} ranks, --world is {a.world}")
-    model = build_mlp(widths)
-    X, y = batch_of(widths, a.batch)
+    model = build(spec)
+    X, y = batch_of(spec, a.batch)
     dp_group = dp_size = None
     if a.mode == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
@@ -177,7 +207,7 @@ def rank_main(a) -> dict | None:
 
         mesh = init_device_mesh("cpu", (a.world,))
         for mod in model:
-            if isinstance(mod, nn.Linear):
+            if isinstance(mod, (nn.Linear, nn.Conv2d)):
                 fully_shard(mod, mesh=mesh)
         fully_shard(model, mesh=mesh)
         part = share(a.batch, a.world, a.rank)
@@ -219,7 +249,7 @@ def rank_main(a) -> dict | None:
            "step_s": statistics.median(ts), "steps_s": ts,
            "loss0": float(whole[0]) / (a.batch * tp_ranks)}
     if a.check:
-        ref = build_mlp(widths)
+        ref = build(spec)
         out["loss0_single"] = float(lossf(ref(X), y).detach())
     return out
 
@@ -232,12 +262,15 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--master", required=True, help="host:port of rank 0")
-    ap.add_argument("--widths", required=True)
+    ap.add_argument("--widths", default=None, help="an MLP's widths, d0,d1,...,classes")
+    ap.add_argument("--spec", default=None, help="the model as JSON (see build)")
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
+    if not (a.widths or a.spec):
+        ap.error("give --widths or --spec")
     out = rank_main(a)
     if out is not None:
         print(json.dumps(out), flush=True)
