@@ -208,6 +208,11 @@ def test_page_shows_every_layer_and_phase_while_training(client, executor, tmp_p
     assert len(cells) == 3 and all("memory" in c for r in cells[1:] for c in r[1:])
     data = json.loads(urllib.request.urlopen(_page_base(client) + "/data.json").read())
     assert data["run"]["executor"] == executor and data["timeline"]
+    # the page has it all; dask's event broker keeps no second copy (scheduler memory)
+    from dask_ipar.dashboard.page import TOPIC
+    from dask_ipar.dashboard.stream import STREAM_TOPIC
+
+    assert client.get_events(TOPIC) == () and client.get_events(STREAM_TOPIC) == ()
 
 
 def test_task_stream_names_each_program_layer_and_phase(client):

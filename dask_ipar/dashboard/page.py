@@ -49,6 +49,8 @@ ROUTE = "/ipar"
 STEPS_KEPT = 4000
 #: Records per worker kept between page fetches.
 RECORDS_KEPT = 6000
+#: Epoch records a run keeps (the newest).
+EPOCHS_KEPT = 1000
 
 
 class _Run:
@@ -79,6 +81,21 @@ class _Run:
         return {w: cell for cell, w in self.cells}
 
 
+def _unstored(scheduler, topics) -> None:
+    """Have dask's event broker keep no copy of ``topics`` (this plugin keeps what it
+    needs; subscribers still get every message). Without it the scheduler keeps the last
+    1,000 messages of each (``distributed.admin.low-level-log-length``): about 2.4 MB of
+    step curves and 4 MB of program traces, filling for the first ~5,500 steps of a run.
+    (``Scheduler._broker._topics``: a dask internal, see docs/concepts.md.)"""
+    topics_of = getattr(getattr(scheduler, "_broker", None), "_topics", None)
+    if topics_of is None:
+        return
+    for t in topics:
+        topic = topics_of[t]
+        if getattr(topic, "events", None) is not None:
+            topic.events = deque(maxlen=0)
+
+
 class IparDashboard(SchedulerPlugin):
     """Scheduler plugin: the runs that clients report, and the ``/ipar`` page."""
 
@@ -91,6 +108,7 @@ class IparDashboard(SchedulerPlugin):
 
     async def start(self, scheduler):
         self.scheduler = scheduler
+        _unstored(scheduler, (TOPIC, STREAM_TOPIC))
         app = getattr(scheduler, "http_application", None)
         if app is None:  # a scheduler without an HTTP server: the events are still kept
             return
@@ -166,6 +184,7 @@ class IparDashboard(SchedulerPlugin):
                 run.thin()
         elif kind == "epoch":
             run.epochs.append(msg["record"])
+            del run.epochs[:-EPOCHS_KEPT]
         elif kind == "rewind":  # back to a checkpoint, perhaps on other workers
             run.info["cells"] = msg["cells"]
             kept = [s for s in run.steps if s[0] <= msg["step"]]
