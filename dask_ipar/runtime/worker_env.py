@@ -23,14 +23,15 @@ __all__ = ["QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEMORY_ENV", "BLAS_TH
 #: workers used 15 ms of CPU per second with the defaults and 5 ms with these, CPU the
 #: workers' BLAS threads share. The costs: event-loop stalls are noticed within 0.5 s
 #: instead of 20 ms, and the dashboard's CPU/memory plots get a sample every 2 s.
-#: The statistical profiler of each worker closes a profile every 10 s instead of every
-#: second: dask keeps the last 3,600 of them (an hour with the default, about 2 KB per
-#: step of growth at 7.5 steps/s, some 50 MB per worker at the cap); the dashboard's
-#: Profile page then has 10 s resolution over the last 10 hours.
+#: dask's own logs (``distributed.admin.low-level-log-length``: transitions, events per
+#: topic, each worker's profile of every second) keep 200 entries instead of 1,000: the
+#: workers' profile history otherwise grows for 1,000 s (about 2 KB per training step at
+#: 7.5 steps/s, 15 KB a second) before it is flat. The dashboard's Profile page then shows
+#: the last 200 s.
 QUIET_LOOP_CONFIG = {
     "distributed.admin.tick.interval": "500ms",
     "distributed.admin.system-monitor.interval": "2s",
-    "distributed.worker.profile.cycle": "10s",
+    "distributed.admin.low-level-log-length": 200,
 }
 
 
