@@ -319,6 +319,32 @@ def test_cli_on_an_external_cluster_survives_a_killed_worker(tmp_path, capsys):
     assert got["test_accuracy"] == plain["test_accuracy"]
 
 
+@pytest.mark.parametrize("grid", ["4x1", "1x4"])
+def test_api_on_an_external_cluster_survives_a_killed_worker(data, grid):
+    """The acceptance through the Python API: ``dask scheduler`` + ``dask worker
+    --nworkers 5``, no checkpoint directory, a grid worker SIGKILLed mid-run: its nanny
+    restarts it, the replicas rebuild its blocks there, and the run ends bit-equal."""
+    from distributed import Client
+
+    from dask_ipar.runtime.replicas import Replicas
+
+    X, y = data
+    with external_cluster(["--nworkers", "5"]) as address, \
+            Client(address, timeout=30) as client:
+        client.wait_for_workers(5, timeout=60)
+        expected = uninterrupted(client, X, y, grid, replicas=1)
+        model = make_model().distribute(client, grid)
+        victim = model.binding.worker(2 if grid == "4x1" else 0, 0 if grid == "4x1" else 2)
+        [pid] = pids_of(client, [victim])
+        lines = []
+        h = _fit(model, X, y, replicas=Replicas(1, log=lines.append),
+                 callbacks=[KillAt([pid], 6)])
+        assert any(ln.startswith("recovered from the replicas of step") for ln in lines), lines
+        assert victim not in model.binding.workers and len(h.steps) == 12, lines
+        same_weights(model, expected, str(lines))
+        model.close()
+
+
 def test_stopped_worker_is_rebuilt_from_replicas(client4, data):
     """A hung worker (SIGSTOP) with replicas and no checkpoint: restarted, rebuilt from its
     buddy's copy, the run bit-equal to an uninterrupted one."""
