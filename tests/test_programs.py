@@ -279,3 +279,17 @@ def test_small_blocks_to_one_peer_go_as_one_message(client):
     assert merged, msgs
     assert all(biggest < MERGE_BYTES for _, biggest in merged)
     assert len(msgs) < sum(n for n, _ in msgs)
+
+
+def test_programs_on_threads_equal_the_graph_executor():
+    """Worker threads of one process (in-process comms, where dask hands messages over
+    without serializing them): merged small blocks arrive as the blocks themselves."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=4, processes=False, threads_per_worker=1,
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        w_graph, loss_graph = _train(c, "2x2", "graph")
+        w_prog, loss_prog = _train(c, "2x2", "programs")
+    assert loss_graph == loss_prog
+    for (a, b), (d, e) in zip(w_graph, w_prog):
+        assert np.array_equal(a, d) and np.array_equal(b, e)

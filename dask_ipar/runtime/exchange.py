@@ -249,7 +249,8 @@ class _Sender:
                 return await self.worker.rpc(dest).ipar_put(key=key, data=data, sender=me)
             what = key[0]
         else:
-            many = [(key, self._ser(value)) for key, value, _ in items]
+            # lists, not tuples: an in-process comm unwraps Serialize in lists and dicts only
+            many = [[key, self._ser(value)] for key, value, _ in items]
 
             async def put():
                 return await self.worker.rpc(dest).ipar_put_many(items=many, sender=me)
