@@ -611,6 +611,23 @@ def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 
     return out
 
 
+def write_section(path: str, name: str, body: str) -> None:
+    """Put ``body`` (which starts with ``<!-- NAME:begin -->`` and ends with
+    ``<!-- NAME:end -->``) into the markdown file ``path``: in place of the old section of
+    that name, else at the end (other scripts keep it: benchmarks/run.py)."""
+    import re
+
+    try:
+        with open(path) as fh:
+            old = fh.read()
+    except OSError:
+        old = ""
+    pat = re.compile(rf"<!-- {name}:begin -->.*?<!-- {name}:end -->\n?", re.S)
+    new = pat.sub(lambda m: body, old) if pat.search(old) else old.rstrip("\n") + "\n\n" + body
+    with open(path, "w") as fh:
+        fh.write(new)
+
+
 # ------------------------------------------------------------ transfer timing
 def _make_block(nbytes):
     import numpy as _np

@@ -114,7 +114,7 @@ def main(argv=None):
 
 
 def _write_md(path, table, raw):
-    import re
+    import common as C
 
     when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     body = "\n".join([
@@ -136,15 +136,7 @@ def _write_md(path, table, raw):
         "decodes whole chunks, which hold every grid column's samples; the reads run in a "
         "worker thread beside the step's, on 2 cores shared by 4 workers).",
         "<!-- data_bench:end -->", ""])
-    try:
-        with open(path) as fh:
-            old = fh.read()
-    except OSError:
-        old = ""
-    pat = re.compile(r"<!-- data_bench:begin -->.*?<!-- data_bench:end -->\n?", re.S)
-    new = pat.sub(body, old) if pat.search(old) else old.rstrip("\n") + "\n\n" + body
-    with open(path, "w") as fh:
-        fh.write(new)
+    C.write_section(path, "data_bench", body)
 
 
 if __name__ == "__main__":

@@ -109,18 +109,6 @@ def render(res: dict) -> str:
     return "\n".join(L) + "\n"
 
 
-def write_md(path: str, body: str) -> None:
-    try:
-        with open(path) as fh:
-            old = fh.read()
-    except OSError:
-        old = ""
-    pat = re.compile(r"<!-- peers:begin -->.*?<!-- peers:end -->\n?", re.S)
-    new = pat.sub(lambda m: body, old) if pat.search(old) else old.rstrip("\n") + "\n\n" + body
-    with open(path, "w") as fh:
-        fh.write(new)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,11 +122,12 @@ def main(argv=None):
     ap.add_argument("--md", default=None, help="write the section into this markdown file")
     ap.add_argument("--from-json", default=None, help="render a saved sweep again")
     a = ap.parse_args(argv)
+    import common as C
+
     if a.from_json:
         with open(a.from_json) as fh:
             res = json.load(fh)
     else:
-        import common as C
         import netcluster as N
         import torch
 
@@ -173,7 +162,7 @@ def main(argv=None):
     body = render(res)
     print(body)
     if a.md:
-        write_md(a.md, body)
+        C.write_section(a.md, "peers", body)
     return 0
 
 

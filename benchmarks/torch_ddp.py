@@ -27,16 +27,9 @@ def _free_port():
 
 
 def _build(widths):
-    import torch
-    from torch import nn
+    from peers import build_mlp  # the benchmarks' one PyTorch MLP
 
-    torch.manual_seed(0)
-    layers = []
-    for k, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-        layers.append(nn.Linear(a, b))
-        if k < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    return build_mlp(widths)
 
 
 def _run(rank, procs, widths, batch, steps, threads, port, q):

@@ -186,16 +186,17 @@ def external_cluster(*worker_args_each):
 
 # ------------------------------------------------------------------ replicas
 class KillAt(Callback):
-    """SIGKILL each of ``pids`` when step ``at`` has ended (before the next refresh)."""
+    """Send ``sig`` (SIGKILL) to each of ``pids`` when step ``at`` has ended (before the
+    next refresh)."""
 
-    def __init__(self, pids, at):
-        self.pids, self.at, self.done = list(pids), at, False
+    def __init__(self, pids, at, sig=signal.SIGKILL):
+        self.pids, self.at, self.sig, self.done = list(pids), at, sig, False
 
     def on_step_end(self, loop, stats):
         if stats.step == self.at and not self.done:
             self.done = True
             for pid in self.pids:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, self.sig)
 
 
 def _fit(model, X, y, **kw):
@@ -411,17 +412,9 @@ def test_no_replacement_worker_regrids_onto_the_survivors(data):
 
 
 # ------------------------------------------------------------------ preemption
-class TermAt(Callback):
+def TermAt(pids, at):
     """SIGTERM each of ``pids`` when step ``at`` has ended (a batch system ending a job)."""
-
-    def __init__(self, pids, at):
-        self.pids, self.at, self.done = list(pids), at, False
-
-    def on_step_end(self, loop, stats):
-        if stats.step == self.at and not self.done:
-            self.done = True
-            for pid in self.pids:
-                os.kill(pid, signal.SIGTERM)
+    return KillAt(pids, at, signal.SIGTERM)
 
 
 def test_sigterm_to_a_worker_job_saves_its_step_and_the_run_goes_on(data, tmp_path):
@@ -484,3 +477,15 @@ def test_sigterm_with_preempt_stop_saves_and_ends_the_run(client4, data, tmp_pat
     assert e.value.step >= 3
     model.close()
     client4.wait_for_workers(4, timeout=30)
+
+
+def test_bad_preempt_settings_are_refused():
+    from dask_ipar.runtime.preempt import preempt_grace_s, preempt_mode
+
+    assert preempt_grace_s() == 20.0 and preempt_mode() == "recover"
+    with dask.config.set({"dask-ipar.preempt-grace": "soon"}), \
+            pytest.raises(IparError, match="dask-ipar.preempt-grace"):
+        preempt_grace_s()
+    with dask.config.set({"dask-ipar.preempt": "pause"}), \
+            pytest.raises(IparError, match="recover, stop"):
+        preempt_mode()

@@ -67,19 +67,11 @@ def preempt_mode() -> str:
 
 def preempt_grace_s() -> float:
     """The dask config key ``dask-ipar.preempt-grace`` (``"20s"`` by default), checked."""
-    import dask
-    from dask.utils import parse_timedelta
+    from dask_ipar.runtime.worker_env import config_seconds
 
-    value = dask.config.get("dask-ipar.preempt-grace", GRACE_S)
-    try:
-        secs = float(parse_timedelta(value, default="s"))
-    except (TypeError, ValueError, KeyError):
-        secs = -1.0
-    if not secs > 0:
-        raise IparError(f"the dask config key dask-ipar.preempt-grace is {value!r}; expected "
-                        "a positive duration below the batch system's kill wait, such as "
-                        "'20s'.")
-    return secs
+    return config_seconds("dask-ipar.preempt-grace", GRACE_S,
+                          "a positive duration below the batch system's kill wait, such as "
+                          "'20s'")
 
 
 async def _record(scheduler, address: str):

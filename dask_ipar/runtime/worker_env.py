@@ -12,7 +12,7 @@ import os
 from dask_ipar.config import DEFAULTS
 from dask_ipar.errors import IparError
 
-__all__ = ["QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEMORY_ENV", "BLAS_THREAD_VARS",
+__all__ = ["config_seconds", "QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEMORY_ENV", "BLAS_THREAD_VARS",
            "blas_environ",
            "config_environ", "config_exports", "worker_environment", "cluster_section",
            "check_n"]
@@ -43,6 +43,22 @@ QUIET_LOOP_CONFIG = {
 SCHEDULER_CONFIG = {
     "distributed.scheduler.worker-ttl": "60s",
 }
+
+
+def config_seconds(key: str, default: float, expected: str) -> float:
+    """The dask config ``key`` as positive seconds (``"30s"``, ``45``, ``"2 minutes"``);
+    an :class:`IparError` naming the key and ``expected`` otherwise."""
+    import dask
+    from dask.utils import parse_timedelta
+
+    value = dask.config.get(key, default)
+    try:
+        secs = float(parse_timedelta(value, default="s"))
+    except (TypeError, ValueError, KeyError):
+        secs = -1.0
+    if not secs > 0:
+        raise IparError(f"the dask config key {key} is {value!r}; expected {expected}.")
+    return secs
 
 
 def config_environ(config: dict) -> dict:

@@ -52,18 +52,10 @@ def scheduler_gone(client, timeout_s: float = 3.0) -> bool:
 def hung_after_s() -> float:
     """Seconds without a heartbeat after which a grid worker counts as hung: the dask config
     key ``dask-ipar.hung-after`` (``"30s"`` by default; ``DASK_DASK_IPAR__HUNG_AFTER``)."""
-    import dask
-    from dask.utils import parse_timedelta
+    from dask_ipar.runtime.worker_env import config_seconds
 
-    value = dask.config.get("dask-ipar.hung-after", HUNG_AFTER_S)
-    try:
-        secs = float(parse_timedelta(value, default="s"))
-    except (TypeError, ValueError, KeyError):
-        secs = -1.0
-    if not secs > 0:
-        raise IparError(f"the dask config key dask-ipar.hung-after is {value!r}; expected a "
-                        "positive duration such as '30s' or 45.")
-    return secs
+    return config_seconds("dask-ipar.hung-after", HUNG_AFTER_S,
+                          "a positive duration such as '30s' or 45")
 
 
 def silent_for(info: dict) -> dict:
