@@ -161,6 +161,18 @@ class PreemptGrace(NannyPlugin):
             await notify_and_wait(nanny.scheduler, address, "its nanny is closing")
 
 
+#: client id -> the runs listening through it (a client has one handler per topic)
+_WATCHES: dict = {}
+_WATCHES_LOCK = threading.Lock()
+
+
+def _dispatch(client_id, event) -> None:
+    with _WATCHES_LOCK:
+        watches = list(_WATCHES.get(client_id, ()))
+    for w in watches:
+        w._on_event(event)
+
+
 class PreemptWatch:
     """A training run's side: listens for notices on its grid workers and answers them.
 
@@ -185,7 +197,11 @@ class PreemptWatch:
         # a LocalCluster's nannies live in this process: its signals are the CLI's
         if not isinstance(getattr(client, "cluster", None), LocalCluster):
             client.register_plugin(PreemptGrace(), name=PreemptGrace.name)
-        client.subscribe_topic(TOPIC, self._on_event)
+        with _WATCHES_LOCK:  # one handler per client, for every run it trains
+            watches = _WATCHES.setdefault(client.id, [])
+            if not watches:
+                client.subscribe_topic(TOPIC, lambda event, cid=client.id: _dispatch(cid, event))
+            watches.append(self)
         self._started = True
         self._listen(self.workers)
 
@@ -239,8 +255,14 @@ class PreemptWatch:
         if not self._started:
             return
         self._started = False
-        try:
-            self.client.unsubscribe_topic(TOPIC)
-        except Exception:  # noqa: BLE001 - the client is closing
-            pass
+        with _WATCHES_LOCK:
+            watches = _WATCHES.get(self.client.id, [])
+            if self in watches:
+                watches.remove(self)
+            if not watches:
+                _WATCHES.pop(self.client.id, None)
+                try:
+                    self.client.unsubscribe_topic(TOPIC)
+                except Exception:  # noqa: BLE001 - the client is closing
+                    pass
         self._forget(self.workers)
