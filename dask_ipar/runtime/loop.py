@@ -335,8 +335,9 @@ class TrainLoop:
     def _steps(self):
         spe = self.plan.steps_per_epoch
         while self._submitted < self.total_steps:
-            if self._preempt is not None and self._preempt.pending():
-                self._preempted(self._preempt.pending())
+            leaving = self._preempt.pending() if self._preempt is not None else None
+            if leaving:
+                self._preempted(leaving)
             if self._stop_request is not None:
                 self.drain()
                 self._each("on_interrupt", self._submitted)

@@ -240,6 +240,9 @@ class PreemptWatch:
         workers = list(workers)
         old = [w for w in self.workers if w not in workers]
         self.workers = workers
+        with self._lock:  # notices of workers the run no longer uses
+            for w in old:
+                self._notices.pop(w, None)
         if self._started:
             self._forget(old)
             self._listen(workers)
