@@ -39,7 +39,7 @@ def render(res: dict) -> str:
       "(gloo, CPU, torch " + res.get("torch", "?") + ") is a host of its own: a network "
       "namespace behind a `tc tbf` link of the given rate in each direction; the P ranks and "
       "the P workers share the machine's 2 cores alike (BLAS threads per process: "
-      "max(1, 2 // P)). Per MLP, in this order: DDP, dask-ipar on every grid (worker "
+      "max(1, 2 // P)). Per model, in this order: DDP, dask-ipar on every grid (worker "
       "programs), FSDP (`fully_shard` per layer), tensor + data parallel (Megatron-style "
       "column/row-parallel layers on a 2-D DeviceMesh, PR tensor-parallel x PC "
       "data-parallel ranks), DDP again (its step: the median of both runs). A step: median "
