@@ -659,42 +659,12 @@ def transfer_time(client, src: str, dst: str, nbytes: int, reps: int = 3) -> flo
     return big, small
 
 
-async def _program_pingpong(dst, reps, dask_worker=None):
-    """On the sending worker: ``reps`` pushes of a 4-byte block to ``dst`` through the
-    worker programs' transport (the ``ipar_put`` handler, as a program's send), each
-    answered when the block is in the receiver's mailbox; the round trips' median."""
-    import numpy as _np
-    from distributed.protocol import to_serialize
-
-    block = _np.zeros(1, dtype=_np.float32)
-    rtt = []
-    for k in range(reps):
-        t0 = time.perf_counter()
-        await dask_worker.rpc(dst).ipar_put(key=(f"pingpong-bench-s{k}", 0),
-                                            data=to_serialize(block),
-                                            sender=dask_worker.address)
-        rtt.append(time.perf_counter() - t0)
-    return statistics.median(rtt[1:])
-
-
-def _clear_pingpong(dask_worker=None):
-    from dask_ipar.runtime.exchange import PLUGIN_NAME
-
-    plugin = dask_worker.plugins[PLUGIN_NAME]
-    with plugin.cond:
-        for key in [k for k in plugin.box if str(k[0]).startswith("pingpong-bench")]:
-            del plugin.box[key]
-
-
 def program_hop(client, src: str, dst: str, reps: int = 50) -> float:
-    """Seconds of one hop of a 4-byte block between worker programs (half the median
-    round trip of :func:`_program_pingpong`), from ``src`` to ``dst``."""
-    from dask_ipar.runtime.exchange import install_exchange
+    """Seconds of one hop of a 4-byte block between worker programs
+    (:func:`dask_ipar.runtime.calibrate.program_hop`)."""
+    from dask_ipar.runtime.calibrate import program_hop as hop
 
-    install_exchange(client)
-    rtt = client.run(_program_pingpong, dst, reps, workers=[src])[src]
-    client.run(_clear_pingpong, workers=[dst])
-    return rtt / 2
+    return hop(client, src, dst, reps)
 
 
 # ------------------------------------------------------------------ PyTorch DDP

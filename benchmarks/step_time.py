@@ -1,11 +1,13 @@
-"""Predicted vs measured step time (issue 4): calibrate, then time every grid of 4 workers.
+"""Predicted vs measured step time (issues 4, 23): calibrate, then time every grid of 4 workers.
 
-    python benchmarks/step_time.py [--workers 4] [--steps 6] [--json out.json]
+    python benchmarks/step_time.py [--workers 4] [--steps 6] [--models mlp,cnn] [--json out.json]
 
 One LocalCluster of ``--workers`` processes (1 thread each); ``dask_ipar.runtime.calibrate`` runs on it
 first, then for each MLP and grid: two warm-up passes, then the median wall time of ``--steps``
 single steps (each submitted and waited for alone), beside ``model.predict_step_s`` with the
-calibrated machine and the machine's core count. Prints a markdown table.
+calibrated machine and the machine's core count. ``--models cnn``: the CNN of
+``benchmarks/common.py`` (convs with pooling, then dense 4096-4096-10), its conv schemes
+chosen per grid as ``--conv auto`` chooses them. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -41,8 +43,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--models", default="mlp", help="comma list: mlp (three MLPs), cnn")
+    ap.add_argument("--executor", choices=["programs", "graph"], default="programs",
+                    help="Sequential.executor of the timed steps (and of the prediction)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    models = set(args.models.split(","))
+    if models - {"mlp", "cnn"}:
+        ap.error(f"--models {args.models}: use mlp, cnn or both")
     cores = os.cpu_count()
     rows = []
     from dask_ipar.runtime.cluster import worker_environment
@@ -52,13 +60,33 @@ def main(argv=None):
                                dashboard_address=None)
     with cluster, Client(cluster) as client:
         machine = calibrate(client, log=print)
-        for widths, batch in CONFIGS:
+        jobs = [(widths, batch, None) for widths, batch in CONFIGS] if "mlp" in models else []
+        if "cnn" in models:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import common
+
+            jobs.append((common.CNN.widths, common.CNN.batch, common.CNN))
+        for widths, batch, cnn in jobs:
             rng = np.random.default_rng(0)
-            X = rng.standard_normal((batch, widths[0])).astype(np.float32)
-            y = rng.integers(0, widths[-1], batch)
+            if cnn is None:
+                X = rng.standard_normal((batch, widths[0])).astype(np.float32)
+                y = rng.integers(0, widths[-1], batch)
+            else:
+                X, y = cnn.data(1)
             for grid in factorizations(args.workers):
-                model = Sequential([Dense(w, "relu") for w in widths[1:-1]] + [Dense(widths[-1])],
-                                   input_dim=widths[0]).distribute(client, grid)
+                if cnn is None:
+                    model = Sequential([Dense(w, "relu") for w in widths[1:-1]]
+                                       + [Dense(widths[-1])], input_dim=widths[0])
+                else:
+                    from dask_ipar.nn.planning import plan_layers
+
+                    _, lays, _ = plan_layers(cnn.layers(), cnn.image, args.workers, batch,
+                                             machine, grid=grid)
+                    model = cnn.build_model(lays)
+                    schemes = "/".join(lay.parallel for lay in lays
+                                       if type(lay).__name__ == "Conv2d")
+                model.distribute(client, grid)
+                model.executor = args.executor
                 opt = SGD(lr=0.01)
                 model.fit(X, y, epochs=2, batch_size=batch, measure=False)
                 times = []
@@ -74,7 +102,9 @@ def main(argv=None):
                     * widths[0] * max(b - a for a, b in split_bounds(batch, grid.pc)) \
                     / machine.flops_per_s
                 meas = statistics.median(times)
-                rows.append({"mlp": "-".join(map(str, widths)), "batch": batch,
+                name = "-".join(map(str, widths)) if cnn is None else "CNN"
+                rows.append({"mlp": name, "batch": batch, "executor": args.executor,
+                             "conv_schemes": None if cnn is None else schemes,
                              "grid": str(grid), "measured_s": meas, "predicted_s": sim.seconds,
                              "task_ms": task_ms,
                              "latency_s": sim.latency_s, "throughput_s": sim.throughput_s})
@@ -82,7 +112,8 @@ def main(argv=None):
                       f"{sim.seconds:.3f} s (latency {sim.latency_s:.3f}, throughput "
                       f"{sim.throughput_s:.3f})", flush=True)
                 model.close()
-    print(f"\nmachine: alpha {machine.alpha_s * 1e3:.2f} ms, {machine.bandwidth_Bps / 1e6:.0f} MB/s, "
+    print(f"\nmachine: alpha {machine.alpha_s * 1e3:.2f} ms, message {machine.message_s * 1e3:.3f} ms, "
+          f"{machine.bandwidth_Bps / 1e6:.0f} MB/s, "
           f"{machine.flops_per_s / 1e9:.1f} GFLOP/s one worker, "
           f"{machine.cluster_flops_per_s / 1e9:.1f} GFLOP/s all workers, "
           f"task {machine.task_s * 1e3:.2f} ms, memory {machine.mem_Bps / 1e9:.1f} GB/s, "
@@ -92,7 +123,8 @@ def main(argv=None):
           "predicted / measured |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mlp']} | {r['batch']} | {r['grid']} | {r['task_ms']:.0f} | "
+        grid = r["grid"] + (f" ({r['conv_schemes']})" if r.get("conv_schemes") else "")
+        print(f"| {r['mlp']} | {r['batch']} | {grid} | {r['task_ms']:.0f} | "
               f"{r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
               f"{r['predicted_s'] / r['measured_s']:.2f} |")
     for mlp in sorted({r["mlp"] for r in rows}):

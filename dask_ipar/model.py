@@ -425,11 +425,13 @@ class Sequential:
 
     # ----------------------------------------------------- step-time model
     def predict_step_s(self, batch: int, machine, *, cores: int | None = None,
-                       optimizer: SGD | None = None):
+                       optimizer: SGD | None = None, executor: str | None = None):
         """Predicted seconds of one training step on this grid, by simulating its task
-        graph (:func:`dask_ipar.runtime.stepmodel.predict_step_s`). Nothing is submitted."""
+        graph as ``executor`` (default: :attr:`executor`) runs it
+        (:func:`dask_ipar.runtime.stepmodel.predict_step_s`). Nothing is submitted."""
         self._require()
-        return predict_step_s(self, batch, machine, cores=cores, optimizer=optimizer or SGD())
+        return predict_step_s(self, batch, machine, cores=cores, optimizer=optimizer or SGD(),
+                              executor=executor)
 
     # ------------------------------------------------------- state blocks
     def state_blocks(self) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dask_ipar.cost import Machine, SimTask, simulate_step
+from dask_ipar.errors import IparError
 
 
 def test_chain_across_two_workers():
@@ -65,3 +66,109 @@ def test_throughput_view_adds_the_work_on_shared_cores_once():
     assert both.latency_s == pytest.approx(2.5)
     assert both.critical_compute_s == pytest.approx(2.0)  # a's work is on the critical path
     assert both.seconds == pytest.approx(2.5 + 2.05 - 2.0)
+
+
+def _nets():
+    from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d
+    from dask_ipar.testing import awkward_cnn
+
+    def cnn(parallel):
+        return ([Conv2d(8, 3, padding=1, activation="relu", parallel=parallel), MaxPool2d(2),
+                 Conv2d(8, 3, padding=1, activation="relu", parallel=parallel), MaxPool2d(2),
+                 Flatten(), Dense(16, "relu"), Dense(5)], (3, 16, 16))
+
+    return {
+        "mlp": ([Dense(13, "relu"), Dense(11, "tanh"), Dense(5)], (29,)),
+        "awkward-cnn": awkward_cnn(),
+        "batch-cnn": cnn("batch"),
+        "domain-cnn": cnn("domain"),
+        "model-cnn": cnn("model"),
+    }
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("net", ["mlp", "awkward-cnn", "batch-cnn", "domain-cnn", "model-cnn"])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_simulated_step_moves_what_the_comm_table_predicts(net, opt):
+    """Dense networks and CNNs (batch-, domain- and model-parallel convs) on every grid of
+    up to 8 processes the engine runs: the bytes the simulated step transfers between
+    workers equal the comm table's prediction (which the cluster tests check against the
+    bytes dask moves); and the simulated flops of the conv and dense layers are the
+    layers' own (2 multiply-adds per MAC forward, 4 backward, less the first layer's
+    input gradient)."""
+    from dask_ipar import SGD, Adam, Sequential
+    from dask_ipar.cost import LOOPBACK_MACHINE
+    from dask_ipar.layout.grid import factorizations
+    from dask_ipar.nn.planning import cost_specs
+    from dask_ipar.runtime.meter import predict_step
+    from dask_ipar.runtime.stepmodel import step_tasks
+    from dask_ipar.testing import fake_binding
+
+    layers, shape = _nets()[net]
+    batch = 16
+    optimizer = SGD(0.1, momentum=0.9) if opt == "sgd" else Adam(0.01)
+    if len(shape) == 3:
+        model = Sequential(layers, input_shape=shape)
+        specs = cost_specs(layers, shape)
+    else:
+        model = Sequential(layers, input_dim=shape[0])
+        specs = None
+    checked = 0
+    for p in (1, 2, 3, 4, 6, 8):
+        for grid in factorizations(p):
+            try:
+                engine = model._make_engine(fake_binding(grid))
+            except (IparError, ValueError):
+                continue  # the engine refuses this grid (a strip without rows, ...)
+            tasks, available = step_tasks(engine, [f"w{k}" for k in range(len(engine.param_layouts))],
+                                          batch, shape, "float64", optimizer)
+            r = simulate_step(tasks, flops_per_s=1e10, bandwidth_Bps=1e9, hop_s=1e-3,
+                              available=available)
+            meter = sum(ph.total_bytes for ph in predict_step(engine, grid.pr, grid.pc, batch,
+                                                              LOOPBACK_MACHINE, 8))
+            assert r.transfer_bytes == meter, (net, grid)
+            if specs is not None:
+                conv = sum(t.flops for t in tasks if "conv" in str(t.key[0]).split(".")[0]
+                           and (".act-" in t.key[0] or ".bwd-" in t.key[0]))
+                macs = [s.macs * batch for s in specs if type(s).__name__ == "Conv2d"]
+                # forward 2 flops per MAC, backward dW 2 and dx 2 (none for the first conv)
+                assert conv == pytest.approx(6 * sum(macs) - 2 * macs[0]), (net, grid)
+            checked += 1
+    assert checked >= 8
+
+
+@pytest.mark.fast
+def test_programs_push_blocks_over_a_link_that_sends_one_at_a_time():
+    """Hand-computed: a (A, 1 s, 1 MB out) read by b (B) and c (C): the link sends one
+    block at a time (1 s each at 1 MB/s), each arrives 0.5 s after it left; b and c take
+    1 s each."""
+    from dask_ipar.cost import simulate_programs
+
+    tasks = [SimTask("a", "A", (), flops=1e9, out_bytes=1e6),
+             SimTask("b", "B", ("a",), flops=1e9), SimTask("c", "C", ("a",), flops=1e9)]
+    r = simulate_programs(tasks, flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e6,
+                          latency_s=0.5)
+    # b: 1 + 1 + 0.5 = 2.5, done 3.5; c's block leaves at 2, arrives 3.5, done 4.5
+    assert r.seconds == pytest.approx(4.5) and r.transfer_bytes == 2e6
+
+
+@pytest.mark.fast
+def test_programs_run_the_first_task_whose_blocks_are_in_and_share_the_cores():
+    from dask_ipar.cost import simulate_programs
+
+    # A's first task waits for y from B (1 s + 0.1 s latency); its second is local, so A
+    # runs it meanwhile; on one core both workers run at half speed while both are busy
+    tasks = [SimTask("y", "B", (), flops=1e9, out_bytes=8),
+             SimTask("x", "A", ("y",), flops=1e9),
+             SimTask("z", "A", (), flops=1e9)]
+    kw = dict(flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e12, latency_s=0.1)
+    # z on A while y runs on B; y's block arrives at 1.1, then x
+    assert simulate_programs(tasks, **kw).seconds == pytest.approx(2.1)
+    # one core: z and y share it (2 s), y's block arrives at 2.1, x alone until 3.1
+    assert simulate_programs(tasks, **kw, cores=1).seconds == pytest.approx(3.1)
+    # two cores that lose three quarters of their speed to each other while both run: z
+    # and y take 4 s; x runs alone at full speed
+    assert simulate_programs(tasks, **kw, cores=2, shared=0.25).seconds == pytest.approx(5.1)
+    # inputs in place: one on A read by B arrives after its bytes and the latency
+    r = simulate_programs([SimTask("t", "B", ("w",), flops=0)], **kw, available={"w": ("A", 10)})
+    assert r.seconds == pytest.approx(0.1) and r.transfer_bytes == 10

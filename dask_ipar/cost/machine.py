@@ -132,6 +132,10 @@ class Machine:
     mem_Bps : float, optional
         Bytes per second of elementwise work into fresh arrays, all workers at once
         (allocation and page faults included, as the engine's kernels pay them).
+    message_s : float, optional
+        One-way latency of a small block between worker programs (half a 4-byte ping-pong
+        over their transport): what a remote input adds to a step run as programs, where
+        ``alpha_s`` is a dask task hop.
     """
 
     alpha_s: float = 2e-6
@@ -143,6 +147,7 @@ class Machine:
     task_s: float | None = None
     mem_Bps: float | None = None
     cluster_bandwidth_Bps: float | None = None
+    message_s: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -155,7 +160,7 @@ class Machine:
         if isinstance(self.word_bytes, bool) or not isinstance(self.word_bytes, int) or self.word_bytes < 1:
             raise ValueError(f"word_bytes: got {self.word_bytes!r}; expected a positive integer such as 4 (float32)")
         for field in ("compute_s_per_iter", "flops_per_s", "cluster_flops_per_s", "task_s",
-                      "mem_Bps", "cluster_bandwidth_Bps"):
+                      "mem_Bps", "cluster_bandwidth_Bps", "message_s"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -201,7 +206,8 @@ a run's comm table and of ``dask-ipar train --conv auto``, which prints it; ``da
 calibrate`` measures the real ones."""
 
 _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compute_s_per_iter",
-                 "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps")
+                 "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps",
+                 "message_s")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -209,7 +215,8 @@ def load_machine(path: str | Path) -> Machine:
 
     Keys: ``alpha_s``, ``bandwidth_Bps`` (a number or a string such as
     ``"6GiB"``), ``word_bytes``, ``flops_per_s``, ``compute_s_per_iter``,
-    ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``.
+    ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
+    ``message_s``.
     Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files

@@ -10,7 +10,7 @@ simulation:
   worker (the scheduler learns of the finish and sends the task: dask's fixed
   batching intervals, measured by ``dask-ipar calibrate`` as alpha);
 * a dependency held by another worker arrives ``latency_s + nbytes / bandwidth``
-  after it finished;
+  after it finished, once per worker that needs it (as dask keeps a fetched key);
 * each worker runs its ready tasks one at a time, in the order they became ready;
 * compute takes ``flops / (flops_per_s * share)`` plus ``mem_bytes / mem_Bps``,
   where ``share = min(1, cores / workers)`` models worker processes that share
@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-__all__ = ["SimTask", "SimResult", "simulate_step"]
+__all__ = ["SimTask", "SimResult", "simulate_step", "simulate_programs"]
 
 
 @dataclass(frozen=True)
@@ -112,20 +112,27 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
     ready_at: dict = {}
     transfer = 0.0
 
+    fetched: dict = {}  # (dependency, worker) -> (arrival, hops): one transfer each
+
     def arrival(dep, worker):
         nonlocal transfer
+        if (dep, worker) in fetched:
+            return fetched[(dep, worker)]
+        got = 0.0, 0
         if dep in by_key:
             src = by_key[dep]
             if src.worker == worker:
                 return finish[dep], hops[dep]
             transfer += src.out_bytes
-            return finish[dep] + latency_s + src.out_bytes / bandwidth_Bps, hops[dep]
-        if dep in available:  # an input in place at time 0 on some worker
+            got = finish[dep] + latency_s + src.out_bytes / bandwidth_Bps, hops[dep]
+        elif dep in available:  # an input in place at time 0 on some worker
             src_worker, nbytes = available[dep]
-            if src_worker != worker:
-                transfer += nbytes
-                return latency_s + nbytes / bandwidth_Bps, 0
-        return 0.0, 0
+            if src_worker == worker:
+                return got
+            transfer += nbytes
+            got = latency_s + nbytes / bandwidth_Bps, 0
+        fetched[(dep, worker)] = got
+        return got
 
     per_worker = {w: [] for w in workers}  # heap of (ready time, seq, key) per worker
     free_at = {w: 0.0 for w in workers}
@@ -184,3 +191,95 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
     return SimResult(seconds=end + bound - overlap, compute_s=busy, transfer_bytes=transfer,
                      critical_hops=hops.get(last, 0), latency_s=end, throughput_s=bound,
                      critical_compute_s=overlap)
+
+
+def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, cores=None,
+                      available=None, task_s=0.0, shared=1.0) -> SimResult:
+    """Simulate one step run as worker programs (``Model.executor = "programs"``).
+
+    No scheduler between tasks: each worker runs its own tasks, at each point the first
+    one in the step's global order (the order of ``tasks``) whose inputs have all arrived,
+    as :mod:`dask_ipar.runtime.programs` does. A result another worker reads is pushed to
+    it when it exists, once per worker: the sender's link sends one block at a time
+    (``nbytes / bandwidth_Bps`` each, in the order they exist) and the block arrives
+    ``latency_s`` after it left. Running tasks share the ``cores`` (processor sharing:
+    each runs at ``min(1, cores / running)`` of one core's speed, times ``shared`` when
+    more than one runs: what the cores lose to each other, the cluster rate of
+    ``dask-ipar calibrate`` over the cores times the one-worker rate); a task alone takes
+    ``task_s + flops / flops_per_s + mem_bytes / mem_Bps``.
+
+    Returns a :class:`SimResult` whose ``seconds`` is the step's makespan.
+    """
+    tasks = list(tasks)
+    by_key = {t.key: t for t in tasks}
+    order = {t.key: k for k, t in enumerate(tasks)}
+    workers = sorted({t.worker for t in tasks})
+    available = available or {}
+    here: dict = {w: {} for w in workers}  # worker -> key -> arrival time
+    pending = {w: [t.key for t in tasks if t.worker == w] for w in workers}
+    readers: dict = {}  # key -> workers (other than its own) that read it
+    for t in tasks:
+        for d in t.deps:
+            src = by_key[d].worker if d in by_key else available.get(d, (t.worker, 0))[0]
+            if src != t.worker:
+                readers.setdefault(d, set()).add(t.worker)
+    link_free = {}
+    transfer = 0.0
+    events: list = []  # (time, seq, kind, payload)
+    seq = 0
+
+    def send(key, src, nbytes, at):
+        nonlocal seq, transfer
+        for dst in sorted(readers.get(key, ())):
+            start = max(at, link_free.get(src, 0.0))
+            link_free[src] = start + nbytes / bandwidth_Bps
+            transfer += nbytes
+            heapq.heappush(events, (link_free[src] + latency_s, seq, "arrive", (dst, key)))
+            seq += 1
+
+    for key, (src, nbytes) in available.items():  # inputs in place at time 0
+        here.setdefault(src, {})[key] = 0.0
+        if key in readers:
+            send(key, src, nbytes, 0.0)
+    running: dict = {}  # worker -> [key, remaining seconds at full speed]
+    finish: dict = {}
+    busy = {w: 0.0 for w in workers}
+    now = 0.0
+
+    def startable(w):
+        got = here[w]
+        for key in pending[w]:
+            t = by_key[key]
+            if all(d in got or (d not in by_key and d not in available) for d in t.deps):
+                return key
+        return None
+
+    while any(pending.values()) or running:
+        for w in workers:
+            if w not in running and pending[w]:
+                key = startable(w)
+                if key is not None:
+                    pending[w].remove(key)
+                    t = by_key[key]
+                    work = task_s + t.flops / flops_per_s + t.mem_bytes / mem_Bps
+                    running[w] = [key, work]
+                    busy[w] += work
+        if not running and not events:
+            raise ValueError("the programs wait for a block that never comes")
+        speed = 1.0 if cores is None else min(1.0, cores / max(len(running), 1))
+        speed *= shared if len(running) > 1 else 1.0
+        t_done = min((now + r[1] / speed for r in running.values()), default=float("inf"))
+        t_next = events[0][0] if events else float("inf")
+        step_to = min(t_done, t_next)
+        for r in running.values():
+            r[1] -= (step_to - now) * speed
+        now = step_to
+        while events and events[0][0] <= now:
+            _, _, _, (dst, key) = heapq.heappop(events)
+            here[dst][key] = now
+        for w in [w for w, r in running.items() if r[1] <= 1e-9]:
+            key = running.pop(w)[0]
+            finish[key] = now
+            here[w][key] = now
+            send(key, w, by_key[key].out_bytes, now)
+    return SimResult(seconds=now, compute_s=busy, transfer_bytes=transfer, latency_s=now)

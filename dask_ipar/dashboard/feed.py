@@ -117,7 +117,7 @@ class DashboardFeed(Callback):
         if self.machine is not None and getattr(self.machine, "flops_per_s", None):
             try:
                 pred = float(model.predict_step_s(loop.plan.batch, self.machine).seconds)
-            except Exception as exc:  # noqa: BLE001 - e.g. conv layers: not modelled yet
+            except Exception as exc:  # noqa: BLE001 - the page is a view; training goes on
                 note = f"n/a ({exc})"
         else:
             note = "n/a (needs a calibrated machine: dask-ipar calibrate, --machine)"

@@ -8,14 +8,26 @@ simulator of :mod:`dask_ipar.cost.simulate` turns these into step times
 
 ``mem_bytes`` counts passes over the output of the allocating elementwise work (a fresh
 array written is one pass, ``a += b`` three, ``a = s * b`` two).
+
+A kernel that returns a tuple (a conv block's backward: input gradient, weight gradient)
+has a :class:`Parts` shape, one shape per item (``None`` for an item that is None); its
+bytes are the sum of its items'.
 """
 
 from __future__ import annotations
 
-__all__ = ["KERNEL_COSTS", "kernel_cost", "numel"]
+__all__ = ["KERNEL_COSTS", "Parts", "kernel_cost", "numel"]
+
+
+class Parts(tuple):
+    """The shapes of a kernel's tuple result, item by item (None for a None item)."""
 
 
 def numel(shape) -> int:
+    if shape is None:
+        return 0
+    if isinstance(shape, Parts):
+        return sum(numel(s) for s in shape)
     n = 1
     for d in shape:
         n *= d
@@ -143,6 +155,206 @@ def _copy(x, *_):
     return x, 0.0, 2 * numel(x)
 
 
+# ------------------------------------------------------------- conv front (NCHW blocks)
+
+
+def _conv_out(n, k, stride, lo, hi):
+    return (n + lo + hi - k) // stride + 1
+
+
+def _conv_geometry(x, wshape, stride, pad):
+    n, c, h, w = x
+    o, cg, kh, kw = wshape
+    oh, ow = _conv_out(h, kh, stride, pad[0], pad[1]), _conv_out(w, kw, stride, pad[2], pad[3])
+    xpad = n * c * (h + pad[0] + pad[1]) * (w + pad[2] + pad[3]) if any(pad) else 0
+    cols = n * c * kh * kw * oh * ow  # im2col: one strided copy per kernel offset
+    return (n, o, oh, ow), 2.0 * n * o * cg * kh * kw * oh * ow, xpad, cols
+
+
+def _act_passes(activation):
+    return {"relu": 2, "tanh": 2}.get(activation, 0)
+
+
+def _conv_block(x, wmat, wshape, stride, pad, groups, activation):
+    out, flops, xpad, cols = _conv_geometry(x, wshape, stride, pad)
+    y = numel(out)
+    # pad (a fresh array, then x copied in), im2col (read and write), the product, the
+    # bias added into a new array, the activation in place
+    bias = 2 * y if wmat[1] > wshape[1] * wshape[2] * wshape[3] else 0
+    return out, flops, 2 * xpad + 2 * cols + y + bias + _act_passes(activation) * y
+
+
+def _conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups, activation, need_dx):
+    out, flops, xpad, cols = _conv_geometry(x, wshape, stride, pad)
+    y = numel(out)
+    # dz = dy * f'(a): the derivative (a new array) and the product; im2col again; dW is
+    # one (O, C*kh*kw) product per sample, summed; the bias gradient reads dz
+    mem = (3 * y if activation != "linear" else 0) + 2 * xpad + 2 * cols + y
+    mem += 3 * out[0] * numel(wmat)
+    dx = None
+    if need_dx:  # W^T dz into fresh columns, then col2im: a zeroed padded image and one
+        # slice-add (read, add, write) per kernel offset
+        flops *= 2
+        mem += cols + max(xpad, numel(x)) + 3 * cols
+        dx = tuple(x)
+    return Parts((dx, tuple(wmat))), flops, mem
+
+
+def _pool_geometry(x, k, stride, pad):
+    n, c, h, w = x
+    s = stride or k
+    return (n, c, _conv_out(h, k, s, pad[0], pad[1]), _conv_out(w, k, s, pad[2], pad[3]))
+
+
+def _pool_block(x, k, stride, pad, mode):
+    out = _pool_geometry(x, k, stride, pad)
+    y = numel(out)
+    xpad = numel(x) if any(pad) else 0
+    # each further window a maximum (or sum) into a new array: read two, write one
+    return out, float((k * k - 1) * y), 2 * xpad + 3 * (k * k - 1) * y
+
+
+def _pool_block_backward(x, dy, k, stride, pad, mode):
+    out, flops, mem = _pool_block(x, k, stride, pad, mode)
+    y = numel(out)
+    # the forward again, a zeroed input gradient, then per window: the compare, the mask
+    # updates (bytes), the masked gradient and its slice-add
+    return tuple(x), flops + float(k * k * y), mem + numel(x) + k * k * 12 * y
+
+
+def _item(shape, k):
+    return shape[k] if isinstance(shape, Parts) else shape
+
+
+def _slice_axis(x, axis, a, b):
+    x = _item(x, 0)
+    out = tuple(b - a if d == axis else s for d, s in enumerate(x))
+    return out, 0.0, 2 * numel(out)
+
+
+def _concat_axis(axis, *blocks):
+    out = tuple(sum(s[axis] for s in blocks) if d == axis else v
+                for d, v in enumerate(blocks[0]))
+    return out, 0.0, (2 * numel(out) if len(blocks) > 1 else 0)
+
+
+def _assemble_blocks(pr, pc, *blocks):
+    rows = sum(blocks[i * pc][0] for i in range(pr))
+    cols = sum(b[1] for b in blocks[:pc])
+    out = (rows, cols)
+    # each block row joined, then the rows
+    return out, 0.0, (4 * numel(out) if len(blocks) > 1 else 0)
+
+
+def _identity(x):
+    return x, 0.0, 0
+
+
+def _first_of(pair):
+    return _item(pair, 0), 0.0, 0
+
+
+def _sum_pieces(own, *remote):
+    return own, 0.0, 3 * len(remote) * numel(own)
+
+
+def _take_rows(x, a, b):
+    out = (x[0], x[1], b - a, x[3])
+    return out, 0.0, 2 * numel(out)
+
+
+def _assemble(*pieces):
+    out = (pieces[0][0], pieces[0][1], sum(p[2] for p in pieces), pieces[0][3])
+    return out, 0.0, (2 * numel(out) if len(pieces) > 1 else 0)
+
+
+def _rows_slice(grad, a, b):
+    g = _item(grad, 0)
+    out = (g[0], g[1], b - a, g[3])
+    return out, 0.0, 2 * numel(out)
+
+
+def _add_rows(own, *offsets_and_pieces):
+    pieces = offsets_and_pieces[1::2]
+    return own, 0.0, 3 * sum(numel(p) for p in pieces)
+
+
+def _zeros_like(x):
+    return x, 0.0, numel(x)
+
+
+def _flatten_gather(axis, *blocks):
+    n = sum(b[0] for b in blocks) if axis == 0 else blocks[0][0]  # samples, rows, channels
+    feats = sum(numel(b) for b in blocks) // n
+    # joined (when pieces), then the transposing copy
+    return (feats, n), 0.0, (2 if len(blocks) > 1 else 0) * n * feats + 2 * n * feats
+
+
+def _dx_image_piece(wrow, dz, chw, axis, a, b):
+    c, h, w = chw
+    shape = (b - a, h, w) if axis == 1 else (c, b - a, w)
+    k = numel(shape)
+    out = (dz[1], *shape)
+    # the columns of a row strip are gathered first (a copy); channels are a view
+    cut = 2 * wrow[0] * k if axis == 2 else 0
+    return out, 2.0 * wrow[0] * k * dz[1], cut + k * dz[1]
+
+
+def _dz_image_from_pieces(wrow, dz, chw, axis, a, b, *remote):
+    out, flops, mem = _dx_image_piece(wrow, dz, chw, axis, a, b)
+    # each remote piece added into a new array, then the contiguous copy
+    return out, flops, mem + 3 * len(remote) * numel(out) + 2 * numel(out)
+
+
+def _dx_sample_piece(wrow, dz, chw, s0, s1):
+    k = numel(chw)
+    out = (s1 - s0, *chw)
+    return out, 2.0 * wrow[0] * k * (s1 - s0), numel(out)
+
+
+def _dz_sample_from_pieces(wrow, dz, chw, s0, s1, *remote):
+    out, flops, mem = _dx_sample_piece(wrow, dz, chw, s0, s1)
+    return out, flops, mem + 3 * len(remote) * numel(out) + 2 * numel(out)
+
+
+def _grad_block(grad, r0, r1, c0, c1):
+    out = (r1 - r0, c1 - c0)
+    return out, 0.0, 2 * numel(out)
+
+
+def _block_reduce(grad, r0, r1, c0, c1, *remote):
+    out = (r1 - r0, c1 - c0)
+    return out, 0.0, 2 * numel(out) + 3 * len(remote) * numel(out)
+
+
+def _block_sgd_velocity(wfull, r0, r1, c0, c1, momentum, weight_decay, n_decay, v, grad,
+                        *remote):
+    out, _, mem = _block_reduce(grad, r0, r1, c0, c1, *remote)
+    mem += (3 * out[0] * n_decay if weight_decay and n_decay else 0)
+    mem += 3 * numel(out) if v is not None else 0
+    return out, 0.0, mem
+
+
+def _block_sgd_weight(wfull, r0, r1, c0, c1, v, lr):
+    return v, 0.0, 5 * numel(v)  # v * -lr into a new array, then the slice added
+
+
+def _block_nesterov_weight(wfull, r0, r1, c0, c1, v, v_old, lr, momentum):
+    extra = 2 * numel(v) + (3 * numel(v) if v_old is not None else 0)
+    return v, 0.0, extra + 5 * numel(v)
+
+
+def _block_adam_state(wfull, r0, r1, c0, c1, hp, n_decay, state, grad, *remote):
+    out, _, mem = _block_reduce(grad, r0, r1, c0, c1, *remote)
+    old = 2 * 2 * numel(out) if state is not None else 0
+    return (2, *out), 5.0 * numel(out), mem + old + 7 * numel(out)
+
+
+def _block_adam_weight(wfull, r0, r1, c0, c1, state, hp, n_decay, lr, t):
+    w = (r1 - r0, c1 - c0)
+    return w, 4.0 * numel(w), 6 * numel(w)
+
+
 #: Cost function of each kernel, by the kernel's name; each takes the kernel's parameters
 #: (array arguments as shapes) and returns ``(out_shape, flops, mem_words)``.
 KERNEL_COSTS = {
@@ -168,6 +380,33 @@ KERNEL_COSTS = {
     "fetched": _fetched,
     "to_device": _copy,
     "to_host": _copy,
+    "conv_block": _conv_block,
+    "conv_block_backward": _conv_block_backward,
+    "pool_block": _pool_block,
+    "pool_block_backward": _pool_block_backward,
+    "slice_axis": _slice_axis,
+    "concat_axis": _concat_axis,
+    "assemble_blocks": _assemble_blocks,
+    "identity": _identity,
+    "first_of": _first_of,
+    "sum_pieces": _sum_pieces,
+    "take_rows": _take_rows,
+    "assemble": _assemble,
+    "rows_slice": _rows_slice,
+    "add_rows": _add_rows,
+    "zeros_like": _zeros_like,
+    "flatten_gather": _flatten_gather,
+    "dx_image_piece": _dx_image_piece,
+    "dz_image_from_pieces": _dz_image_from_pieces,
+    "dx_sample_piece": _dx_sample_piece,
+    "dz_sample_from_pieces": _dz_sample_from_pieces,
+    "grad_block": _grad_block,
+    "block_reduce": _block_reduce,
+    "block_sgd_velocity": _block_sgd_velocity,
+    "block_sgd_weight": _block_sgd_weight,
+    "block_nesterov_weight": _block_nesterov_weight,
+    "block_adam_state": _block_adam_state,
+    "block_adam_weight": _block_adam_weight,
 }
 
 

@@ -15,6 +15,9 @@ What the engine pays, measured the way the engine pays it:
 * ``task_s``: seconds per task of one graph of many small pinned tasks spread
   over all workers (scheduler, worker and client work per task on the shared
   cores): the throughput cost that every task of a step pays.
+* ``message_s``: one way of a 4-byte block between two worker programs (half the
+  median round trip of a ping-pong over their transport, no scheduler): what a
+  remote input costs a step run as programs.
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -152,6 +155,43 @@ def _hop_time(client, a, b, hops, tag):
     return (time.perf_counter() - t) / hops
 
 
+async def _pingpong(dst, reps, dask_worker=None):
+    """On the sending worker: ``reps`` pushes of a 4-byte block to ``dst`` over the worker
+    programs' transport (the ``ipar_put`` handler, as a program's send), each answered
+    when the block is in the receiver's mailbox; the round trips' median."""
+    from distributed.protocol import to_serialize
+
+    block = np.zeros(1, dtype=np.float32)
+    rtt = []
+    for k in range(reps):
+        t0 = time.perf_counter()
+        await dask_worker.rpc(dst).ipar_put(key=(f"calibrate.pingpong-s{k}", 0),
+                                            data=to_serialize(block),
+                                            sender=dask_worker.address)
+        rtt.append(time.perf_counter() - t0)
+    return float(np.median(rtt[1:]))
+
+
+def _clear_pingpong(dask_worker=None):
+    from dask_ipar.runtime.exchange import PLUGIN_NAME
+
+    plugin = dask_worker.plugins[PLUGIN_NAME]
+    with plugin.cond:
+        for key in [k for k in plugin.box if str(k[0]).startswith("calibrate.pingpong")]:
+            del plugin.box[key]
+
+
+def program_hop(client, src: str, dst: str, reps: int = 50) -> float:
+    """Seconds of one hop of a 4-byte block between worker programs, ``src`` to ``dst``:
+    half the median round trip of a ping-pong over their transport."""
+    from dask_ipar.runtime.exchange import install_exchange
+
+    install_exchange(client)
+    rtt = client.run(_pingpong, dst, reps, workers=[src])[src]
+    client.run(_clear_pingpong, workers=[dst])
+    return rtt / 2
+
+
 def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), hops=40,
               matmul_n=1024, tasks=300, block_mib=16, log=None) -> Machine:
     """Measure the alpha-beta machine of ``client``'s cluster (two workers, under a minute).
@@ -177,6 +217,8 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     _hop_time(client, a, b, 6, tag + "w")  # warm the connections
     alpha = float(np.median([_hop_time(client, a, b, hops, f"{tag}{r}") for r in range(3)]))
     log(f"alpha (seconds per dependent hop between workers): {alpha * 1e3:.2f} ms")
+    message = program_hop(client, a, b)
+    log(f"message (one way, a 4-byte block between worker programs): {message * 1e3:.3f} ms")
 
     client.run(lambda dask_worker=None: dask_worker.transfer_incoming_log.clear(), workers=[b])
     pts = []
@@ -226,4 +268,4 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
         f"{task_s * 1e3:.2f} ms per task")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
-                   mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw)
+                   mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message)

@@ -22,7 +22,7 @@ from dask_ipar.layout.partition import split_bounds
 from dask_ipar.layout.placement import SAMPLES_RC, STRIPS, WHOLE
 
 __all__ = ["place_batch", "min_samples", "check_batch", "batches", "take_sent_bytes",
-           "input_copies"]
+           "input_copies", "placement_blocks"]
 
 #: Bytes of data blocks (features and labels) the client handed to dask per model uid,
 #: since :func:`take_sent_bytes` last read them (the comm table's ``input client`` row).
@@ -45,8 +45,9 @@ def input_copies(engine) -> int:
     return 1 if where in (STRIPS, SAMPLES_RC) else engine.grid.pr
 
 
-def _blocks(engine, Xb, xname, bounds):
-    """The input blocks ``{(xname, i, j): array}`` and how many copies of the batch they are."""
+def placement_blocks(engine, Xb, xname, bounds):
+    """The input blocks ``{(xname, i, j): array}`` of batch ``Xb`` on the engine's grid
+    (``bounds``: each grid column's samples), and how many copies of the batch they are."""
     grid = engine.grid
     blocks = {}
     where = None if engine.front is None else engine.front.input_placement
@@ -103,7 +104,7 @@ def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
     yname = f"input.y-{uid}-s{step}"
     bounds = split_bounds(Xb.shape[0], grid.pc)
     labs = None if yb is None else [yb[b0:b1] for b0, b1 in bounds]
-    blocks, copies = _blocks(engine, Xb, xname, bounds)
+    blocks, copies = placement_blocks(engine, Xb, xname, bounds)
     embed = Xb.nbytes * copies <= embed_bytes
     # labels of an embedded batch are arguments of the loss tasks themselves: no key of
     # their own, one scheduler task fewer per cell and step (their readers, the loss

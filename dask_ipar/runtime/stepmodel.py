@@ -1,61 +1,107 @@
 """The step-time model of a distributed model: its training-step graph simulated on an
 alpha-beta machine with per-kernel flop and memory costs (:mod:`dask_ipar.kernels.costs`,
 :func:`dask_ipar.cost.simulate_step`). Nothing is submitted to the cluster.
+
+Dense networks and CNNs alike: the graph is the engine's own (conv and pooling blocks,
+halo exchanges, the redistribution in front of the dense layers, the weight phases), the
+batch's blocks shaped as the run places them. Two executors, two simulations: a task
+graph (:func:`dask_ipar.cost.simulate_step`: a scheduler hop per task, the latency and
+throughput views) and worker programs (:func:`dask_ipar.cost.simulate_programs`: each
+worker's tasks in the step's order, blocks pushed as they exist, processor sharing on
+the cores).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from dask_ipar.cost import simulate_step
+from dask_ipar.cost import simulate_programs, simulate_step
 from dask_ipar.errors import IparError
 from dask_ipar.layout.partition import split_bounds
 from dask_ipar.nn.graph import StepGraph, sim_tasks
+from dask_ipar.runtime.placement import placement_blocks
 
-__all__ = ["predict_step_s"]
+__all__ = ["predict_step_s", "step_tasks", "ELEMENTWISE_BPS"]
+
+#: Bytes per second of one worker's elementwise work in the kernels (copies, strided
+#: im2col gathers, in-place sums), the task-graph simulation's default too.
+ELEMENTWISE_BPS = 5e9
 
 
-def predict_step_s(model, batch: int, machine, *, cores: int | None = None, optimizer):
-    """Predicted seconds of one training step of ``model`` (distributed) on its grid.
+def step_tasks(engine, w_names, batch: int, input_shape, dtype, optimizer):
+    """The tasks of one training step of ``engine`` as the simulator takes them:
+    ``(tasks, available)`` (:func:`dask_ipar.nn.graph.sim_tasks`).
 
-    ``machine`` is a :class:`dask_ipar.cost.Machine` from ``dask-ipar calibrate``
-    (``alpha_s`` = seconds per dependent hop, ``bandwidth_Bps``, ``flops_per_s``);
-    ``cores`` shared by the workers (default: one per worker). Returns a
-    :class:`dask_ipar.cost.SimResult`.
+    ``w_names``: the model's weight names (one per layer with weights, convs first);
+    ``input_shape``: ``(C, H, W)`` of a CNN's images or ``(features,)``.
     """
-    if model._n_front:
-        raise IparError("step-time prediction covers dense networks only, not conv layers "
-                        "yet.")
-    if not machine.flops_per_s:
-        raise IparError("the machine needs flops_per_s (run `dask-ipar calibrate`).")
-    grid = model.binding.grid
+    grid = engine.binding.grid
+    if engine.front is not None:
+        engine.front.check_batch(batch)
+    dtype = np.dtype(dtype)
     g = StepGraph()
     bounds = split_bounds(batch, grid.pc)
+    # the batch's blocks as the run places them (features x samples, whole images or
+    # image strips); zeros: only their shapes matter
+    blocks, _ = placement_blocks(engine, np.zeros((batch, *input_shape), dtype), "sim.x",
+                                 bounds)
     x_keys, y_keys = {}, {}
     for i, j in grid.cells():
         b = bounds[j][1] - bounds[j][0]
-        w = model.binding.worker(i, j)
-        x_keys[(i, j)] = g.add_data(("sim.x", i, j), w, np.zeros((model.input_dim, b),
-                                                                 model.dtype))
+        w = engine.binding.worker(i, j)
+        x_keys[(i, j)] = g.add_data(("sim.x", i, j), w, blocks[("sim.x", i, j)])
         y_keys[(i, j)] = g.add_data(("sim.y", i, j), w, np.zeros(b, np.int64))
-    v_names = [f"sim.v{k}" for k in range(len(model.layers))]
+    v_names = [f"sim.v{k}" for k in range(len(w_names))]
     opt = optimizer
-    g, _, _, _ = model.engine.train_step(x_keys, y_keys, batch, model._w, v_names, 0,
-                                        opt.lr, getattr(opt, "momentum", 0.0),
-                                        opt.weight_decay, g=g, optimizer=opt, t=2)
+    g, _, _, _ = engine.train_step(x_keys, y_keys, batch, list(w_names), v_names, 0, opt.lr,
+                                   getattr(opt, "momentum", 0.0), opt.weight_decay, g=g,
+                                   optimizer=opt, t=2)
     lead = (2,) if opt.name in ("adam", "adamw") else ()  # Adam's state: two moments
     external = {}
-    for lay, wn, vn in zip(model.engine.param_layouts, model._w, v_names):
+    for lay, wn, vn in zip(engine.param_layouts, w_names, v_names):
         for i, (r0, r1) in enumerate(lay.rows):
             for j, (c0, c1) in enumerate(lay.wcols):
                 for name, pre in ((wn, ()), (vn, lead)):
-                    external[(name, i, j)] = (model.binding.worker(i, j),
+                    external[(name, i, j)] = (engine.binding.worker(i, j),
                                               (*pre, r1 - r0, c1 - c0))
-    tasks, available = sim_tasks(g, external, model.dtype.itemsize)
+    return sim_tasks(g, external, dtype.itemsize)
+
+
+def predict_step_s(model, batch: int, machine, *, cores: int | None = None, optimizer,
+                   executor: str | None = None):
+    """Predicted seconds of one training step of ``model`` (distributed) on its grid.
+
+    ``machine`` is a :class:`dask_ipar.cost.Machine` from ``dask-ipar calibrate``
+    (``alpha_s`` = seconds per dependent hop, ``message_s`` = one way between worker
+    programs, ``bandwidth_Bps``, ``flops_per_s``, ``cluster_flops_per_s``); ``cores``
+    shared by the workers (default: one per worker); ``executor``: ``"programs"`` or
+    ``"graph"`` (default: the model's). Returns a :class:`dask_ipar.cost.SimResult`.
+    """
+    if not machine.flops_per_s:
+        raise IparError("the machine needs flops_per_s (run `dask-ipar calibrate`).")
+    executor = executor or model.executor
+    if executor not in ("programs", "graph"):
+        raise IparError(f"executor: got {executor!r}; expected 'programs' or 'graph'.")
+    shape = model.input_shape if model.engine.front is not None else (model.input_dim,)
+    tasks, available = step_tasks(model.engine, model._w, batch, shape, model.dtype,
+                                  optimizer)
+    if executor == "programs":
+        workers = model.binding.grid.size
+        busy = min(workers, cores or workers)
+        # what the busy cores lose to each other: the all-workers matmul rate over the
+        # busy cores at the one-worker rate (1 without a cluster rate)
+        shared = 1.0
+        if machine.cluster_flops_per_s and busy > 1:
+            shared = min(1.0, machine.cluster_flops_per_s / (busy * machine.flops_per_s))
+        return simulate_programs(tasks, flops_per_s=machine.flops_per_s, mem_Bps=ELEMENTWISE_BPS,
+                                 bandwidth_Bps=machine.bandwidth_Bps,
+                                 latency_s=(machine.message_s if machine.message_s is not None
+                                            else machine.alpha_s),
+                                 cores=cores, available=available,
+                                 shared=shared)
     return simulate_step(tasks, flops_per_s=machine.flops_per_s,
                          bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
                          cores=cores, available=available, task_s=machine.task_s or 0.0,
                          cluster_flops_per_s=machine.cluster_flops_per_s,
                          cluster_mem_Bps=machine.mem_Bps,
                          cluster_bandwidth_Bps=machine.cluster_bandwidth_Bps)
-
