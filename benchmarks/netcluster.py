@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import ctypes
 import json
 import os
@@ -330,6 +331,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
 
     import common as C
     from dask_ipar.cost import Machine, mlp, plan
+    from dask_ipar.runtime.calibrate import calibrate
+    from dask_ipar.runtime.stepmodel import rank_grids
 
     warnings.filterwarnings("ignore")
     out = {"workers": n_workers, "rate": rate, "client_rate": client_rate, "threads": threads,
@@ -362,23 +365,38 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                               f"programs / gloo ({hop * 1e3:.2f} / {pp['hop_4B_s'] * 1e3:.2f} ms)",
                     "limit": "<= 2.0", "value": ratio, "ok": ratio <= 2.0})
             machine = Machine(alpha_s=small, bandwidth_Bps=bw, compute_s_per_iter=0.0)
+            # the step-time model's machine: dask-ipar calibrate on this cluster, its link
+            # figures from the checks above (64 MiB and the programs' 4-byte hop)
+            cal = calibrate(client, log=lambda m: print(f"calibrate: {m}", flush=True))
+            sim_machine = cal.replace(bandwidth_Bps=bw, message_s=hop)
+            out["machine"] = dataclasses.asdict(sim_machine)
+            cores = os.cpu_count()
             for cfg in configs or C.configs(quick):
                 if only and cfg.key not in only:
                     continue
-                schemes = {}  # a CNN's conv schemes per grid, as --conv auto picks them
-                if isinstance(cfg, C.CNNConfig):
+                shape = cfg.image if isinstance(cfg, C.CNNConfig) else (cfg.widths[0],)
+                # the grids (and a CNN's conv schemes) ranked by the simulated step
+                ranked = rank_grids(cfg.layers(), shape, n_workers, cfg.batch, sim_machine,
+                                    cores=cores, executor=executor)
+                sim = {str(c.grid): c for c in ranked}
+                best_g = str(ranked[0].grid)
+                schemes = {g: c.layers for g, c in sim.items()} \
+                    if isinstance(cfg, C.CNNConfig) else {}
+                if isinstance(cfg, C.CNNConfig):  # the alpha-beta communication alone
                     from dask_ipar.nn.planning import plan_layers
 
                     pred = {}
-                    for pr, pc in C.grids_of(n_workers):
-                        _, lays, gp = plan_layers(cfg.layers(), cfg.image, n_workers,
-                                                  cfg.batch, machine, grid=f"{pr}x{pc}")
-                        pred[f"{pr}x{pc}"], schemes[f"{pr}x{pc}"] = gp, lays
-                    best_g = min(pred, key=lambda g: pred[g].total_s)
+                    for g, c in sim.items():
+                        from dask_ipar.cost import price_assignment
+                        from dask_ipar.nn.planning import cost_specs
+
+                        assign = {f"conv{k}": lay.parallel for k, lay in enumerate(c.layers)
+                                  if type(lay).__name__ == "Conv2d"}
+                        pred[g] = price_assignment(cost_specs(c.layers, cfg.image), assign,
+                                                   c.grid.pr, c.grid.pc, cfg.batch, machine)
                 else:
                     pl = plan(mlp(list(cfg.widths)), n_workers, cfg.batch, machine)
                     pred = {f"{g.pr}x{g.pc}": g for g in pl.grids if g.feasible}
-                    best_g = f"{pl.best.pr}x{pl.best.pc}"
                 runs = peer_runs(n_workers, peers)
                 got = {}
                 if ("ddp", f"1x{n_workers}") in runs:
@@ -392,8 +410,9 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                                          executor=executor, layers=schemes.get(g))
                     by[g] = {"step_s": r["step_s"], "steps_s": r["steps_s"],
                              "pred_comm_s": pred[g].comm_s if g in pred else None,
-                             "pred_total_s": pred[g].total_s if g in pred else None}
-                    print(f"   {r['step_s']:.3f} s (predicted comm {by[g]['pred_comm_s']:.3f} s)", flush=True)
+                             "pred_step_s": sim[g].seconds if g in sim else None}
+                    print(f"   {r['step_s']:.3f} s (predicted {by[g]['pred_step_s']:.3f} s, "
+                          f"alpha-beta comm {by[g]['pred_comm_s']:.3f} s)", flush=True)
                 for mode, mesh in runs:
                     if mode != "ddp":
                         got[f"{mode} {mesh}"] = [_peer(cl, mode, mesh, cfg, steps, threads,
@@ -401,7 +420,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                 if "ddp" in got:
                     got["ddp"].append(_peer(cl, "ddp", f"1x{n_workers}", cfg, steps, threads))
                 om = sorted(by, key=lambda g: by[g]["step_s"])
-                op = sorted(by, key=lambda g: by[g]["pred_total_s"])
+                op = sorted(by, key=lambda g: by[g]["pred_step_s"])
                 best = best_g
                 batch_g = f"1x{n_workers}"
                 sp = by[batch_g]["step_s"] / by[best]["step_s"]
@@ -454,6 +473,18 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                               f"predicted ({cfg.label}: measured {' < '.join(om)}, predicted "
                               f"{' < '.join(op)})", "limit": "equal", "value": None,
                     "ok": om == op})
+                near = by[op[0]]["step_s"] / by[om[0]]["step_s"]
+                out["targets"].append({
+                    "target": f"emulated {rate}, {n_workers} workers, {cfg.label}: measured step "
+                              f"of the predicted best grid ({op[0]}) / the measured best "
+                              f"({om[0]})", "limit": "<= 1.05", "value": near,
+                    "ok": near <= 1.05})
+                for g in by:
+                    ratio = by[g]["pred_step_s"] / by[g]["step_s"]
+                    out["targets"].append({
+                        "target": f"emulated {rate}, {n_workers} workers, {cfg.label} {g}: "
+                                  "predicted / measured step", "limit": "0.85-1.15",
+                        "value": ratio, "ok": 0.85 <= ratio <= 1.15})
     return out
 
 

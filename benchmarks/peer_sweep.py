@@ -46,7 +46,11 @@ def render(res: dict) -> str:
       "of the timed steps after one warm-up. The last column checks that a peer computes "
       "what one PyTorch process computes on the whole batch (its first step's loss); "
       "dask-ipar's exactness is the test suite's. Ratios: dask-ipar's planner grid over the "
-      "row's step (below 1: dask-ipar is faster).")
+      "row's step (below 1: dask-ipar is faster). The planner's grid (and a CNN's conv "
+      "schemes on each grid) is the one with the shortest simulated step "
+      "(`dask_ipar.runtime.stepmodel.rank_grids`: the step's graph as worker programs run it, "
+      "on the machine `dask-ipar calibrate` measures on the emulated cluster with the link "
+      "checks' bandwidth and programs' hop), shown as 'predicted step' where a sweep has it.")
     w("")
     for run in res["results"]:
         link = run["link"]
@@ -68,14 +72,14 @@ def render(res: dict) -> str:
                  + ", ".join(f"{g} {'/'.join(s)}" for g, s in v['conv_schemes'].items())
                  if v.get("conv_schemes") else ""))
             w("")
-            w("| who | grid / mesh | step (s) | timed steps, fastest-slowest (s) | dask-ipar "
-              "planner grid / it | first loss - one process's |")
-            w("|---|---|---|---|---|---|")
+            w("| who | grid / mesh | step (s) | predicted step (s) | timed steps, "
+              "fastest-slowest (s) | dask-ipar planner grid / it | first loss - one process's |")
+            w("|---|---|---|---|---|---|---|")
             best = v["by_grid"][v["planner_grid"]]["step_s"]
             for g in v["order_measured"]:
                 r = v["by_grid"][g]
                 mark = " (planner's)" if g == v["planner_grid"] else ""
-                w(f"| dask-ipar | {g}{mark} | {_f(r['step_s'])} | "
+                w(f"| dask-ipar | {g}{mark} | {_f(r['step_s'])} | {_f(r.get('pred_step_s'))} | "
                   f"{_f(min(r['steps_s']))}-{_f(max(r['steps_s']))} | "
                   f"{best / r['step_s']:.2f} | - |")
             for name, p in sorted(v.get("peers", {}).items(), key=lambda kv: kv[1]["step_s"]):
@@ -85,7 +89,7 @@ def render(res: dict) -> str:
                 chk = "-" if single is None else (
                     f"{abs(p['loss0'] - single):.1e}")
                 steps = p.get("steps_s") or p["runs_s"]
-                w(f"| torch {mode} | {mesh} | {_f(p['step_s'])} | "
+                w(f"| torch {mode} | {mesh} | {_f(p['step_s'])} | - | "
                   f"{_f(min(steps))}-{_f(max(steps))} | {best / p['step_s']:.2f} | {chk} |")
             w("")
             if "best_peer" in v:

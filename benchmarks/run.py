@@ -649,12 +649,12 @@ def render_netcluster(nc, exl="") -> str:
     for key, v in nc["grids"].items():
         w(f"### {v['label']} MLP: widths {'-'.join(map(str, v['widths']))}, B={v['batch']}\n")
         w("| grid | measured step (s) | timed steps, fastest-slowest (s) | predicted comm (s) "
-          "| predicted total (s) | measured rank | predicted rank |")
+          "| predicted step (s) | measured rank | predicted rank |")
         w("|---|---|---|---|---|---|---|")
         for g in v["order_measured"]:
             r = v["by_grid"][g]
             w(f"| {g} | {fmt(r['step_s'])} | {fmt(min(r['steps_s']))}-{fmt(max(r['steps_s']))} | "
-              f"{fmt(r['pred_comm_s'])} | {fmt(r['pred_total_s'])} | "
+              f"{fmt(r['pred_comm_s'])} | {fmt(r.get('pred_step_s', r.get('pred_total_s')))} | "
               f"{v['order_measured'].index(g) + 1} | {v['order_predicted'].index(g) + 1} |")
         ties = overlapping_grids(v)
         w(f"\nPlanner's grid {v['planner_grid']}: {v['speedup_vs_batch']:.2f}x faster than pure "

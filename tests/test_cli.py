@@ -80,6 +80,23 @@ def test_help_lists_subcommands():
     assert "train" in proc.stdout and "plan" in proc.stdout
 
 
+def test_conv_auto_with_a_calibrated_machine_picks_by_simulated_step(client, tmp_path):
+    """``--conv auto --machine FILE`` with flop rates: the grid and conv schemes with the
+    shortest simulated step (``rank_grids``), said on one line."""
+    from dask_ipar.cost import Machine, save_machine
+    mfile = tmp_path / "machine.yaml"
+    m = Machine(alpha_s=5e-3, bandwidth_Bps=3e8, flops_per_s=5e10, cluster_flops_per_s=8e10,
+                message_s=3e-4, round_s=0.01)
+    save_machine(m, mfile)
+    proc, out = _train("--scheduler-address", client.scheduler.address, "--model", "cnn",
+                       "--conv", "auto", "--workers", "2", "--epochs", "1", "--no-progress",
+                       "--machine", str(mfile), "--json")
+    line = next(x for x in proc.stderr.splitlines() if "planner (conv auto)" in x)
+    assert "simulated step" in line and str(mfile) in line, line
+    assert "grid 1x2," in line or "grid 2x1," in line, line
+    assert out["test_accuracy"] > 0.1, out  # it trains on the grid it picked
+
+
 def test_train_cnn_on_digits(client):
     """``--model cnn --conv auto``: the planner picks each conv layer's scheme on 2x1.
 

@@ -6,6 +6,7 @@ import pytest
 
 from dask_ipar.cost import Machine, SimTask, simulate_step
 from dask_ipar.errors import IparError
+from dask_ipar.optim import SGD
 
 
 def test_chain_across_two_workers():
@@ -172,3 +173,51 @@ def test_programs_run_the_first_task_whose_blocks_are_in_and_share_the_cores():
     # inputs in place: one on A read by B arrives after its bytes and the latency
     r = simulate_programs([SimTask("t", "B", ("w",), flops=0)], **kw, available={"w": ("A", 10)})
     assert r.seconds == pytest.approx(0.1) and r.transfer_bytes == 10
+
+
+def test_simulated_grids_without_a_cluster_match_the_distributed_model(client):
+    """simulate_layers (placeholder workers) predicts what a distributed model's
+    predict_step_s does, for both executors; rank_grids orders every grid by it."""
+    from dask_ipar import Dense, Sequential
+    from dask_ipar.runtime.stepmodel import rank_grids, simulate_layers
+
+    m = Machine(alpha_s=0.005, bandwidth_Bps=1e8, word_bytes=4, flops_per_s=1e10,
+                cluster_flops_per_s=1.5e10, message_s=3e-4, round_s=0.01)
+    layers = [Dense(512, "relu"), Dense(10)]
+    model = Sequential(layers, input_dim=512).distribute(client, "2x2")
+    try:
+        for ex in ("programs", "graph"):
+            want = model.predict_step_s(32, m, cores=2, executor=ex).seconds
+            got = simulate_layers(layers, (512,), "2x2", 32, m, cores=2, executor=ex,
+                                  optimizer=SGD()).seconds
+            assert got == pytest.approx(want)
+    finally:
+        model.close()
+    ranked = rank_grids(layers, (512,), 4, 32, m, cores=2)
+    assert [str(c.grid) for c in ranked] == sorted((str(c.grid) for c in ranked),
+                                                   key={str(c.grid): c.seconds for c in ranked}.get)
+    assert {str(c.grid) for c in ranked} == {"1x4", "2x2", "4x1"}
+    # weight-dominated at B = 32: splitting the weights beats replicating them
+    assert str(ranked[0].grid) != "1x4"
+
+
+@pytest.mark.fast
+def test_rank_grids_picks_conv_schemes_the_engine_runs():
+    """A CNN's candidates on each grid: the alpha-beta planner's schemes and each scheme
+    for every conv; the engine refuses model-parallel convs with fewer filters than Pr
+    (2 filters on 4x1), so that grid runs other schemes."""
+    from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d
+    from dask_ipar.runtime.stepmodel import rank_grids
+
+    m = Machine(alpha_s=0.005, bandwidth_Bps=1e8, word_bytes=4, flops_per_s=1e10,
+                message_s=3e-4)
+    layers = [Conv2d(2, 3, padding=1, activation="relu"), MaxPool2d(2), Flatten(),
+              Dense(16, "relu"), Dense(5)]
+    ranked = rank_grids(layers, (3, 16, 16), 4, 8, m, cores=2)
+    assert {str(c.grid) for c in ranked} == {"1x4", "2x2", "4x1"}
+    for c in ranked:
+        conv = c.layers[0]
+        assert conv.parallel in ("batch", "domain", "model")
+        if c.grid.pr == 4:
+            assert conv.parallel != "model"
+    assert all(a.seconds <= b.seconds for a, b in zip(ranked, ranked[1:]))

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -275,7 +276,19 @@ def _build_model(cfg, args, Xtr, grid, n_classes, machine):
              for lay in (Conv2d(f, 3, activation="relu",
                                 parallel="domain" if conv == "auto" else conv), MaxPool2d(2))]
     layers = front + [Flatten()] + layers
-    if conv == "auto":
+    if conv == "auto" and machine is not None and machine.flops_per_s:
+        # a calibrated machine: the grid and schemes with the shortest simulated step
+        from dask_ipar.runtime.stepmodel import rank_grids
+
+        best = rank_grids(layers, image, grid.size, t["batch"], machine,
+                          cores=os.cpu_count(), dtype=cfg["model"]["dtype"],
+                          grids=[cfg["grid"]] if cfg["grid"] else None)[0]
+        grid, layers = best.grid, best.layers
+        eprint(f"dask-ipar: planner (conv auto): grid {grid}, " + ", ".join(
+            f"conv{k} {lay.parallel}" for k, lay in enumerate(layers)
+            if isinstance(lay, Conv2d)) + f"; simulated step {best.seconds:.3g} s on the "
+            f"machine of {cfg['machine']}")
+    elif conv == "auto":
         from dask_ipar.cost import LOOPBACK_MACHINE
         from dask_ipar.nn.planning import plan_layers
 
@@ -286,7 +299,8 @@ def _build_model(cfg, args, Xtr, grid, n_classes, machine):
             f"{n} {s}" for n, s in chosen.schemes if n.startswith("conv"))
             + f"; machine alpha {used.alpha_s:g} s, {used.bandwidth_Bps:.3g} B/s ("
             + (cfg["machine"] if machine else "the loopback default; --machine FILE from "
-               "`dask-ipar calibrate` for this cluster's own") + ")")
+               "`dask-ipar calibrate` (with flop rates: the grid by simulated step) for "
+               "this cluster's own") + ")")
     model = Sequential(layers, input_shape=image, dtype=cfg["model"]["dtype"],
                        seed=t["seed"], device=args.device)
     dense = model.dense_layers

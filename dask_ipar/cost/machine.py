@@ -136,6 +136,9 @@ class Machine:
         One-way latency of a small block between worker programs (half a 4-byte ping-pong
         over their transport): what a remote input adds to a step run as programs, where
         ``alpha_s`` is a dask task hop.
+    round_s : float, optional
+        A graph of one small task per worker submitted and its results gathered: the
+        fixed cost a step run as worker programs pays outside them.
     """
 
     alpha_s: float = 2e-6
@@ -148,6 +151,7 @@ class Machine:
     mem_Bps: float | None = None
     cluster_bandwidth_Bps: float | None = None
     message_s: float | None = None
+    round_s: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -160,7 +164,7 @@ class Machine:
         if isinstance(self.word_bytes, bool) or not isinstance(self.word_bytes, int) or self.word_bytes < 1:
             raise ValueError(f"word_bytes: got {self.word_bytes!r}; expected a positive integer such as 4 (float32)")
         for field in ("compute_s_per_iter", "flops_per_s", "cluster_flops_per_s", "task_s",
-                      "mem_Bps", "cluster_bandwidth_Bps", "message_s"):
+                      "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -207,7 +211,7 @@ calibrate`` measures the real ones."""
 
 _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compute_s_per_iter",
                  "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps",
-                 "message_s")
+                 "message_s", "round_s")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -216,7 +220,7 @@ def load_machine(path: str | Path) -> Machine:
     Keys: ``alpha_s``, ``bandwidth_Bps`` (a number or a string such as
     ``"6GiB"``), ``word_bytes``, ``flops_per_s``, ``compute_s_per_iter``,
     ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
-    ``message_s``.
+    ``message_s``, ``round_s``.
     Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files

@@ -18,6 +18,8 @@ What the engine pays, measured the way the engine pays it:
 * ``message_s``: one way of a 4-byte block between two worker programs (half the
   median round trip of a ping-pong over their transport, no scheduler): what a
   remote input costs a step run as programs.
+* ``round_s``: a graph of one small task per worker submitted and its results
+  gathered: what a step run as programs pays once outside them.
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -111,6 +113,18 @@ def _task_time(client, workers, n_tasks, tag):
     start = time.perf_counter()
     client.gather(client.get(g.to_hlg(f"calibrate-tasks-{tag}"), keys, sync=False))
     return (time.perf_counter() - start) / n_tasks
+
+
+def _round_time(client, workers, tag):
+    """Seconds from submitting a graph of one small task per worker to holding their
+    results: what a step run as worker programs pays once outside its programs."""
+    g = StepGraph()
+    keys = [(f"calibrate.round-{tag}", k) for k in range(len(workers))]
+    for key, w in zip(keys, workers):
+        g.add(key, w, _tiny)
+    start = time.perf_counter()
+    client.gather(client.get(g.to_hlg(f"calibrate-round-{tag}"), keys, sync=False))
+    return time.perf_counter() - start
 
 
 def _cluster_bandwidth(client, workers, nbytes, tag):
@@ -266,6 +280,11 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
                               for r in range(3)]))
     log(f"task cost ({tasks} small tasks over {len(everyone)} workers): "
         f"{task_s * 1e3:.2f} ms per task")
+    _round_time(client, everyone, tag + "rw")
+    round_s = float(np.median([_round_time(client, everyone, f"{tag}r{r}") for r in range(9)]))
+    log(f"round trip (a graph of one small task per worker, submitted and gathered): "
+        f"{round_s * 1e3:.2f} ms")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
-                   mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message)
+                   mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,
+                   round_s=round_s)
