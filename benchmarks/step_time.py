@@ -6,8 +6,9 @@ One LocalCluster of ``--workers`` processes (1 thread each); ``dask_ipar.runtime
 first, then for each MLP and grid: two warm-up passes, then the median wall time of ``--steps``
 single steps (each submitted and waited for alone), beside ``model.predict_step_s`` with the
 calibrated machine and the machine's core count. ``--models cnn``: the CNN of
-``benchmarks/common.py`` (convs with pooling, then dense 4096-4096-10), its conv schemes
-chosen per grid as ``--conv auto`` chooses them. Prints a markdown table.
+``benchmarks/common.py`` (convs with pooling, then dense 4096-4096-10), its conv schemes on
+each grid those with the shortest simulated step (``rank_grids``, as ``--conv auto`` with a
+calibrated machine picks them). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -78,10 +79,13 @@ def main(argv=None):
                     model = Sequential([Dense(w, "relu") for w in widths[1:-1]]
                                        + [Dense(widths[-1])], input_dim=widths[0])
                 else:
-                    from dask_ipar.nn.planning import plan_layers
+                    from dask_ipar.runtime.stepmodel import rank_grids
 
-                    _, lays, _ = plan_layers(cnn.layers(), cnn.image, args.workers, batch,
-                                             machine, grid=grid)
+                    # the conv schemes with the shortest simulated step on this grid, as
+                    # dask-ipar train --conv auto picks them with a calibrated machine
+                    lays = rank_grids(cnn.layers(), cnn.image, args.workers, batch, machine,
+                                      cores=cores, executor=args.executor,
+                                      grids=[grid])[0].layers
                     model = cnn.build_model(lays)
                     schemes = "/".join(lay.parallel for lay in lays
                                        if type(lay).__name__ == "Conv2d")
