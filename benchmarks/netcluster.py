@@ -20,9 +20,12 @@ reaches the scheduler) and yields the scheduler address. On exit, on error, on C
 SIGTERM and at interpreter exit it kills its processes and deletes its namespaces (the
 bridge and veths go with them).
 
-The CLI checks the link rate (a 64 MiB worker-to-worker transfer), runs the benchmark MLPs
-on every grid of the workers and compares the measured ranking of grids with the
-planner's prediction for a machine with the measured alpha and bandwidth.
+The CLI checks the link rate (a 64 MiB worker-to-worker transfer) and the programs' 4-byte
+hop, runs ``dask-ipar calibrate`` on the cluster, then runs the benchmark models on every
+grid of the workers beside each grid's simulated step (``rank_grids``: the calibrated
+machine with the link check's bandwidth and hop; a CNN's conv schemes on each grid are the
+simulation's pick) and the alpha-beta communication alone, and compares the measured
+ranking of grids with the predicted one.
 """
 
 from __future__ import annotations
