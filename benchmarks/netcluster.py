@@ -335,7 +335,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     import common as C
     from dask_ipar.cost import Machine, mlp, plan
     from dask_ipar.runtime.calibrate import calibrate
-    from dask_ipar.runtime.stepmodel import rank_grids
+    from dask_ipar.runtime.gridrank import rank_grids
 
     warnings.filterwarnings("ignore")
     out = {"workers": n_workers, "rate": rate, "client_rate": client_rate, "threads": threads,

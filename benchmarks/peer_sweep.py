@@ -48,7 +48,7 @@ def render(res: dict) -> str:
       "dask-ipar's exactness is the test suite's. Ratios: dask-ipar's planner grid over the "
       "row's step (below 1: dask-ipar is faster). The planner's grid (and a CNN's conv "
       "schemes on each grid) is the one with the shortest simulated step "
-      "(`dask_ipar.runtime.stepmodel.rank_grids`: the step's graph as worker programs run it, "
+      "(`dask_ipar.runtime.gridrank.rank_grids`: the step's graph as worker programs run it, "
       "on the machine `dask-ipar calibrate` measures on the emulated cluster with the link "
       "checks' bandwidth and programs' hop), shown as 'predicted step' where a sweep has it.")
     w("")

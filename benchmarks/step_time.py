@@ -79,7 +79,7 @@ def main(argv=None):
                     model = Sequential([Dense(w, "relu") for w in widths[1:-1]]
                                        + [Dense(widths[-1])], input_dim=widths[0])
                 else:
-                    from dask_ipar.runtime.stepmodel import rank_grids
+                    from dask_ipar.runtime.gridrank import rank_grids
 
                     # the conv schemes with the shortest simulated step on this grid, as
                     # dask-ipar train --conv auto picks them with a calibrated machine

@@ -179,7 +179,7 @@ def test_simulated_grids_without_a_cluster_match_the_distributed_model(client):
     """simulate_layers (placeholder workers) predicts what a distributed model's
     predict_step_s does, for both executors; rank_grids orders every grid by it."""
     from dask_ipar import Dense, Sequential
-    from dask_ipar.runtime.stepmodel import rank_grids, simulate_layers
+    from dask_ipar.runtime.gridrank import rank_grids, simulate_layers
 
     m = Machine(alpha_s=0.005, bandwidth_Bps=1e8, word_bytes=4, flops_per_s=1e10,
                 cluster_flops_per_s=1.5e10, message_s=3e-4, round_s=0.01)
@@ -207,7 +207,7 @@ def test_rank_grids_picks_conv_schemes_the_engine_runs():
     for every conv; the engine refuses model-parallel convs with fewer filters than Pr
     (2 filters on 4x1), so that grid runs other schemes."""
     from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d
-    from dask_ipar.runtime.stepmodel import rank_grids
+    from dask_ipar.runtime.gridrank import rank_grids
 
     m = Machine(alpha_s=0.005, bandwidth_Bps=1e8, word_bytes=4, flops_per_s=1e10,
                 message_s=3e-4)

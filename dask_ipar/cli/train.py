@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -276,31 +275,13 @@ def _build_model(cfg, args, Xtr, grid, n_classes, machine):
              for lay in (Conv2d(f, 3, activation="relu",
                                 parallel="domain" if conv == "auto" else conv), MaxPool2d(2))]
     layers = front + [Flatten()] + layers
-    if conv == "auto" and machine is not None and machine.flops_per_s:
-        # a calibrated machine: the grid and schemes with the shortest simulated step
-        from dask_ipar.runtime.stepmodel import rank_grids
+    if conv == "auto":
+        from dask_ipar.runtime.gridrank import plan_cnn
 
-        best = rank_grids(layers, image, grid.size, t["batch"], machine,
-                          cores=os.cpu_count(), dtype=cfg["model"]["dtype"],
-                          grids=[cfg["grid"]] if cfg["grid"] else None)[0]
-        grid, layers = best.grid, best.layers
-        eprint(f"dask-ipar: planner (conv auto): grid {grid}, " + ", ".join(
-            f"conv{k} {lay.parallel}" for k, lay in enumerate(layers)
-            if isinstance(lay, Conv2d)) + f"; simulated step {best.seconds:.3g} s on the "
-            f"machine of {cfg['machine']}")
-    elif conv == "auto":
-        from dask_ipar.cost import LOOPBACK_MACHINE
-        from dask_ipar.nn.planning import plan_layers
-
-        grid, layers, chosen = plan_layers(layers, image, grid.size, t["batch"],
-                                           machine, grid=cfg["grid"])
-        used = machine or LOOPBACK_MACHINE
-        eprint(f"dask-ipar: planner (conv auto): grid {grid}, " + ", ".join(
-            f"{n} {s}" for n, s in chosen.schemes if n.startswith("conv"))
-            + f"; machine alpha {used.alpha_s:g} s, {used.bandwidth_Bps:.3g} B/s ("
-            + (cfg["machine"] if machine else "the loopback default; --machine FILE from "
-               "`dask-ipar calibrate` (with flop rates: the grid by simulated step) for "
-               "this cluster's own") + ")")
+        grid, layers, line = plan_cnn(layers, image, grid.size, t["batch"], machine,
+                                      grid=cfg["grid"], machine_name=cfg["machine"] or "",
+                                      dtype=cfg["model"]["dtype"])
+        eprint(f"dask-ipar: {line}")
     model = Sequential(layers, input_shape=image, dtype=cfg["model"]["dtype"],
                        seed=t["seed"], device=args.device)
     dense = model.dense_layers

@@ -14,20 +14,16 @@ the cores).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 
 from dask_ipar.cost import simulate_programs, simulate_step
 from dask_ipar.errors import IparError
-from dask_ipar.layout.grid import Grid, factorizations, parse_grid
 from dask_ipar.layout.partition import split_bounds
-from dask_ipar.nn.layers import Conv2d
 from dask_ipar.nn.graph import StepGraph, sim_tasks
 from dask_ipar.runtime.placement import placement_blocks
 
-__all__ = ["predict_step_s", "step_tasks", "simulate_layers", "rank_grids", "GridChoice",
-           "ELEMENTWISE_BPS"]
+__all__ = ["predict_step_s", "step_tasks", "simulate_engine", "ELEMENTWISE_BPS"]
 
 #: Bytes per second of one worker's elementwise work in the kernels (copies, strided
 #: im2col gathers, in-place sums), the task-graph simulation's default too.
@@ -84,12 +80,15 @@ def predict_step_s(model, batch: int, machine, *, cores: int | None = None, opti
     ``"graph"`` (default: the model's). Returns a :class:`dask_ipar.cost.SimResult`.
     """
     shape = model.input_shape if model.engine.front is not None else (model.input_dim,)
-    return _simulate(model.engine, model._w, batch, shape, model.dtype, machine, cores,
-                     optimizer, executor or model.executor)
+    return simulate_engine(model.engine, model._w, batch, shape, model.dtype, machine, cores,
+                           optimizer, executor or model.executor)
 
 
-def _simulate(engine, w_names, batch, input_shape, dtype, machine, cores, optimizer,
-              executor):
+def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, optimizer,
+                    executor):
+    """Simulated step of ``engine`` (a :class:`~dask_ipar.cost.SimResult`), as
+    ``executor`` runs it; the arguments as for :func:`step_tasks` and
+    :func:`predict_step_s`."""
     if not machine.flops_per_s:
         raise IparError("the machine needs flops_per_s (run `dask-ipar calibrate`).")
     if executor not in ("programs", "graph"):
@@ -116,88 +115,3 @@ def _simulate(engine, w_names, batch, input_shape, dtype, machine, cores, optimi
                          cluster_flops_per_s=machine.cluster_flops_per_s,
                          cluster_mem_Bps=machine.mem_Bps,
                          cluster_bandwidth_Bps=machine.cluster_bandwidth_Bps)
-
-
-@dataclass
-class GridChoice:
-    """One grid (and, for a CNN, its conv schemes) with its simulated step."""
-
-    grid: Grid
-    layers: list  # the layers as run there (each Conv2d's ``parallel`` set)
-    seconds: float
-    result: object  # the SimResult
-
-
-def _schemes_of(layers) -> tuple:
-    return tuple(lay.parallel for lay in layers if isinstance(lay, Conv2d))
-
-
-def _candidates(layers, input_shape, grid, batch, machine):
-    """The conv scheme assignments tried on ``grid``: the alpha-beta planner's choice, then
-    every conv batch-, domain- or model-parallel alike (those the engine runs)."""
-    from dask_ipar.nn.planning import plan_layers
-
-    if not any(isinstance(lay, Conv2d) for lay in layers):
-        return [list(layers)]
-    out = []
-    try:
-        out.append(plan_layers(layers, input_shape, grid.size, batch, machine,
-                               grid=str(grid))[1])
-    except IparError:
-        pass
-    for scheme in ("batch", "domain", "model"):
-        out.append([dataclasses.replace(lay, parallel=scheme) if isinstance(lay, Conv2d)
-                    else lay for lay in layers])
-    seen, unique = set(), []
-    for lays in out:
-        if _schemes_of(lays) not in seen:
-            seen.add(_schemes_of(lays))
-            unique.append(lays)
-    return unique
-
-
-def simulate_layers(layers, input_shape, grid, batch: int, machine, *, cores=None,
-                    executor: str = "programs", optimizer=None, dtype="float32"):
-    """Simulated step (a :class:`~dask_ipar.cost.SimResult`) of the network ``layers`` on
-    ``grid`` without a cluster (the engine's graph on placeholder workers);
-    ``input_shape``: a CNN's ``(C, H, W)`` or ``(features,)``. Raises
-    :class:`~dask_ipar.errors.IparError` (or ValueError) where the engine refuses the grid."""
-    from dask_ipar.model import Sequential
-    from dask_ipar.nn.dense import check_dense_grid
-    from dask_ipar.optim import SGD
-    from dask_ipar.testing import fake_binding
-
-    grid = parse_grid(grid)
-    if len(input_shape) == 3:
-        model = Sequential(list(layers), input_shape=tuple(input_shape), dtype=dtype)
-    else:
-        model = Sequential(list(layers), input_dim=int(input_shape[0]), dtype=dtype)
-    check_dense_grid(model.dense_layers, model._first_dense, grid, model.sizes)
-    engine = model._make_engine(fake_binding(grid))
-    return _simulate(engine, [f"w{k}" for k in range(len(engine.param_layouts))], batch,
-                     tuple(input_shape), model.dtype, machine, cores,
-                     optimizer or SGD(0.01, momentum=0.9), executor)
-
-
-def rank_grids(layers, input_shape, procs: int, batch: int, machine, *, cores=None,
-               executor: str = "programs", optimizer=None, dtype="float32", grids=None):
-    """Every grid of ``procs`` processes (or ``grids``) the engine runs the network on,
-    with each CNN's best conv schemes there, fastest simulated step first: a list of
-    :class:`GridChoice`. ``machine`` needs ``flops_per_s`` (``dask-ipar calibrate``)."""
-    out = []
-    for grid in (grids or factorizations(procs)):
-        grid = parse_grid(grid)
-        best = None
-        for lays in _candidates(layers, input_shape, grid, batch, machine):
-            try:
-                r = simulate_layers(lays, input_shape, grid, batch, machine, cores=cores,
-                                    executor=executor, optimizer=optimizer, dtype=dtype)
-            except (IparError, ValueError):
-                continue  # the engine refuses these schemes on this grid
-            if best is None or r.seconds < best.seconds:
-                best = GridChoice(grid, lays, r.seconds, r)
-        if best is not None:
-            out.append(best)
-    if not out:
-        raise IparError(f"no grid of {procs} processes runs this network at batch {batch}.")
-    return sorted(out, key=lambda c: c.seconds)
