@@ -659,14 +659,6 @@ def transfer_time(client, src: str, dst: str, nbytes: int, reps: int = 3) -> flo
     return big, small
 
 
-def program_hop(client, src: str, dst: str, reps: int = 50) -> float:
-    """Seconds of one hop of a 4-byte block between worker programs
-    (:func:`dask_ipar.runtime.calibrate.program_hop`)."""
-    from dask_ipar.runtime.calibrate import program_hop as hop
-
-    return hop(client, src, dst, reps)
-
-
 # ------------------------------------------------------------------ PyTorch DDP
 def torch_available() -> bool:
     try:

@@ -33,8 +33,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import dataclasses
 import ctypes
+import dataclasses
 import json
 import os
 import signal
@@ -334,7 +334,9 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
 
     import common as C
     from dask_ipar.cost import Machine, mlp, plan
-    from dask_ipar.runtime.calibrate import calibrate
+    from dask_ipar.cost import price_assignment
+    from dask_ipar.nn.planning import cost_specs
+    from dask_ipar.runtime.calibrate import calibrate, program_hop
     from dask_ipar.runtime.gridrank import rank_grids
 
     warnings.filterwarnings("ignore")
@@ -349,7 +351,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
             ws = sorted(client.scheduler_info()["workers"])
             big, small = C.transfer_time(client, ws[0], ws[1], 64 * 2**20)
             bw = 64 * 2**20 / max(big - small, 1e-9)
-            hop = C.program_hop(client, ws[0], ws[1])
+            hop = program_hop(client, ws[0], ws[1])
             out["link"] = {"t_64MiB_s": big, "t_4B_s": small, "bandwidth_Bps": bw,
                            "nominal_Bps": parse_rate_Bps(rate), "program_hop_4B_s": hop}
             print(f"link check: 64 MiB in {big:.3f} s -> {bw * 8 / 1e9:.3f} Gbit/s "
@@ -386,13 +388,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                 schemes = {g: c.layers for g, c in sim.items()} \
                     if isinstance(cfg, C.CNNConfig) else {}
                 if isinstance(cfg, C.CNNConfig):  # the alpha-beta communication alone
-                    from dask_ipar.nn.planning import plan_layers
-
                     pred = {}
                     for g, c in sim.items():
-                        from dask_ipar.cost import price_assignment
-                        from dask_ipar.nn.planning import cost_specs
-
                         assign = {f"conv{k}": lay.parallel for k, lay in enumerate(c.layers)
                                   if type(lay).__name__ == "Conv2d"}
                         pred[g] = price_assignment(cost_specs(c.layers, cfg.image), assign,

@@ -112,9 +112,10 @@ def main(argv=None):
                              "grid": str(grid), "measured_s": meas, "predicted_s": sim.seconds,
                              "task_ms": task_ms,
                              "latency_s": sim.latency_s, "throughput_s": sim.throughput_s})
+                views = (f" (latency {sim.latency_s:.3f}, throughput {sim.throughput_s:.3f})"
+                         if args.executor == "graph" else "")
                 print(f"{rows[-1]['mlp']} B={batch} {grid}: measured {meas:.3f} s, predicted "
-                      f"{sim.seconds:.3f} s (latency {sim.latency_s:.3f}, throughput "
-                      f"{sim.throughput_s:.3f})", flush=True)
+                      f"{sim.seconds:.3f} s{views}", flush=True)
                 model.close()
     print(f"\nmachine: alpha {machine.alpha_s * 1e3:.2f} ms, message {machine.message_s * 1e3:.3f} ms, "
           f"{machine.bandwidth_Bps / 1e6:.0f} MB/s, "

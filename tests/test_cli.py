@@ -84,6 +84,7 @@ def test_conv_auto_with_a_calibrated_machine_picks_by_simulated_step(client, tmp
     """``--conv auto --machine FILE`` with flop rates: the grid and conv schemes with the
     shortest simulated step (``rank_grids``), said on one line."""
     from dask_ipar.cost import Machine, save_machine
+
     mfile = tmp_path / "machine.yaml"
     m = Machine(alpha_s=5e-3, bandwidth_Bps=3e8, flops_per_s=5e10, cluster_flops_per_s=8e10,
                 message_s=3e-4, round_s=0.01)

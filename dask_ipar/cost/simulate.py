@@ -212,7 +212,6 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     """
     tasks = list(tasks)
     by_key = {t.key: t for t in tasks}
-    order = {t.key: k for k, t in enumerate(tasks)}
     workers = sorted({t.worker for t in tasks})
     available = available or {}
     here: dict = {w: {} for w in workers}  # worker -> key -> arrival time
@@ -225,7 +224,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                 readers.setdefault(d, set()).add(t.worker)
     link_free = {}
     transfer = 0.0
-    events: list = []  # (time, seq, kind, payload)
+    events: list = []  # heap of (arrival time, seq, (receiving worker, key))
     seq = 0
 
     def send(key, src, nbytes, at):
@@ -234,7 +233,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             start = max(at, link_free.get(src, 0.0))
             link_free[src] = start + nbytes / bandwidth_Bps
             transfer += nbytes
-            heapq.heappush(events, (link_free[src] + latency_s, seq, "arrive", (dst, key)))
+            heapq.heappush(events, (link_free[src] + latency_s, seq, (dst, key)))
             seq += 1
 
     for key, (src, nbytes) in available.items():  # inputs in place at time 0
@@ -242,7 +241,6 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
         if key in readers:
             send(key, src, nbytes, 0.0)
     running: dict = {}  # worker -> [key, remaining seconds at full speed]
-    finish: dict = {}
     busy = {w: 0.0 for w in workers}
     now = 0.0
 
@@ -275,11 +273,10 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             r[1] -= (step_to - now) * speed
         now = step_to
         while events and events[0][0] <= now:
-            _, _, _, (dst, key) = heapq.heappop(events)
+            _, _, (dst, key) = heapq.heappop(events)
             here[dst][key] = now
         for w in [w for w, r in running.items() if r[1] <= 1e-9]:
             key = running.pop(w)[0]
-            finish[key] = now
             here[w][key] = now
             send(key, w, by_key[key].out_bytes, now)
     return SimResult(seconds=now, compute_s=busy, transfer_bytes=transfer, latency_s=now)

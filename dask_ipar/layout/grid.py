@@ -117,3 +117,11 @@ class GridBinding:
 
     def column(self, j: int) -> list[str]:
         return [self.worker(i, j) for i in range(self.grid.pr)]
+
+    @classmethod
+    def placeholder(cls, grid) -> "GridBinding":
+        """``grid`` bound to addresses no worker listens on: for building graphs only
+        (the step-time simulation, graph tests)."""
+        grid = parse_grid(grid)
+        return cls(grid, tuple(f"tcp://10.255.{k // 250}.{k % 250 + 1}:1"
+                               for k in range(grid.size)))

@@ -7,13 +7,16 @@ calibrated machine (:func:`plan_cnn`) and the benchmarks' planner use it.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
+from dask_ipar.cost import LOOPBACK_MACHINE
 from dask_ipar.errors import IparError
 from dask_ipar.layout.grid import Grid, GridBinding, factorizations, parse_grid
 from dask_ipar.model import Sequential
 from dask_ipar.nn.dense import check_dense_grid
 from dask_ipar.nn.layers import Conv2d
+from dask_ipar.nn.planning import plan_layers
 from dask_ipar.optim import SGD
 from dask_ipar.runtime.stepmodel import simulate_engine
 
@@ -37,8 +40,6 @@ def _schemes_of(layers) -> tuple:
 def _candidates(layers, input_shape, grid, batch, machine):
     """The conv scheme assignments tried on ``grid``: the alpha-beta planner's choice, then
     every conv batch-, domain- or model-parallel alike (those the engine runs)."""
-    from dask_ipar.nn.planning import plan_layers
-
     if not any(isinstance(lay, Conv2d) for lay in layers):
         return [list(layers)]
     out = []
@@ -70,11 +71,10 @@ def simulate_layers(layers, input_shape, grid, batch: int, machine, *, cores=Non
     else:
         model = Sequential(list(layers), input_dim=int(input_shape[0]), dtype=dtype)
     check_dense_grid(model.dense_layers, model._first_dense, grid, model.sizes)
-    # placeholder addresses: the graph is built, nothing is sent
-    engine = model._make_engine(GridBinding(grid, tuple(f"sim://{k}" for k in range(grid.size))))
+    engine = model._make_engine(GridBinding.placeholder(grid))  # the graph only
     return simulate_engine(engine, [f"w{k}" for k in range(len(engine.param_layouts))], batch,
-                     tuple(input_shape), model.dtype, machine, cores,
-                     optimizer or SGD(0.01, momentum=0.9), executor)
+                           tuple(input_shape), model.dtype, machine, cores,
+                           optimizer or SGD(0.01, momentum=0.9), executor)
 
 
 def rank_grids(layers, input_shape, procs: int, batch: int, machine, *, cores=None,
@@ -107,8 +107,6 @@ def plan_cnn(layers, image, procs: int, batch: int, machine, *, grid=None, machi
     the line that says what was chosen and why: ``(Grid, layers, line)``. With a machine
     that has flop rates, by the simulated step (:func:`rank_grids`); otherwise by the
     alpha-beta planner's communication (:func:`dask_ipar.nn.planning.plan_layers`)."""
-    import os
-
     if machine is not None and machine.flops_per_s:
         best = rank_grids(layers, image, procs, batch, machine, cores=os.cpu_count(),
                           dtype=dtype, grids=[grid] if grid else None)[0]
@@ -117,9 +115,6 @@ def plan_cnn(layers, image, procs: int, batch: int, machine, *, grid=None, machi
         return best.grid, best.layers, (
             f"planner (conv auto): grid {best.grid}, {schemes}; simulated step "
             f"{best.seconds:.3g} s on the machine of {machine_name}")
-    from dask_ipar.cost import LOOPBACK_MACHINE
-    from dask_ipar.nn.planning import plan_layers
-
     g, out, chosen = plan_layers(layers, image, procs, batch, machine, grid=grid)
     used = machine or LOOPBACK_MACHINE
     return g, out, (
