@@ -488,6 +488,37 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     return out
 
 
+def check_links(n_workers, rate, client_rate, threads, gloo: bool) -> int:
+    """The link checks alone: a 64 MiB transfer, the programs' 4-byte hop over their
+    direct links and over dask's comms, and (``gloo``) PyTorch's ping-pong on the same links."""
+    import common as C
+    from distributed import Client
+
+    from dask_ipar.runtime.calibrate import program_hop
+
+    handle: list = []
+    with emulated_cluster(n_workers, rate, client_rate=client_rate, threads=threads,
+                          peers=n_workers if gloo else 0, handle=handle) as addr:
+        with Client(addr) as client:
+            ws = sorted(client.scheduler_info()["workers"])
+            big, small = C.transfer_time(client, ws[0], ws[1], 64 * 2**20)
+            print(f"64 MiB in {big:.3f} s: {64 * 2**20 / (big - small) * 8 / 1e9:.3f} Gbit/s; "
+                  f"4 B dask task transfer in {small * 1e3:.1f} ms")
+            for r in range(3):
+                hop = program_hop(client, ws[0], ws[1])
+                via = program_hop(client, ws[0], ws[1], direct=False)
+                print(f"4-byte program hop: direct links {hop * 1e3:.3f} ms, dask comms "
+                      f"{via * 1e3:.3f} ms")
+            if gloo:
+                for r in range(2):
+                    pp = run_peer(handle[0], "pingpong", f"1x{n_workers}",
+                                  {"kind": "mlp", "widths": [1, 1]}, 1, 1, threads)
+                    print(f"gloo: 4-byte hop {pp['hop_4B_s'] * 1e3:.3f} ms, 64 MiB "
+                          f"{pp['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s")
+    print("namespaces left:", list_namespaces())
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=4)
@@ -503,7 +534,8 @@ def main(argv=None):
     ap.add_argument("--peers", default="",
                     help="comma list of PyTorch peers run on the same links: ddp,fsdp,tp "
                          "(needs torch)")
-    ap.add_argument("--check-only", action="store_true", help="only build the cluster and test the link")
+    ap.add_argument("--check-only", action="store_true",
+                    help="only build the cluster and check the links (with --peers: gloo's too)")
     ap.add_argument("--cleanup", action="store_true", help="delete leftover namespaces and exit")
     a = ap.parse_args(argv)
     if a.cleanup:
@@ -513,16 +545,7 @@ def main(argv=None):
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.workers)
     steps = a.steps or (2 if a.quick else 3)
     if a.check_only:
-        import common as C
-        from distributed import Client
-        with emulated_cluster(a.workers, a.rate, client_rate=a.client_rate, threads=threads) as addr:
-            with Client(addr) as client:
-                ws = sorted(client.scheduler_info()["workers"])
-                big, small = C.transfer_time(client, ws[0], ws[1], 64 * 2**20)
-                print(f"64 MiB in {big:.3f} s: {64 * 2**20 / (big - small) * 8 / 1e9:.3f} Gbit/s; "
-                      f"4 B in {small * 1e3:.1f} ms")
-        print("namespaces left:", list_namespaces())
-        return 0
+        return check_links(a.workers, a.rate, a.client_rate, threads, bool(a.peers))
     peers = [m for m in a.peers.split(",") if m]
     bad = [m for m in peers if m not in ("ddp", "fsdp", "tp")]
     if bad:

@@ -6,13 +6,15 @@ import asyncio
 
 import pytest
 
-from dask_ipar.runtime.exchange import KEEP_STEPS, ExchangePlugin, send_with_retry
+from dask_ipar.runtime.exchange import KEEP_STEPS, ExchangePlugin
+from dask_ipar.runtime.wire import send_with_retry
 
 pytestmark = pytest.mark.fast
 
 
 class _Worker:
     handlers: dict = {}
+    address = "inproc://test/1"  # dask's comms: no direct links to open
 
 
 def _plugin():

@@ -237,7 +237,7 @@ def test_blocks_of_a_stopped_model_are_dropped_on_arrival():
     from dask_ipar.runtime.exchange import ExchangePlugin
 
     plugin = ExchangePlugin()
-    plugin.setup(SimpleNamespace(handlers={}))
+    plugin.setup(SimpleNamespace(handlers={}, address="inproc://test/1"))
     plugin.put(key=["dense0.act-abc-s4", 0, 1], data=b"x")
     plugin.abort(tag="abc", reason="the model was closed", model=True, upto=(5, 2))
     assert plugin.box == {}

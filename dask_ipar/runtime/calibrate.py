@@ -15,9 +15,9 @@ What the engine pays, measured the way the engine pays it:
 * ``task_s``: seconds per task of one graph of many small pinned tasks spread
   over all workers (scheduler, worker and client work per task on the shared
   cores): the throughput cost that every task of a step pays.
-* ``message_s``: one way of a 4-byte block between two worker programs (half the
-  median round trip of a ping-pong over their transport, no scheduler): what a
-  remote input costs a step run as programs.
+* ``message_s``: one way of a 4-byte block from one worker program to another (half
+  the median round trip of a ping-pong between two tasks over the programs' transport,
+  no scheduler): what a remote input costs a step run as programs.
 * ``round_s``: a graph of one small task per worker submitted and its results
   gathered: what a step run as programs pays once outside them.
 
@@ -169,40 +169,51 @@ def _hop_time(client, a, b, hops, tag):
     return (time.perf_counter() - t) / hops
 
 
-async def _pingpong(dst, reps, dask_worker=None):
-    """On the sending worker: ``reps`` pushes of a 4-byte block to ``dst`` over the worker
-    programs' transport (the ``ipar_put`` handler, as a program's send), each answered
-    when the block is in the receiver's mailbox; the round trips' median."""
-    from distributed.protocol import to_serialize
+def _pingpong(peer: str, reps: int, uid: str, serve: bool, direct: bool = True):
+    """One side of a ping-pong of a 4-byte block between two worker programs, run as a
+    task on each worker: the ``serve`` side answers each block it receives; the other
+    sends, waits for the answer, and returns the round trips' median. Both use what a
+    program uses (its sender, the mailbox, a waiting thread); ``direct=False``: dask's comms
+    instead of the direct links."""
+    from distributed import get_worker
 
+    from dask_ipar.runtime.exchange import _plugin, _Sender
+
+    worker = get_worker()
+    plugin = _plugin(worker)
+    sender = _Sender(plugin, worker, direct=direct)
     block = np.zeros(1, dtype=np.float32)
+    ping = [(f"calibrate.ping-{uid}-s{k}", 0) for k in range(reps)]
+    pong = [(f"calibrate.pong-{uid}-s{k}", 0) for k in range(reps)]
     rtt = []
     for k in range(reps):
-        t0 = time.perf_counter()
-        await dask_worker.rpc(dst).ipar_put(key=(f"calibrate.pingpong-s{k}", 0),
-                                            data=to_serialize(block),
-                                            sender=dask_worker.address)
-        rtt.append(time.perf_counter() - t0)
-    return float(np.median(rtt[1:]))
+        if serve:
+            plugin.receive(ping[k], timeout=60.0)
+            sender.push(pong[k], block, [peer])
+            sender.release()
+        else:
+            t0 = time.perf_counter()
+            sender.push(ping[k], block, [peer])
+            sender.release()
+            plugin.receive(pong[k], timeout=60.0)
+            rtt.append(time.perf_counter() - t0)
+    sender.flush()
+    return float(np.median(rtt[1:])) if rtt else None
 
 
-def _clear_pingpong(dask_worker=None):
-    from dask_ipar.runtime.exchange import PLUGIN_NAME
-
-    plugin = dask_worker.plugins[PLUGIN_NAME]
-    with plugin.cond:
-        for key in [k for k in plugin.box if str(k[0]).startswith("calibrate.pingpong")]:
-            del plugin.box[key]
-
-
-def program_hop(client, src: str, dst: str, reps: int = 50) -> float:
-    """Seconds of one hop of a 4-byte block between worker programs, ``src`` to ``dst``:
-    half the median round trip of a ping-pong over their transport."""
+def program_hop(client, src: str, dst: str, reps: int = 50, direct: bool = True) -> float:
+    """Seconds of one hop of a 4-byte block from one worker program to another, ``src``
+    to ``dst``: half the median round trip of a ping-pong between a task on each (the
+    blocking send and receive that gloo's ping-pong times). ``direct=False``: over dask's
+    comms instead of the programs' direct links."""
     from dask_ipar.runtime.exchange import install_exchange
 
     install_exchange(client)
-    rtt = client.run(_pingpong, dst, reps, workers=[src])[src]
-    client.run(_clear_pingpong, workers=[dst])
+    uid = f"{time.time_ns():x}"
+    futs = [client.submit(_pingpong, peer, reps, uid, serve, direct, workers=[me], pure=False,
+                          allow_other_workers=False, key=f"calibrate.pingpong-{uid}-{serve}")
+            for me, peer, serve in ((dst, src, True), (src, dst, False))]
+    rtt = client.gather(futs)[1]
     return rtt / 2
 
 

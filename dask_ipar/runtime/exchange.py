@@ -9,6 +9,11 @@ plugin's mailbox until a program takes them. Each transfer is logged on its send
 (:func:`drain_exchange_log`, read by :class:`dask_ipar.runtime.meter.CommMeter` like dask's
 own transfer logs). Client side: :func:`install_exchange` registers the plugin and
 :func:`abort_programs` stops the programs of a model.
+
+Transport: blocks travel over direct TCP links between the plugins
+(:mod:`dask_ipar.runtime.wire`: no event loop between a program and the socket) where the
+workers' addresses are plain ``tcp://``; with TLS, in-process or UCX addresses, or
+``ExchangePlugin(transport="dask")``, through dask's comms (the ``ipar_put`` handlers).
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from collections import deque
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_ipar.errors import IparError
+from dask_ipar.runtime.wire import Wire, WireServer, pack, retry_settings, send_with_retry, unpack
 
-__all__ = ["ExchangePlugin", "PLUGIN_NAME", "LOG_LENGTH", "install_exchange", "abort_programs",
-           "drain_exchange_log", "send_with_retry", "retry_settings", "KEEP_STEPS",
+__all__ = ["ExchangePlugin", "PLUGIN_NAME", "TRANSPORTS", "LOG_LENGTH", "install_exchange", "abort_programs",
+           "drain_exchange_log", "KEEP_STEPS",
            "MERGE_BYTES"]
 
 #: Name of the worker plugin (one per worker, shared by every model).
@@ -38,6 +44,9 @@ MERGE_BYTES = 16384
 #: submissions newer is dropped: no program will take it (a late duplicate of a retried
 #: send, a block of a program that failed). Steps in flight are at most a few apart.
 KEEP_STEPS = 16
+#: How blocks travel: ``socket`` (direct TCP links where the addresses allow, else dask's
+#: comms) or ``dask`` (dask's comms always).
+TRANSPORTS = ("socket", "dask")
 
 
 # ------------------------------------------------------------------ worker side
@@ -74,6 +83,12 @@ class ExchangePlugin(WorkerPlugin):
     #: down) the plugin while programs use its mailbox
     idempotent = True
 
+    def __init__(self, transport: str = "socket"):
+        if transport not in TRANSPORTS:
+            raise IparError(f"unknown block transport {transport!r}; expected one of "
+                            f"{', '.join(TRANSPORTS)}.")
+        self.transport = transport
+
     def setup(self, worker):
         self.worker = worker
         self.cond = threading.Condition()
@@ -88,6 +103,43 @@ class ExchangePlugin(WorkerPlugin):
         worker.handlers["ipar_put"] = self.put
         worker.handlers["ipar_put_many"] = self.put_many
         worker.handlers["ipar_abort"] = self.abort
+        worker.handlers["ipar_wire"] = self.wire_port
+        self.server, self.wire = self._open_wire(worker)
+
+    def _open_wire(self, worker):
+        """This worker's :class:`~dask_ipar.runtime.wire.WireServer` and outgoing
+        :class:`~dask_ipar.runtime.wire.Wire`, or ``(None, None)`` (dask's comms)."""
+        from distributed.comm.addressing import parse_address, parse_host_port
+
+        scheme, loc = parse_address(worker.address)
+        if getattr(self, "transport", "socket") != "socket" or scheme != "tcp":
+            return None, None
+        host = parse_host_port(loc)[0]
+        try:
+            server = WireServer(host, self._deliver, name=f"ipar-wire-{worker.address}")
+        except OSError:  # e.g. a contact address that is not this host's own
+            return None, None
+        return server, Wire(self._resolve, retry_settings, name=f"ipar-wire-{worker.address}")
+
+    def wire_port(self):
+        """Handler ``ipar_wire``: the port of this worker's direct links (None: none)."""
+        return None if self.server is None else self.server.port
+
+    def _resolve(self, dest):
+        """``(host, port)`` of ``dest``'s direct links, or None (a worker thread)."""
+        from distributed.comm.addressing import parse_address, parse_host_port
+
+        fut = asyncio.run_coroutine_threadsafe(self.worker.rpc(dest).ipar_wire(),
+                                               self.worker.loop.asyncio_loop)
+        port = fut.result(timeout=60)
+        scheme, loc = parse_address(dest)
+        return None if port is None or scheme != "tcp" else (parse_host_port(loc)[0], port)
+
+    def _deliver(self, frames):
+        """A message of the direct links (their reading thread): ``[(key, block), ...]``
+        pickled, the blocks' buffers out of band (:func:`~dask_ipar.runtime.wire.unpack`)."""
+        for key, data in unpack(frames):
+            self.put(key=key, data=data)
 
     def teardown(self, worker):
         # a program waiting for blocks would otherwise hold the closing worker's process
@@ -98,6 +150,10 @@ class ExchangePlugin(WorkerPlugin):
         worker.handlers.pop("ipar_put", None)
         worker.handlers.pop("ipar_put_many", None)
         worker.handlers.pop("ipar_abort", None)
+        worker.handlers.pop("ipar_wire", None)
+        for end in (self.server, self.wire):
+            if end is not None:
+                end.close()
 
     # event-loop side
     def put(self, key=None, data=None, sender=None):
@@ -199,6 +255,16 @@ class ExchangePlugin(WorkerPlugin):
                     )
                 self.cond.wait(min(left, 1.0))
 
+    def receive(self, key, timeout: float):
+        """Wait for block ``key`` and take it from the mailbox (IparError after
+        ``timeout`` seconds without it)."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.box or self.closing, timeout) \
+                    or key not in self.box:
+                raise IparError(f"block {key} did not arrive on worker {self.worker.address} "
+                                f"within {timeout:g} s")
+            return self.box.pop(key)
+
     def drop(self, keys):
         """Forget ``keys``: those here now and those arriving later (a failed program)."""
         missing = object()
@@ -224,11 +290,12 @@ class _Sender:
     another phase (:meth:`phase`), waits for blocks, or flushes: one latency instead of one
     per block, and never later than the program would otherwise have idled."""
 
-    def __init__(self, plugin, worker, recorder=None):
+    def __init__(self, plugin, worker, recorder=None, direct=True):
         from distributed.protocol import to_serialize
         from distributed.sizeof import sizeof
 
         self.plugin, self.worker = plugin, worker
+        self.wire = plugin.wire if direct else None  # None: dask's comms
         self.recorder = recorder  # the dashboard's timeline, or None
         self.loop = worker.loop.asyncio_loop
         self._ser, self._sizeof = to_serialize, sizeof
@@ -258,14 +325,32 @@ class _Sender:
 
         await send_with_retry(put, lambda: self.plugin.stopped_tag(tag),
                               f"sending {what} to {dest}")
-        self.plugin.log.append((me, dest, time.perf_counter() - t0,
+        self._sent(dest, items, t0, w0)
+
+    def _sent(self, dest, items, t0, w0) -> None:
+        """Log a message sent: the transfer log, the dashboard's timeline."""
+        self.plugin.log.append((self.worker.address, dest, time.perf_counter() - t0,
                                 [(key, nbytes) for key, _, nbytes in items]))
         if self.recorder is not None:
             for key, _, _ in items:
                 self.recorder.add(key[0], "send", w0, time.time(), dest)
 
+    def _direct(self, dest, items):
+        """Send ``items`` over the direct link to ``dest``: a future, or None (no link)."""
+        t0, w0 = time.perf_counter(), time.time()
+        tag = _tag_of(items[0][0])
+        what = items[0][0][0] if len(items) == 1 else \
+            f"{len(items)} blocks ({items[0][0][0]}, ...)"
+        f = self.wire.send(dest, pack([(k, v) for k, v, _ in items]),
+                           lambda: self.plugin.stopped_tag(tag), f"sending {what} to {dest}")
+        if f is not None:
+            f.add_done_callback(lambda f: f.exception() or self._sent(dest, items, t0, w0))
+        return f
+
     def _go(self, dest, items):
-        f = asyncio.run_coroutine_threadsafe(self._send(dest, items), self.loop)
+        f = None if self.wire is None else self._direct(dest, items)
+        if f is None:
+            f = asyncio.run_coroutine_threadsafe(self._send(dest, items), self.loop)
         for key, _, _ in items:
             self.pending.setdefault(key, []).append(f)
 
@@ -322,39 +407,6 @@ class _Sender:
             pass
 
 
-def retry_settings() -> tuple[int, float, float]:
-    """``(count, delay_min, delay_max)`` of a failed send's retries: dask's P2P shuffle
-    settings ``distributed.p2p.comm.retry.*`` (10 retries, 1 s doubling to 30 s)."""
-    import dask
-    from dask.utils import parse_timedelta
-
-    get = dask.config.get
-    return (int(get("distributed.p2p.comm.retry.count")),
-            float(parse_timedelta(get("distributed.p2p.comm.retry.delay.min"), default="s")),
-            float(parse_timedelta(get("distributed.p2p.comm.retry.delay.max"), default="s")))
-
-
-async def send_with_retry(op, stopped, what: str, settings=None):
-    """``await op()``, retried after a connection error (``OSError``, which dask's closed
-    comms are) as dask's P2P shuffle retries: at once, then after ``delay_min``,
-    ``3 * delay_min``, ... at most ``delay_max`` apart (10 % jitter), ``count`` times. It
-    stops retrying as soon as ``stopped()`` says why (the step was aborted: the peer is
-    gone or hung, and the client knows), raising the last error."""
-    import random
-
-    count, dmin, dmax = retry_settings() if settings is None else settings
-    for attempt in range(count + 1):
-        try:
-            return await op()
-        except OSError as exc:
-            reason = stopped()
-            if attempt == count or reason:
-                raise OSError(f"{what} failed after {attempt + 1} attempt(s)"
-                              + (f" ({reason})" if reason else "") + f": {exc}") from exc
-            delay = min(dmin * (2 ** attempt - 1), dmax)
-            await asyncio.sleep(delay * (1 + 0.1 * (2 * random.random() - 1)))
-
-
 def _plugin(worker):
     plugin = worker.plugins.get(PLUGIN_NAME)
     if plugin is None:
@@ -366,9 +418,10 @@ def _plugin(worker):
 
 
 # ------------------------------------------------------------------ client side
-def install_exchange(client) -> None:
-    """Add :class:`ExchangePlugin` to every worker of ``client`` (and to later ones)."""
-    client.register_plugin(ExchangePlugin(), name=PLUGIN_NAME)
+def install_exchange(client, transport: str = "socket") -> None:
+    """Add :class:`ExchangePlugin` to every worker of ``client`` (and to later ones);
+    ``transport``: :data:`TRANSPORTS` (once per cluster: a later call changes nothing)."""
+    client.register_plugin(ExchangePlugin(transport), name=PLUGIN_NAME)
 
 
 def _abort_here(uid, reason, upto=None, dask_worker=None):
