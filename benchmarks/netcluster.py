@@ -352,11 +352,14 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
             big, small = C.transfer_time(client, ws[0], ws[1], 64 * 2**20)
             bw = 64 * 2**20 / max(big - small, 1e-9)
             hop = program_hop(client, ws[0], ws[1])
+            via_dask = program_hop(client, ws[0], ws[1], direct=False)
             out["link"] = {"t_64MiB_s": big, "t_4B_s": small, "bandwidth_Bps": bw,
-                           "nominal_Bps": parse_rate_Bps(rate), "program_hop_4B_s": hop}
+                           "nominal_Bps": parse_rate_Bps(rate), "program_hop_4B_s": hop,
+                           "program_hop_dask_s": via_dask}
             print(f"link check: 64 MiB in {big:.3f} s -> {bw * 8 / 1e9:.3f} Gbit/s "
                   f"(nominal {rate}); 4-byte dask task transfer {small * 1e3:.1f} ms, "
-                  f"4-byte program hop {hop * 1e3:.2f} ms", flush=True)
+                  f"4-byte program hop {hop * 1e3:.2f} ms (over dask's comms "
+                  f"{via_dask * 1e3:.2f} ms)", flush=True)
             if peers:
                 pp = run_peer(cl, "pingpong", f"1x{n_workers}", {"kind": "mlp", "widths": [1, 1]},
                               1, 1, threads)

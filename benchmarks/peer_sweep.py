@@ -55,15 +55,23 @@ def render(res: dict) -> str:
     for run in res["results"]:
         link = run["link"]
         peer = run.get("peer_link", {})
+        # sweeps before the direct links (2026-12-02 16:00) sent the programs' blocks
+        # through dask's comms and timed the hop as half an rpc round trip on the event loop
+        direct = "program_hop_dask_s" in link
         w(f"### P = {run['workers']}, {run['rate']} per link")
+        w("")
+        w(f"Run at {run['when']}; the worker programs' blocks over "
+          + ("their direct TCP links." if direct else "dask's comms (before the direct "
+             "links; hop: half an rpc round trip on the event loop, not thread to thread)."))
         w("")
         w(f"Link check: dask 64 MiB in {link['t_64MiB_s']:.3f} s "
           f"({link['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s), gloo "
           f"{peer.get('t_64MiB_s', float('nan')):.3f} s "
           f"({peer.get('bandwidth_Bps', float('nan')) * 8 / 1e9:.2f} Gbit/s). One hop of a "
-          f"4-byte block: worker programs {link['program_hop_4B_s'] * 1e3:.2f} ms, gloo "
-          f"{peer.get('hop_4B_s', float('nan')) * 1e3:.2f} ms (a dask task's transfer "
-          f"{link['t_4B_s'] * 1e3:.1f} ms).")
+          f"4-byte block: worker programs {link['program_hop_4B_s'] * 1e3:.2f} ms"
+          + (f" (over dask's comms {link['program_hop_dask_s'] * 1e3:.2f} ms)" if direct
+             else "") + f", gloo {peer.get('hop_4B_s', float('nan')) * 1e3:.2f} ms (a dask "
+          f"task's transfer {link['t_4B_s'] * 1e3:.1f} ms).")
         w("")
         for key, v in run["grids"].items():
             w(f"**{v['label']}{'' if key == 'cnn' else ' MLP'}** "
