@@ -337,6 +337,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     from dask_ipar.cost import price_assignment
     from dask_ipar.nn.planning import cost_specs
     from dask_ipar.runtime.calibrate import calibrate, program_hop
+    from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
     from dask_ipar.runtime.gridrank import rank_grids
 
     warnings.filterwarnings("ignore")
@@ -355,7 +356,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
             via_dask = program_hop(client, ws[0], ws[1], direct=False)
             out["link"] = {"t_64MiB_s": big, "t_4B_s": small, "bandwidth_Bps": bw,
                            "nominal_Bps": parse_rate_Bps(rate), "program_hop_4B_s": hop,
-                           "program_hop_dask_s": via_dask}
+                           "program_hop_dask_s": via_dask,
+                           "direct_max_bytes": DIRECT_MAX_BYTES}
             print(f"link check: 64 MiB in {big:.3f} s -> {bw * 8 / 1e9:.3f} Gbit/s "
                   f"(nominal {rate}); 4-byte dask task transfer {small * 1e3:.1f} ms, "
                   f"4-byte program hop {hop * 1e3:.2f} ms (over dask's comms "

@@ -61,8 +61,11 @@ def render(res: dict) -> str:
         w(f"### P = {run['workers']}, {run['rate']} per link")
         w("")
         w(f"Run at {run['when']}; the worker programs' blocks over "
-          + ("their direct TCP links." if direct else "dask's comms (before the direct "
-             "links; hop: half an rpc round trip on the event loop, not thread to thread)."))
+          + ((f"their direct TCP links up to {link['direct_max_bytes'] // 1024} KiB a message, "
+              "dask's comms above." if "direct_max_bytes" in link else
+              "their direct TCP links, all of them (the first version of the links).")
+             if direct else "dask's comms (before the direct links; hop: half an rpc round "
+             "trip on the event loop, not thread to thread)."))
         w("")
         w(f"Link check: dask 64 MiB in {link['t_64MiB_s']:.3f} s "
           f"({link['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s), gloo "

@@ -10,10 +10,11 @@ plugin's mailbox until a program takes them. Each transfer is logged on its send
 own transfer logs). Client side: :func:`install_exchange` registers the plugin and
 :func:`abort_programs` stops the programs of a model.
 
-Transport: blocks travel over direct TCP links between the plugins
-(:mod:`dask_ipar.runtime.wire`: no event loop between a program and the socket) where the
-workers' addresses are plain ``tcp://``; with TLS, in-process or UCX addresses, or
-``ExchangePlugin(transport="dask")``, through dask's comms (the ``ipar_put`` handlers).
+Transport: messages up to :data:`DIRECT_MAX_BYTES` travel over direct TCP links between
+the plugins (:mod:`dask_ipar.runtime.wire`: no event loop between a program and the socket)
+where the workers' addresses are plain ``tcp://``; larger ones, and all with TLS, in-process
+or UCX addresses, or ``ExchangePlugin(transport="dask")``, through dask's comms (the
+``ipar_put`` handlers).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.wire import Wire, WireServer, pack, retry_settings, send_with_retry, unpack
 
-__all__ = ["ExchangePlugin", "PLUGIN_NAME", "TRANSPORTS", "LOG_LENGTH", "install_exchange", "abort_programs",
+__all__ = ["ExchangePlugin", "PLUGIN_NAME", "TRANSPORTS", "DIRECT_MAX_BYTES", "LOG_LENGTH", "install_exchange", "abort_programs",
            "drain_exchange_log", "KEEP_STEPS",
            "MERGE_BYTES"]
 
@@ -47,6 +48,13 @@ KEEP_STEPS = 16
 #: How blocks travel: ``socket`` (direct TCP links where the addresses allow, else dask's
 #: comms) or ``dask`` (dask's comms always).
 TRANSPORTS = ("socket", "dask")
+#: Messages up to this many bytes take the direct links, larger ones dask's comms: the
+#: direct links win where latency counts (small blocks in sequence: a 4-byte hop 5x
+#: shorter); for large blocks the two measured alike within the machine's noise (a CNN step
+#: on an emulated 4-host 1 Gbit/s cluster: 1x4 1.80-2.00 s either way, 4x1 0.82-0.86 s
+#: direct, 0.91-0.95 s dask's comms; ``benchmarks/ab_transport.py``), so the long-tested
+#: path keeps them. Per worker: ``ExchangePlugin.direct_bytes`` (``inf``: all messages).
+DIRECT_MAX_BYTES = 1 << 16
 
 
 # ------------------------------------------------------------------ worker side
@@ -82,6 +90,8 @@ class ExchangePlugin(WorkerPlugin):
     #: registered once per cluster: another model's registration must not replace (tear
     #: down) the plugin while programs use its mailbox
     idempotent = True
+
+    direct_bytes = DIRECT_MAX_BYTES  # messages up to this size take the direct links
 
     def __init__(self, transport: str = "socket"):
         if transport not in TRANSPORTS:
@@ -348,7 +358,8 @@ class _Sender:
         return f
 
     def _go(self, dest, items):
-        f = None if self.wire is None else self._direct(dest, items)
+        small = sum(n for _, _, n in items) <= self.plugin.direct_bytes
+        f = self._direct(dest, items) if self.wire is not None and small else None
         if f is None:
             f = asyncio.run_coroutine_threadsafe(self._send(dest, items), self.loop)
         for key, _, _ in items:

@@ -20,8 +20,10 @@ once the sender's call returns: the kernel holds a copy, so the block may be upd
 place afterwards. The receiver does not answer: the program that waits for the block is the
 acknowledgement.
 
-Used for plain TCP addresses only: with TLS (a cluster's security settings), in-process or
-UCX addresses, :class:`~dask_ipar.runtime.exchange.ExchangePlugin` keeps dask's comms.
+Which messages: those up to :data:`~dask_ipar.runtime.exchange.DIRECT_MAX_BYTES` (the
+exchange decides), on plain TCP addresses only: with TLS (a cluster's security settings),
+in-process or UCX addresses, :class:`~dask_ipar.runtime.exchange.ExchangePlugin` keeps
+dask's comms.
 """
 
 from __future__ import annotations
