@@ -312,12 +312,12 @@ def test_process_killed_during_checkpoint_write(client4, tmp_path):
 
 @pytest.mark.faults
 @pytest.mark.parametrize("grid,lineage",
-                         [("2x2", 100), ("2x2", 1), ("4x1", 100), ("1x4", 100)],
-                         ids=["default", "cut-every-step", "4x1-uneven", "1x4-uneven"])
+                         [("2x2", 100), ("2x2", 1), ("1x4", 100)],
+                         ids=["default", "cut-every-step", "1x4-uneven"])
 def test_worker_killed_at_a_random_step_resumes_exactly(client4, data, tmp_path, grid, lineage):
-    """With a lineage cut before every step the death is found during a cut. On 4x1 the
-    9 rows are 3+2+2+2, so checkpoint chunks straddle blocks; on 1x4 the weight columns
-    split unevenly; the result is bit-equal."""
+    """With a lineage cut before every step the death is found during a cut. On 1x4 the
+    weight columns split unevenly (uneven rows, whose checkpoint chunks straddle blocks:
+    test_checkpoint_integrity's resume on 3x2); the result is bit-equal."""
     X, y = data
     steps, every = 6, 2
     plain = make_model().distribute(client4, grid)

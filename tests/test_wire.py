@@ -45,13 +45,14 @@ def test_a_message_arrives_whole_over_a_socket(size):
     out = {}
     t = threading.Thread(target=lambda: out.update(n=write_message(a, frames)))
     t.start()
-    stream = b.makefile("rb")
-    got = read_message(stream)
+    got = read_message(b)
     t.join()
     assert [bytes(g) for g in got] == [b"head", payload.tobytes(), b""]
     assert out["n"] == 8 * 4 + 4 + size
+    write_message(a, [b"next"])
+    assert [bytes(g) for g in read_message(b)] == [b"next"]  # no read-ahead: one at a time
     a.close()
-    assert read_message(stream) is None  # the end of the stream between messages
+    assert read_message(b) is None  # the end of the link between messages
     b.close()
 
 
@@ -84,6 +85,57 @@ def test_small_and_large_blocks_reach_the_peer_and_their_futures_tell_the_bytes(
         np.testing.assert_array_equal(got[("a-u-s1", 1)], large)
         np.testing.assert_array_equal(got[("a-u-s1", 2)], small)
         assert futs[0].result() < futs[1].result()
+    finally:
+        wire.close()
+        server.close()
+
+
+@pytest.mark.fast
+def test_a_waiting_program_reads_its_block_itself_and_the_background_thread_otherwise():
+    """While a thread waits in ``WireServer.wait``, the blocks are read (delivered) by that
+    thread: no hand-off between threads; when nobody waits, by the background thread."""
+    readers = []
+    box, cv = [], threading.Condition()
+
+    def deliver(frames):
+        with cv:
+            readers.append(threading.get_ident())
+            box.extend(unpack(frames))
+            cv.notify_all()
+
+    server = WireServer("127.0.0.1", deliver, name="test-wire")
+    wire = Wire(lambda dest: ("127.0.0.1", server.port), lambda: (0, 0.01, 0.02), name="t")
+    try:
+        wire.send("peer", pack([(("a-u-s1", 0), 0)]), lambda: None, "t").result(10)
+        with cv:  # nobody waits: the background thread reads it
+            assert cv.wait_for(lambda: len(box) == 1, timeout=10)
+        assert readers == [readers[0]] and readers[0] != threading.get_ident()
+
+        def later():
+            time.sleep(0.2)
+            wire.send("peer", pack([(("a-u-s1", 1), 1)]), lambda: None, "t")
+        threading.Thread(target=later).start()
+        t0 = time.monotonic()
+        assert server.wait(lambda: len(box) == 2, timeout=10) is True
+        assert time.monotonic() - t0 < 5
+        assert readers[1] == threading.get_ident()  # this thread read it
+
+        # another thread reading the links: this one is told to wait on its deliveries
+        hold = threading.Event()
+        other = threading.Thread(target=server.wait, args=(hold.is_set, 10))
+        other.start()
+        time.sleep(0.1)
+        assert server.wait(lambda: False, timeout=0.1) is None
+        hold.set()
+        server.nudge()  # ends the other thread's wait at once
+        other.join(timeout=5)
+        assert not other.is_alive()
+        assert server.wait(lambda: False, timeout=0.05) is False  # a wait that times out
+        # a close ends a wait at once
+        threading.Timer(0.2, server.close).start()
+        t0 = time.monotonic()
+        assert server.wait(lambda: False, timeout=10) is False
+        assert time.monotonic() - t0 < 5
     finally:
         wire.close()
         server.close()
@@ -169,3 +221,25 @@ def test_programs_send_their_blocks_over_the_direct_links(client):
     got = client.run(links)
     assert all(v is not None for v in got.values())
     assert sum(map(len, got.values())) >= 4  # a 2x2 step sends between all four
+
+
+@pytest.mark.fast
+def test_a_program_reading_the_links_hears_of_blocks_that_came_another_way():
+    """A program waits reading the direct links; a block that comes through dask's comms
+    (the ``ipar_put`` handler), and then the worker's closing, end its wait at once."""
+    plugin = ExchangePlugin()
+    plugin.setup(SimpleNamespace(handlers={}, address="tcp://127.0.0.1:1"))
+    try:
+        assert plugin.server is not None
+        key = ("a-u-s1", 0)
+        threading.Timer(0.2, plugin.put, kwargs={"key": key, "data": 7}).start()
+        t0 = time.monotonic()
+        assert plugin.receive(key, timeout=20) == 7
+        assert time.monotonic() - t0 < 10
+        threading.Timer(0.2, plugin.teardown, args=(SimpleNamespace(handlers={}),)).start()
+        t0 = time.monotonic()
+        with pytest.raises(IparError, match="did not arrive"):
+            plugin.receive(("a-u-s1", 1), timeout=20)
+        assert time.monotonic() - t0 < 10
+    finally:
+        plugin.teardown(SimpleNamespace(handlers={}))

@@ -29,9 +29,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.wire import Wire, WireServer, pack, retry_settings, send_with_retry, unpack
 
-__all__ = ["ExchangePlugin", "PLUGIN_NAME", "TRANSPORTS", "DIRECT_MAX_BYTES", "LOG_LENGTH", "install_exchange", "abort_programs",
-           "drain_exchange_log", "KEEP_STEPS",
-           "MERGE_BYTES"]
+__all__ = ["ExchangePlugin", "PLUGIN_NAME", "TRANSPORTS", "DIRECT_MAX_BYTES", "LOG_LENGTH",
+           "install_exchange", "abort_programs", "drain_exchange_log", "KEEP_STEPS", "MERGE_BYTES"]
 
 #: Name of the worker plugin (one per worker, shared by every model).
 PLUGIN_NAME = "dask-ipar-exchange"
@@ -64,6 +63,13 @@ def _tag_of(key):
     if not isinstance(name, str) or "-" not in name:
         return None
     return name.split("-", 1)[1]
+
+
+def _what(items, dest) -> str:
+    """What a message of ``items`` ``[(key, value, nbytes)]`` to ``dest`` is, for errors."""
+    name = items[0][0][0]
+    what = name if len(items) == 1 else f"{len(items)} blocks ({name}, ...)"
+    return f"sending {what} to {dest}"
 
 
 def _stale(aborted, tag) -> bool:
@@ -107,6 +113,8 @@ class ExchangePlugin(WorkerPlugin):
         self.dropped: set = set()  # keys of failed programs: dropped on arrival
         self.closing = False  # the worker is shutting down: waiting programs fail
         self.newest: dict = {}  # model uid -> newest step number seen in a block
+        self.events = 0  # counts arrivals, aborts and the closing: a waiting program's news
+        self.server = None  # direct links' server (set below): waiting programs read it
         # (sender, receiver, seconds, [(key, nbytes)]) of every block sent: bounded, as
         # nothing drains it when no CommMeter runs (one drains every 32 steps)
         self.log: deque = deque(maxlen=LOG_LENGTH)
@@ -122,7 +130,7 @@ class ExchangePlugin(WorkerPlugin):
         from distributed.comm.addressing import parse_address, parse_host_port
 
         scheme, loc = parse_address(worker.address)
-        if getattr(self, "transport", "socket") != "socket" or scheme != "tcp":
+        if self.transport != "socket" or scheme != "tcp":
             return None, None
         host = parse_host_port(loc)[0]
         try:
@@ -146,17 +154,16 @@ class ExchangePlugin(WorkerPlugin):
         return None if port is None or scheme != "tcp" else (parse_host_port(loc)[0], port)
 
     def _deliver(self, frames):
-        """A message of the direct links (their reading thread): ``[(key, block), ...]``
-        pickled, the blocks' buffers out of band (:func:`~dask_ipar.runtime.wire.unpack`)."""
+        """A message of the direct links, in the thread that read it (a waiting program or
+        the background reader): ``[(key, block), ...]`` pickled, the blocks' buffers out of
+        band (:func:`~dask_ipar.runtime.wire.unpack`)."""
         for key, data in unpack(frames):
             self.put(key=key, data=data)
 
     def teardown(self, worker):
         # a program waiting for blocks would otherwise hold the closing worker's process
         # until its timeout (its thread must end before the process can)
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
+        self._notify(closing=True)
         worker.handlers.pop("ipar_put", None)
         worker.handlers.pop("ipar_put_many", None)
         worker.handlers.pop("ipar_abort", None)
@@ -176,8 +183,34 @@ class ExchangePlugin(WorkerPlugin):
             else:
                 self.box[key] = data
                 self._purge(_tag_of(key))
-            self.cond.notify_all()
+        self._notify()
         return "OK"
+
+    def _notify(self, closing=False) -> None:
+        """Wake the programs waiting for news (a block arrived, a step was stopped, the
+        worker closes): those waiting on ``cond`` and the one reading the direct links."""
+        with self.cond:
+            self.closing = self.closing or closing
+            self.events += 1
+            self.cond.notify_all()
+        if self.server is not None:
+            self.server.nudge()
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait (holding ``cond``) up to ``seconds`` for news: reading the direct links in
+        this thread where no other program does (the block then wakes this thread
+        itself), else on ``cond``."""
+        if self.server is None:
+            self.cond.wait(seconds)
+            return
+        seen = self.events
+        self.cond.release()
+        try:
+            pumped = self.server.wait(lambda: self.events != seen or self.closing, seconds)
+        finally:
+            self.cond.acquire()
+        if pumped is None and self.events == seen:
+            self.cond.wait(seconds)
 
     def put_many(self, items=None, sender=None):
         """Several small blocks in one message (``[(key, data), ...]``)."""
@@ -216,7 +249,7 @@ class ExchangePlugin(WorkerPlugin):
                 gone = [k for k in self.box if _tag_of(k) == tag]
             for k in gone:
                 del self.box[k]
-            self.cond.notify_all()
+        self._notify()
         return "OK"
 
     def stopped_tag(self, tag) -> str | None:
@@ -263,14 +296,19 @@ class ExchangePlugin(WorkerPlugin):
                         f"{min(map(str, due))} from {prog.remote[min(due, key=str)]}); a peer "
                         "program is stuck or its worker is gone."
                     )
-                self.cond.wait(min(left, 1.0))
+                self._sleep(min(left, 1.0))
 
     def receive(self, key, timeout: float):
         """Wait for block ``key`` and take it from the mailbox (IparError after
         ``timeout`` seconds without it)."""
+        deadline = time.monotonic() + timeout
         with self.cond:
-            if not self.cond.wait_for(lambda: key in self.box or self.closing, timeout) \
-                    or key not in self.box:
+            while key not in self.box and not self.closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._sleep(left)
+            if key not in self.box:
                 raise IparError(f"block {key} did not arrive on worker {self.worker.address} "
                                 f"within {timeout:g} s")
             return self.box.pop(key)
@@ -324,17 +362,14 @@ class _Sender:
 
             async def put():
                 return await self.worker.rpc(dest).ipar_put(key=key, data=data, sender=me)
-            what = key[0]
         else:
             # lists, not tuples: an in-process comm unwraps Serialize in lists and dicts only
             many = [[key, self._ser(value)] for key, value, _ in items]
 
             async def put():
                 return await self.worker.rpc(dest).ipar_put_many(items=many, sender=me)
-            what = f"{len(items)} blocks ({items[0][0][0]}, ...)"
 
-        await send_with_retry(put, lambda: self.plugin.stopped_tag(tag),
-                              f"sending {what} to {dest}")
+        await send_with_retry(put, lambda: self.plugin.stopped_tag(tag), _what(items, dest))
         self._sent(dest, items, t0, w0)
 
     def _sent(self, dest, items, t0, w0) -> None:
@@ -349,10 +384,8 @@ class _Sender:
         """Send ``items`` over the direct link to ``dest``: a future, or None (no link)."""
         t0, w0 = time.perf_counter(), time.time()
         tag = _tag_of(items[0][0])
-        what = items[0][0][0] if len(items) == 1 else \
-            f"{len(items)} blocks ({items[0][0][0]}, ...)"
         f = self.wire.send(dest, pack([(k, v) for k, v, _ in items]),
-                           lambda: self.plugin.stopped_tag(tag), f"sending {what} to {dest}")
+                           lambda: self.plugin.stopped_tag(tag), _what(items, dest))
         if f is not None:
             f.add_done_callback(lambda f: f.exception() or self._sent(dest, items, t0, w0))
         return f

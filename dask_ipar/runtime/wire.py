@@ -3,12 +3,13 @@
 Why not dask's comms: a block pushed through ``worker.rpc`` crosses two event loops. The
 program's thread hands it to its worker's loop, which writes it; the receiver's loop reads
 it, answers, and wakes the program's thread waiting for it: four thread hand-offs and two
-loop iterations per hop (0.3 ms on an emulated link, 2.5-4.4x gloo's blocking send and
-receive, ``docs/benchmarks.md``). Here a program writes a small message into the peer's
-socket itself, and a thread of the receiver, blocked reading that socket, puts the block
-into the mailbox and wakes the program: two hand-offs, no event loop. A large message, or
-one while the link is busy, goes to the link's own thread, so that the program computes on
-while it is written (sends never wait for the receiver).
+loop iterations per hop (0.6-0.9 ms on an emulated link, several times gloo's blocking send
+and receive, ``docs/benchmarks.md``). Here a program writes a small message into the peer's
+socket itself, and the program waiting for it on the other side reads the socket itself
+(:meth:`WireServer.wait`): no event loop and no thread between them (0.08-0.14 ms a hop on
+the emulated links, gloo's 0.07-0.12). While no program waits, a background thread reads
+the links. A large message, or one while the link is busy, goes to the link's own thread,
+so that the program computes on while it is written (sends never wait for the receiver).
 
 What travels: a message is a pickle (protocol 5) with the blocks' buffers out of band
 (:func:`pack`: NumPy blocks are not copied; CuPy blocks pickle through host memory, as over
@@ -33,6 +34,8 @@ import concurrent.futures
 import logging
 import pickle
 import random
+import select
+import selectors
 import socket
 import struct
 import threading
@@ -48,6 +51,10 @@ logger = logging.getLogger(__name__)
 #: link is free (they land in the socket's buffer at once); larger ones, and any while the
 #: link is busy, by the link's thread.
 DIRECT_BYTES = 1 << 16
+#: The background thread reads the links once no program has read them for this long
+#: (programs of a step wait for blocks every few milliseconds: waking the background thread
+#: each time would cost them CPU and the GIL; a block nobody waits for can wait).
+LINGER_S = 0.05
 
 
 def backoff(attempt: int, dmin: float, dmax: float) -> float:
@@ -123,11 +130,11 @@ def write_message(sock: socket.socket, frames) -> int:
     return total
 
 
-def _read_exact(stream, n: int, eof_ok: bool = False):
+def _read_exact(sock: socket.socket, n: int, eof_ok: bool = False):
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        r = stream.readinto(view[got:])
+        r = sock.recv_into(view[got:])
         if not r:
             if eof_ok and got == 0:
                 return None
@@ -136,15 +143,27 @@ def _read_exact(stream, n: int, eof_ok: bool = False):
     return buf
 
 
-def read_message(stream) -> list | None:
-    """The frames (writable ``bytearray``) of the next message on a binary ``stream``
-    (``socket.makefile("rb")``), or None where the stream ends between messages."""
-    first = _read_exact(stream, 8, eof_ok=True)
+def read_message(sock: socket.socket) -> list | None:
+    """The frames (writable ``bytearray``) of the next message on a blocking ``sock``, or
+    None where the link ends between messages. Reads exactly the message (no read-ahead),
+    so that a readiness check of the socket afterwards tells whether another one waits."""
+    first = _read_exact(sock, 8, eof_ok=True)
     if first is None:
         return None
     (n,) = struct.unpack("!Q", first)
-    lengths = struct.unpack(f"!{n}Q", _read_exact(stream, 8 * n))
-    return [_read_exact(stream, m) for m in lengths]
+    lengths = struct.unpack(f"!{n}Q", _read_exact(sock, 8 * n)) if n else ()
+    return [_read_exact(sock, m) for m in lengths]
+
+
+def _has_data(sock) -> bool:
+    """Whether ``sock`` can be read now without blocking (data, or the end of the link)."""
+    if not hasattr(socket, "MSG_DONTWAIT"):  # Windows
+        return bool(select.select([sock], [], [], 0)[0])
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    return True
 
 
 def _shut(sock) -> None:
@@ -157,57 +176,175 @@ def _shut(sock) -> None:
 
 class WireServer:
     """Accepts links from other workers on ``host`` (a free port) and calls
-    ``deliver(frames)`` for each message, from the link's reading thread."""
+    ``deliver(frames)`` for each message they bring, from the thread that read it.
+
+    Who reads: a program waiting for blocks reads the links itself (:meth:`wait`): the
+    message wakes the waiting thread straight from the socket, with no hand-off between
+    threads (a 4-byte hop 0.11 ms instead of 0.17 ms on loopback, interleaved A/B). While
+    no program has waited for :data:`LINGER_S`, a background thread reads them, so that
+    links never fill up. Both keep a selector over the links; a link is read by one thread
+    at a time (its lock), a whole message at a time, and only when it has data."""
 
     def __init__(self, host: str, deliver, name: str = "ipar-wire"):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.create_server((host, 0), family=family)
+        self.sock.setblocking(False)  # accepted by whichever thread sees it first
         self.port = self.sock.getsockname()[1]
         self.deliver, self.name = deliver, name
         self.lock = threading.Lock()
-        self.conns: set = set()
+        self.idle = threading.Condition(self.lock)  # the background thread, while one pumps
+        self.plock = threading.Lock()  # one waiting program reads the links at a time
+        self.conns: dict = {}  # socket -> its read lock
         self.closed = False
-        threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True).start()
+        self.pumper = None  # thread id of the program reading the links now
+        self.pumped = 0.0  # when a program last stopped reading them (time.monotonic)
+        self._bwake, self._pwake = socket.socketpair(), socket.socketpair()
+        self.bsel, self.psel = selectors.DefaultSelector(), selectors.DefaultSelector()
+        for sel, wake in ((self.bsel, self._bwake), (self.psel, self._pwake)):
+            wake[0].setblocking(False)
+            sel.register(self.sock, selectors.EVENT_READ)
+            sel.register(wake[0], selectors.EVENT_READ)
+        threading.Thread(target=self._background, name=f"{name}-read", daemon=True).start()
+
+    # --------------------------------------------------------------- reading
+    def _ready(self, obj) -> None:
+        """Act on a readable ``obj`` of a selector: accept, drain a wake-up, or read one
+        message (unless another thread is reading that link now)."""
+        if obj is self.sock:
+            self._accept()
+        elif obj is self._bwake[0] or obj is self._pwake[0]:
+            try:
+                obj.recv(4096)
+            except OSError:
+                pass
+        else:
+            rlock = self.conns.get(obj)
+            if rlock is None or not rlock.acquire(blocking=False):
+                return
+            try:  # another thread may have read the message this one was woken for:
+                if not _has_data(obj):  # never block on a link with nothing to read
+                    return
+                frames = read_message(obj)
+            except OSError:
+                frames = None  # the peer went away mid-message: it sends it again anew
+            finally:
+                rlock.release()
+            if frames is None:
+                self._drop(obj)
+                return
+            try:
+                self.deliver(frames)
+            except Exception:  # noqa: BLE001 - one bad message must not end the link
+                logger.exception("dask-ipar: a block received on %s could not be read",
+                                 self.name)
 
     def _accept(self) -> None:
-        while True:
-            try:
-                conn, peer = self.sock.accept()
-            except OSError:
-                return  # closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self.lock:
-                if self.closed:
-                    _shut(conn)
-                    return
-                self.conns.add(conn)
-            threading.Thread(target=self._read, args=(conn,), daemon=True,
-                             name=f"{self.name}-from-{peer[0]}:{peer[1]}").start()
-
-    def _read(self, conn) -> None:
-        stream = conn.makefile("rb", buffering=1 << 16)
         try:
-            while (frames := read_message(stream)) is not None:
+            conn, _ = self.sock.accept()
+        except OSError:  # another thread took it, or closed
+            return
+        conn.setblocking(True)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.lock:
+            if self.closed:
+                _shut(conn)
+                return
+            self.conns[conn] = threading.Lock()
+            for sel in (self.bsel, self.psel):
+                sel.register(conn, selectors.EVENT_READ)
+
+    def _drop(self, conn) -> None:
+        with self.lock:
+            if self.conns.pop(conn, None) is None:
+                return
+            for sel in (self.bsel, self.psel):
                 try:
-                    self.deliver(frames)
-                except Exception:  # noqa: BLE001 - one bad message must not end the link
-                    logger.exception("dask-ipar: a block received on %s could not be read",
-                                     self.name)
-        except OSError:
-            pass  # the peer went away mid-message: it sends the message again on a new link
+                    sel.unregister(conn)
+                except (KeyError, ValueError, OSError):
+                    pass
+        _shut(conn)
+
+    def _background(self) -> None:
+        while True:
+            with self.lock:  # not while programs wait for blocks now and then: wake-ups
+                while not self.closed and (self.pumper is not None or  # would cost them
+                                           time.monotonic() - self.pumped < LINGER_S):
+                    self.idle.wait(LINGER_S)
+                if self.closed:
+                    break
+            try:
+                events = self.bsel.select()
+            except (OSError, ValueError):
+                return  # closed under it
+            for key, _ in events:
+                if self.closed or self.pumper is not None:
+                    break  # a waiting program reads them
+                self._ready(key.fileobj)
+        _close_all(self.bsel, *self._bwake)
+
+    def wait(self, done, timeout: float):
+        """Read the links in this (a waiting program's) thread until ``done()`` or
+        ``timeout`` seconds: ``done()``'s value, or None at once where another program is
+        reading them (wait for its deliveries instead). :meth:`nudge` ends a wait early
+        when something arrives by another path."""
+        if not self.plock.acquire(blocking=False):
+            return None
+        with self.lock:
+            self.pumper = threading.get_ident()
+        try:
+            deadline = time.monotonic() + timeout
+            while not (ok := done()) and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for key, _ in self.psel.select(left):
+                    self._ready(key.fileobj)
+            return ok
+        except (OSError, ValueError):
+            return done()  # closed under it
         finally:
-            stream.close()
-            with self.lock:
-                self.conns.discard(conn)
-            _shut(conn)
+            with self.lock:  # the background thread reads again after LINGER_S
+                self.pumper, self.pumped = None, time.monotonic()
+            if self.closed:
+                _close_all(self.psel, *self._pwake)
+            self.plock.release()
+
+    def nudge(self) -> None:
+        """Wake the program reading the links (something it waits for may have come by
+        another path: dask's comms, an abort); nothing if none is, or if it is this thread."""
+        p = self.pumper
+        if p is not None and p != threading.get_ident():
+            try:
+                self._pwake[1].send(b"x")
+            except OSError:
+                pass
 
     def close(self) -> None:
         with self.lock:
             self.closed = True
-            conns, self.conns = list(self.conns), set()
+            conns, self.conns = list(self.conns), {}
+            self.idle.notify_all()
+        for wake in (self._bwake, self._pwake):
+            try:
+                wake[1].send(b"x")
+            except OSError:
+                pass
         _shut(self.sock)
         for c in conns:
             _shut(c)
+        if self.plock.acquire(blocking=False):  # else the reading program closes its side
+            try:
+                _close_all(self.psel, *self._pwake)
+            finally:
+                self.plock.release()
+
+
+def _close_all(*things) -> None:
+    for t in things:
+        try:
+            t.close()
+        except OSError:
+            pass
 
 
 class _Link:
