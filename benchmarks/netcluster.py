@@ -357,7 +357,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
             out["link"] = {"t_64MiB_s": big, "t_4B_s": small, "bandwidth_Bps": bw,
                            "nominal_Bps": parse_rate_Bps(rate), "program_hop_4B_s": hop,
                            "program_hop_dask_s": via_dask,
-                           "direct_max_bytes": DIRECT_MAX_BYTES}
+                           "direct_max_bytes": DIRECT_MAX_BYTES, "wire_reader": "program"}
             print(f"link check: 64 MiB in {big:.3f} s -> {bw * 8 / 1e9:.3f} Gbit/s "
                   f"(nominal {rate}); 4-byte dask task transfer {small * 1e3:.1f} ms, "
                   f"4-byte program hop {hop * 1e3:.2f} ms (over dask's comms "
@@ -493,35 +493,41 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     return out
 
 
-def check_links(n_workers, rate, client_rate, threads, gloo: bool) -> int:
-    """The link checks alone: a 64 MiB transfer, the programs' 4-byte hop over their
-    direct links and over dask's comms, and (``gloo``) PyTorch's ping-pong on the same links."""
+def check_links(n_workers, rate, client_rate, threads, gloo: bool, rounds: int = 3) -> dict:
+    """The link checks alone: a 64 MiB transfer, then ``rounds`` times, back to back, the
+    programs' 4-byte hop over their direct links and over dask's comms and (``gloo``)
+    PyTorch's ping-pong on the same links. Returns what it measured (seconds)."""
     import common as C
     from distributed import Client
 
     from dask_ipar.runtime.calibrate import program_hop
 
     handle: list = []
+    out = {"workers": n_workers, "rate": rate, "program_hops_s": [], "dask_hops_s": [],
+           "gloo_hops_s": [], "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with emulated_cluster(n_workers, rate, client_rate=client_rate, threads=threads,
                           peers=n_workers if gloo else 0, handle=handle) as addr:
         with Client(addr) as client:
             ws = sorted(client.scheduler_info()["workers"])
             big, small = C.transfer_time(client, ws[0], ws[1], 64 * 2**20)
+            out.update(t_64MiB_s=big, t_4B_s=small, bandwidth_Bps=64 * 2**20 / (big - small))
             print(f"64 MiB in {big:.3f} s: {64 * 2**20 / (big - small) * 8 / 1e9:.3f} Gbit/s; "
-                  f"4 B dask task transfer in {small * 1e3:.1f} ms")
-            for r in range(3):
+                  f"4 B dask task transfer in {small * 1e3:.1f} ms", flush=True)
+            for r in range(rounds):
                 hop = program_hop(client, ws[0], ws[1])
                 via = program_hop(client, ws[0], ws[1], direct=False)
+                out["program_hops_s"].append(hop)
+                out["dask_hops_s"].append(via)
                 print(f"4-byte program hop: direct links {hop * 1e3:.3f} ms, dask comms "
-                      f"{via * 1e3:.3f} ms")
-            if gloo:
-                for r in range(2):
+                      f"{via * 1e3:.3f} ms", flush=True)
+                if gloo:
                     pp = run_peer(handle[0], "pingpong", f"1x{n_workers}",
                                   {"kind": "mlp", "widths": [1, 1]}, 1, 1, threads)
+                    out["gloo_hops_s"].append(pp["hop_4B_s"])
                     print(f"gloo: 4-byte hop {pp['hop_4B_s'] * 1e3:.3f} ms, 64 MiB "
-                          f"{pp['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s")
+                          f"{pp['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s", flush=True)
     print("namespaces left:", list_namespaces())
-    return 0
+    return out
 
 
 def main(argv=None):
@@ -550,7 +556,8 @@ def main(argv=None):
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.workers)
     steps = a.steps or (2 if a.quick else 3)
     if a.check_only:
-        return check_links(a.workers, a.rate, a.client_rate, threads, bool(a.peers))
+        check_links(a.workers, a.rate, a.client_rate, threads, bool(a.peers))
+        return 0
     peers = [m for m in a.peers.split(",") if m]
     bad = [m for m in peers if m not in ("ddp", "fsdp", "tp")]
     if bad:

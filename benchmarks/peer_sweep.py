@@ -30,6 +30,12 @@ def _f(x, nd=3):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _program_reads(run) -> bool:
+    """Whether the waiting program read its direct links itself (since 2026-12-02 20:20;
+    sweeps before that recorded no ``wire_reader``: a thread of the receiver read them)."""
+    return run["link"].get("wire_reader") == "program" or run["when"] >= "2026-12-02T20:20"
+
+
 def render(res: dict) -> str:
     L = ["<!-- peers:begin -->", "## dask-ipar and its PyTorch peers on emulated clusters", ""]
     w = L.append
@@ -61,8 +67,10 @@ def render(res: dict) -> str:
         w(f"### P = {run['workers']}, {run['rate']} per link")
         w("")
         w(f"Run at {run['when']}; the worker programs' blocks over "
-          + ((f"their direct TCP links up to {link['direct_max_bytes'] // 1024} KiB a message, "
-              "dask's comms above." if "direct_max_bytes" in link else
+          + ((f"their direct TCP links up to {link['direct_max_bytes'] // 1024} KiB a message "
+              + ("(read by the waiting program itself)" if _program_reads(run) else
+                 "(read by a thread of the receiver)") + ", dask's comms above."
+              if "direct_max_bytes" in link else
               "their direct TCP links, all of them (the first version of the links).")
              if direct else "dask's comms (before the direct links; hop: half an rpc round "
              "trip on the event loop, not thread to thread)."))

@@ -243,3 +243,77 @@ def test_a_program_reading_the_links_hears_of_blocks_that_came_another_way():
         assert time.monotonic() - t0 < 10
     finally:
         plugin.teardown(SimpleNamespace(handlers={}))
+
+
+@pytest.mark.fast
+def test_a_link_stalled_mid_message_or_sending_garbage_is_dropped_and_reading_goes_on(
+        monkeypatch):
+    """A peer that stops halfway through a message (stopped, partitioned) does not hold the
+    reading thread: the link is dropped after READ_TIMEOUT_S; nor does garbage end the
+    background reader: blocks from other links still arrive."""
+    import struct
+
+    from dask_ipar.runtime import wire as W
+
+    monkeypatch.setattr(W, "READ_TIMEOUT_S", 0.3)
+    server, wire, _, box, cv = _pair()
+    try:
+        stalled = socket.create_connection(("127.0.0.1", server.port))
+        stalled.sendall(struct.pack("!2Q", 1, 100) + b"x" * 10)  # 90 bytes never come
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        assert server.wait(lambda: False, timeout=1) is False  # read it, gave up, waited on
+        assert time.monotonic() - t0 < 10
+        deadline = time.monotonic() + 5
+        while server.conns and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server.conns  # the stalled link was dropped
+        garbage = socket.create_connection(("127.0.0.1", server.port))
+        garbage.sendall(struct.pack("!Q", 1 << 60))  # a count no message has
+        wire.send("peer", pack([(("a-u-s1", 0), 5)]), lambda: None, "t").result(10)
+        with cv:  # the background thread read on
+            assert cv.wait_for(lambda: len(box) == 1, timeout=10)
+        while server.conns and time.monotonic() < deadline + 5:
+            if len(server.conns) == 1:  # the garbage link dropped, the wire's kept
+                break
+            time.sleep(0.05)
+        assert len(server.conns) == 1
+        stalled.close()
+        garbage.close()
+    finally:
+        wire.close()
+        server.close()
+
+
+@pytest.mark.fast
+def test_two_programs_waiting_on_one_worker_both_get_their_blocks():
+    """Two programs of one worker wait at once (one reads the links, the other waits for
+    its deliveries, then reads them itself once the first has its block)."""
+    plugin = ExchangePlugin()
+    plugin.setup(SimpleNamespace(handlers={}, address="tcp://127.0.0.1:1"))
+    wire = Wire(lambda dest: ("127.0.0.1", plugin.server.port), lambda: (0, 0.01, 0.02),
+                name="t")
+    got, errors = {}, []
+
+    def wait_for(key):
+        try:
+            got[key] = plugin.receive(key, timeout=20)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        keys = [("a-u-s1", 0), ("b-u-s1", 0)]
+        threads = [threading.Thread(target=wait_for, args=(k,)) for k in keys]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        for n, k in enumerate(keys):
+            wire.send("peer", pack([(k, n)]), lambda: None, "t").result(10)
+            time.sleep(0.1)
+        for t in threads:
+            t.join(timeout=20)
+        assert not errors, errors
+        assert got == {keys[0]: 0, keys[1]: 1}
+    finally:
+        wire.close()
+        plugin.teardown(SimpleNamespace(handlers={}))

@@ -204,13 +204,15 @@ class ExchangePlugin(WorkerPlugin):
             self.cond.wait(seconds)
             return
         seen = self.events
-        self.cond.release()
+        self.cond.release()  # held once: wait() and receive() are never entered holding it
         try:
             pumped = self.server.wait(lambda: self.events != seen or self.closing, seconds)
         finally:
             self.cond.acquire()
-        if pumped is None and self.events == seen:
-            self.cond.wait(seconds)
+        if pumped is not None:
+            self.cond.notify_all()  # a program waiting below may read the links now
+        elif self.events == seen and self.server.pumper is not None:
+            self.cond.wait(seconds)  # the reading program's deliveries (or its leaving)
 
     def put_many(self, items=None, sender=None):
         """Several small blocks in one message (``[(key, data), ...]``)."""
@@ -296,7 +298,8 @@ class ExchangePlugin(WorkerPlugin):
                         f"{min(map(str, due))} from {prog.remote[min(due, key=str)]}); a peer "
                         "program is stuck or its worker is gone."
                     )
-                self._sleep(min(left, 1.0))
+                self._sleep(max(0.0, min(left, 1.0, (give_up or float("inf"))
+                                          - time.monotonic())))
 
     def receive(self, key, timeout: float):
         """Wait for block ``key`` and take it from the mailbox (IparError after

@@ -55,6 +55,9 @@ DIRECT_BYTES = 1 << 16
 #: (programs of a step wait for blocks every few milliseconds: waking the background thread
 #: each time would cost them CPU and the GIL; a block nobody waits for can wait).
 LINGER_S = 0.05
+#: A link whose message stops halfway for this long is dropped (its peer is stopped or
+#: gone): the reading thread, perhaps a waiting program, never hangs on it.
+READ_TIMEOUT_S = 10.0
 
 
 def backoff(attempt: int, dmin: float, dmax: float) -> float:
@@ -151,19 +154,21 @@ def read_message(sock: socket.socket) -> list | None:
     if first is None:
         return None
     (n,) = struct.unpack("!Q", first)
+    if n > 1 << 20:  # a message has a pickle and its blocks' buffers
+        raise ValueError(f"not a message of dask-ipar's links ({n} frames)")
     lengths = struct.unpack(f"!{n}Q", _read_exact(sock, 8 * n)) if n else ()
     return [_read_exact(sock, m) for m in lengths]
 
 
-def _has_data(sock) -> bool:
-    """Whether ``sock`` can be read now without blocking (data, or the end of the link)."""
-    if not hasattr(socket, "MSG_DONTWAIT"):  # Windows
-        return bool(select.select([sock], [], [], 0)[0])
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError):
-        return False
-    return True
+def _poller(sock):
+    """A readiness check of ``sock``: ``poller()`` says whether it can be read now without
+    blocking (data, or the end of the link). Not ``recv(MSG_DONTWAIT)``: a socket with a
+    timeout waits for data before it tries."""
+    if not hasattr(select, "poll"):  # Windows
+        return lambda: bool(select.select([sock], [], [], 0)[0])
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return lambda: bool(p.poll(0))
 
 
 def _shut(sock) -> None:
@@ -194,14 +199,15 @@ class WireServer:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)  # the background thread, while one pumps
         self.plock = threading.Lock()  # one waiting program reads the links at a time
-        self.conns: dict = {}  # socket -> its read lock
+        self.conns: dict = {}  # socket -> (its read lock, its readiness check)
         self.closed = False
         self.pumper = None  # thread id of the program reading the links now
         self.pumped = 0.0  # when a program last stopped reading them (time.monotonic)
         self._bwake, self._pwake = socket.socketpair(), socket.socketpair()
         self.bsel, self.psel = selectors.DefaultSelector(), selectors.DefaultSelector()
         for sel, wake in ((self.bsel, self._bwake), (self.psel, self._pwake)):
-            wake[0].setblocking(False)
+            for end in wake:  # a wake-up never blocks its sender (a full pipe: one is due)
+                end.setblocking(False)
             sel.register(self.sock, selectors.EVENT_READ)
             sel.register(wake[0], selectors.EVENT_READ)
         threading.Thread(target=self._background, name=f"{name}-read", daemon=True).start()
@@ -218,15 +224,15 @@ class WireServer:
             except OSError:
                 pass
         else:
-            rlock = self.conns.get(obj)
+            rlock, has_data = self.conns.get(obj, (None, None))
             if rlock is None or not rlock.acquire(blocking=False):
                 return
             try:  # another thread may have read the message this one was woken for:
-                if not _has_data(obj):  # never block on a link with nothing to read
+                if not has_data():  # never wait on a link with nothing to read
                     return
                 frames = read_message(obj)
-            except OSError:
-                frames = None  # the peer went away mid-message: it sends it again anew
+            except (OSError, ValueError, OverflowError, MemoryError, struct.error):
+                frames = None  # the peer went away or stalled mid-message, or garbage
             finally:
                 rlock.release()
             if frames is None:
@@ -243,13 +249,17 @@ class WireServer:
             conn, _ = self.sock.accept()
         except OSError:  # another thread took it, or closed
             return
-        conn.setblocking(True)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            conn.settimeout(READ_TIMEOUT_S)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            _shut(conn)
+            return
         with self.lock:
             if self.closed:
                 _shut(conn)
                 return
-            self.conns[conn] = threading.Lock()
+            self.conns[conn] = (threading.Lock(), _poller(conn))
             for sel in (self.bsel, self.psel):
                 sel.register(conn, selectors.EVENT_READ)
 
@@ -269,18 +279,26 @@ class WireServer:
             with self.lock:  # not while programs wait for blocks now and then: wake-ups
                 while not self.closed and (self.pumper is not None or  # would cost them
                                            time.monotonic() - self.pumped < LINGER_S):
-                    self.idle.wait(LINGER_S)
+                    since = time.monotonic() - self.pumped
+                    self.idle.wait(LINGER_S if self.pumper is not None else
+                                   max(0.001, LINGER_S - since))
                 if self.closed:
                     break
             try:
                 events = self.bsel.select()
             except (OSError, ValueError):
-                return  # closed under it
+                break  # closed under it
             for key, _ in events:
                 if self.closed or self.pumper is not None:
                     break  # a waiting program reads them
-                self._ready(key.fileobj)
+                self._ready_safely(key.fileobj)
         _close_all(self.bsel, *self._bwake)
+
+    def _ready_safely(self, obj) -> None:
+        try:
+            self._ready(obj)
+        except Exception:  # noqa: BLE001 - the reading thread must live on
+            logger.exception("dask-ipar: reading the direct links of %s failed", self.name)
 
     def wait(self, done, timeout: float):
         """Read the links in this (a waiting program's) thread until ``done()`` or
@@ -298,16 +316,18 @@ class WireServer:
                 if left <= 0:
                     break
                 for key, _ in self.psel.select(left):
-                    self._ready(key.fileobj)
+                    self._ready_safely(key.fileobj)
             return ok
         except (OSError, ValueError):
             return done()  # closed under it
         finally:
             with self.lock:  # the background thread reads again after LINGER_S
                 self.pumper, self.pumped = None, time.monotonic()
-            if self.closed:
+                closed = self.closed
+                if not closed:
+                    self.plock.release()
+            if closed:  # no more reading programs: this one closes their side
                 _close_all(self.psel, *self._pwake)
-            self.plock.release()
 
     def nudge(self) -> None:
         """Wake the program reading the links (something it waits for may have come by
@@ -324,6 +344,7 @@ class WireServer:
             self.closed = True
             conns, self.conns = list(self.conns), {}
             self.idle.notify_all()
+            free = self.plock.acquire(blocking=False)  # kept: no program reads any more
         for wake in (self._bwake, self._pwake):
             try:
                 wake[1].send(b"x")
@@ -332,11 +353,8 @@ class WireServer:
         _shut(self.sock)
         for c in conns:
             _shut(c)
-        if self.plock.acquire(blocking=False):  # else the reading program closes its side
-            try:
-                _close_all(self.psel, *self._pwake)
-            finally:
-                self.plock.release()
+        if free:  # else the reading program closes its side
+            _close_all(self.psel, *self._pwake)
 
 
 def _close_all(*things) -> None:
