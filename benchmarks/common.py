@@ -154,6 +154,32 @@ def make_data(cfg: MLPConfig, n_batches: int = 2, seed: int = 0):
     return X, y
 
 
+def sweep_parser(doc: str, default_runs: str):
+    """The argument parser of a script that runs on several emulated clusters: ``--runs``
+    (a list of PxRATE, :func:`parse_runs`) and ``--md`` (the markdown file to write)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default=default_runs, help="comma list of PxRATE (e.g. 4x1gbit)")
+    ap.add_argument("--md", default=None, help="write the section into this markdown file")
+    return ap
+
+
+def parse_runs(ap, text: str) -> list[tuple[int, str]]:
+    """``[(P, rate)]`` of a ``--runs`` list such as ``4x1gbit,2x10gbit`` (``ap.error`` on
+    an item of another form)."""
+    import re
+
+    runs = []
+    for item in text.split(","):
+        m = re.fullmatch(r"(\d+)x(\w+)", item.strip())
+        if not m:
+            ap.error(f"--runs {text}: {item!r} is not PxRATE such as 4x1gbit")
+        runs.append((int(m[1]), m[2]))
+    return runs
+
+
 def grids_of(p: int) -> list[tuple[int, int]]:
     """Every Pr x Pc grid of p workers, pure batch (1 x p) first."""
     return [(p // pc, pc) for pc in range(p, 0, -1) if p % pc == 0]

@@ -17,10 +17,8 @@ section between ``<!-- hops:begin -->`` and ``<!-- hops:end -->``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -62,15 +60,12 @@ def render(res: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default="2x1gbit,4x1gbit,8x1gbit,2x10gbit,4x10gbit,8x10gbit",
-                    help="comma list of PxRATE (e.g. 4x1gbit)")
+    import common as C
+
+    ap = C.sweep_parser(__doc__, "2x1gbit,4x1gbit,8x1gbit,2x10gbit,4x10gbit,8x10gbit")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--md", default=None, help="write the section into this markdown file")
     ap.add_argument("--from-json", default=None, help="render a saved run again")
     a = ap.parse_args(argv)
-    import common as C
 
     if a.from_json:
         with open(a.from_json) as fh:
@@ -78,12 +73,7 @@ def main(argv=None):
     else:
         import netcluster as N
 
-        runs = []
-        for item in a.runs.split(","):
-            m = re.fullmatch(r"(\d+)x(\w+)", item.strip())
-            if not m:
-                ap.error(f"--runs {a.runs}: {item!r} is not PxRATE such as 4x1gbit")
-            runs.append((int(m[1]), m[2]))
+        runs = C.parse_runs(ap, a.runs)
         if a.rounds < 1:
             ap.error(f"--rounds {a.rounds}: give at least 1")
         name = f"hops-{time.strftime('%Y%m%dT%H%M%S')}.json"

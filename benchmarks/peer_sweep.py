@@ -15,10 +15,8 @@ that file (the other benchmark scripts keep it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
 import sys
 import time
 
@@ -133,20 +131,17 @@ def render(res: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default="4x1gbit,4x10gbit,2x1gbit",
-                    help="comma list of PxRATE (e.g. 4x1gbit)")
+    import common as C
+
+    ap = C.sweep_parser(__doc__, "4x1gbit,4x10gbit,2x1gbit")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--peers", default="ddp,fsdp,tp")
     ap.add_argument("--only", default=None,
                     help="comma list of models: compute,weight (the MLPs), cnn")
     ap.add_argument("--quick", action="store_true", help="the small MLPs")
-    ap.add_argument("--md", default=None, help="write the section into this markdown file")
     ap.add_argument("--from-json", default=None,
                     help="render saved sweeps again (a comma list: one section)")
     a = ap.parse_args(argv)
-    import common as C
 
     if a.from_json:  # one sweep, or several (comma list) shown as one
         res = None
@@ -171,12 +166,7 @@ def main(argv=None):
                 ap.error(f"--only {a.only}: unknown {', '.join(bad)}; use compute, weight, cnn")
             models = [m for m in models if m.key in keep]
 
-        runs = []
-        for item in a.runs.split(","):
-            m = re.fullmatch(r"(\d+)x(\w+)", item.strip())
-            if not m:
-                ap.error(f"--runs {a.runs}: {item!r} is not PxRATE such as 4x1gbit")
-            runs.append((int(m[1]), m[2]))
+        runs = C.parse_runs(ap, a.runs)
         res = {"runs_arg": a.runs, "steps": a.steps, "torch": torch.__version__,
                "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": []}
         name = f"peers-{time.strftime('%Y%m%dT%H%M%S')}.json"
