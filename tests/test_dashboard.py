@@ -159,6 +159,17 @@ def test_nice_ticks_cover_the_range():
         assert t[0] <= lo + 1e-9 or t[0] - lo < (t[1] - t[0])
 
 
+@pytest.mark.fast
+def test_times_in_tables_keep_microseconds():
+    """A 72-byte transfer over a direct link takes microseconds: the tables show it as
+    measured (two significant digits), not as 0.00 ms; zero stays zero."""
+    from dask_ipar.dashboard.render import fmt_ms
+
+    assert fmt_ms(0.0) == "0.00"
+    assert fmt_ms(4.2e-6) == "0.0042" and float(fmt_ms(3.3e-8)) == pytest.approx(3.3e-5)
+    assert fmt_ms(1.234e-3) == "1.23" and fmt_ms(0.5) == "500.00"
+
+
 # ------------------------------------------------------------------ live page
 def _page_base(client):
     port = client.scheduler_info()["services"]["dashboard"]

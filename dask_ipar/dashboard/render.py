@@ -15,7 +15,7 @@ from dask_ipar.dashboard.svg import legend_html, line_chart, phase_color, timeli
 from dask_ipar.dashboard.timeline import layer_phase, phase_summary
 
 __all__ = ["CSS", "grid_html", "phase_table_html", "timeline_html", "curves_html",
-           "step_time_s", "fmt_bytes"]
+           "step_time_s", "fmt_bytes", "fmt_ms"]
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:1.2em auto;max-width:1340px;
@@ -53,6 +53,13 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} GiB"
+
+
+def fmt_ms(seconds: float) -> str:
+    """Seconds as milliseconds in a table cell: two decimals, and two significant digits
+    below 0.01 ms, so a transfer of a few microseconds reads as measured, not as zero."""
+    ms = 1e3 * seconds
+    return f"{ms:.2f}" if ms == 0 or abs(ms) >= 0.01 else f"{ms:.2g}"
 
 
 def grid_html(grid, cells, status: dict, cell_of: dict) -> str:
@@ -134,10 +141,9 @@ def phase_table_html(comm_rows, timelines, *, table_id="phase-table") -> str:
         s = by.get((layer, phase), {})
         crit = critical is not None and (critical["layer"], critical["phase"]) == (layer, phase)
         cells = [f"{c[2]:.0f}" if c else "", f"{c[3]:.0f}" if c else "",
-                 f"{1e3 * c[4]:.2f}" if c else "", f"{1e3 * c[5]:.2f}" if c else "",
-                 f"{1e3 * s['compute_s']:.2f}" if s else "",
-                 f"{1e3 * s['wait_s']:.2f}" if s else "",
-                 f"{1e3 * s['critical_s']:.2f}" if s else ""]
+                 fmt_ms(c[4]) if c else "", fmt_ms(c[5]) if c else "",
+                 fmt_ms(s['compute_s']) if s else "", fmt_ms(s['wait_s']) if s else "",
+                 fmt_ms(s['critical_s']) if s else ""]
         mark = " <b>&#9664; critical</b>" if crit else ""
         out.append(f"<tr{' class=critical' if crit else ''} data-layer='{esc(layer)}' "
                    f"data-phase='{esc(phase)}'><td class='l'>{esc(layer)}</td>"

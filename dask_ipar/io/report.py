@@ -14,8 +14,8 @@ from __future__ import annotations
 import datetime as _dt
 import html
 
-from dask_ipar.dashboard.render import (CSS, curves_html, fmt_bytes, phase_table_html,
-                                        timeline_html)
+from dask_ipar.dashboard.render import (CSS, curves_html, fmt_bytes, fmt_ms,
+                                        phase_table_html, timeline_html)
 from dask_ipar.dashboard.timeline import step_timelines
 
 __all__ = ["render_run_card", "write_run_card"]
@@ -129,8 +129,8 @@ def render_run_card(summary: dict, history, model, perf_report: str | None = Non
             out.append(
                 f"<tr><td class='l'>{esc(r.layer)}</td><td class='l'>{esc(r.phase)}</td>"
                 f"<td>{r.predicted_bytes:.0f}</td><td>{r.measured_bytes:.0f}</td>"
-                f"<td class='{cls}'>{r.ratio:.3f}</td><td>{1e3 * r.predicted_s:.2f}</td>"
-                f"<td>{1e3 * r.measured_s:.2f}</td></tr>")
+                f"<td class='{cls}'>{r.ratio:.3f}</td><td>{fmt_ms(r.predicted_s)}</td>"
+                f"<td>{fmt_ms(r.measured_s)}</td></tr>")
         out.append("</table>")
         if getattr(comm, "input_rows", None):
             out.append("<h2>Input data per step</h2><p>client: bytes of data blocks the "
