@@ -27,7 +27,8 @@ from collections import deque
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_ipar.errors import IparError
-from dask_ipar.runtime.wire import Wire, WireServer, pack, retry_settings, send_with_retry, unpack
+from dask_ipar.runtime.framing import pack, unpack
+from dask_ipar.runtime.wire import Wire, WireServer, retry_settings, send_with_retry
 
 __all__ = ["ExchangePlugin", "PLUGIN_NAME", "TRANSPORTS", "DIRECT_MAX_BYTES", "LOG_LENGTH",
            "install_exchange", "abort_programs", "drain_exchange_log", "KEEP_STEPS", "MERGE_BYTES"]
@@ -156,7 +157,7 @@ class ExchangePlugin(WorkerPlugin):
     def _deliver(self, frames):
         """A message of the direct links, in the thread that read it (a waiting program or
         the background reader): ``[(key, block), ...]`` pickled, the blocks' buffers out of
-        band (:func:`~dask_ipar.runtime.wire.unpack`)."""
+        band (:func:`~dask_ipar.runtime.framing.unpack`)."""
         for key, data in unpack(frames):
             self.put(key=key, data=data)
 

@@ -11,15 +11,9 @@ the emulated links, gloo's 0.07-0.12). While no program waits, a background thre
 the links. A large message, or one while the link is busy, goes to the link's own thread,
 so that the program computes on while it is written (sends never wait for the receiver).
 
-What travels: a message is a pickle (protocol 5) with the blocks' buffers out of band
-(:func:`pack`: NumPy blocks are not copied; CuPy blocks pickle through host memory, as over
-dask's TCP comms; 4 us for a small block where :func:`distributed.protocol.dumps` takes
-30), framed as dask's TCP comm frames a message (the number of frames and their lengths,
-8-byte big-endian each, then the frames). Unpickling trusts the peer, as dask's comms do;
-clusters that must not are the ones with TLS. A message is written
-once the sender's call returns: the kernel holds a copy, so the block may be updated in
-place afterwards. The receiver does not answer: the program that waits for the block is the
-acknowledgement.
+What travels: a message of :mod:`dask_ipar.runtime.framing` (a pickle with the blocks'
+buffers out of band). The receiver does not answer: the program that waits for the block
+is the acknowledgement.
 
 Which messages: those up to :data:`~dask_ipar.runtime.exchange.DIRECT_MAX_BYTES` (the
 exchange decides), on plain TCP addresses only: with TLS (a cluster's security settings),
@@ -32,9 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import pickle
 import random
-import select
 import selectors
 import socket
 import struct
@@ -42,8 +34,10 @@ import threading
 import time
 from collections import deque
 
-__all__ = ["WireServer", "Wire", "backoff", "retry_settings", "send_with_retry", "write_message",
-           "read_message", "pack", "unpack", "DIRECT_BYTES"]
+from dask_ipar.runtime.framing import MessageReader, bytes_view, write_message
+
+__all__ = ["WireServer", "Wire", "backoff", "retry_settings", "send_with_retry",
+           "DIRECT_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +49,6 @@ DIRECT_BYTES = 1 << 16
 #: (programs of a step wait for blocks every few milliseconds: waking the background thread
 #: each time would cost them CPU and the GIL; a block nobody waits for can wait).
 LINGER_S = 0.05
-#: A link whose message stops halfway for this long is dropped (its peer is stopped or
-#: gone): the reading thread, perhaps a waiting program, never hangs on it.
-READ_TIMEOUT_S = 10.0
 
 
 def backoff(attempt: int, dmin: float, dmax: float) -> float:
@@ -102,75 +93,6 @@ def _give_up(exc, what, attempt, count, reason, closing=False) -> None:
                       + (f" ({reason})" if reason else "") + f": {exc}") from exc
 
 
-def pack(obj) -> list:
-    """Frames of ``obj``: its pickle (protocol 5), then its out-of-band buffers."""
-    buffers: list = []
-    head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    return [head, *(b.raw() for b in buffers)]
-
-
-def unpack(frames):
-    """The object of :func:`pack`'s ``frames``."""
-    return pickle.loads(frames[0], buffers=frames[1:])
-
-
-def _bytes_view(frame) -> memoryview:
-    view = memoryview(frame)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def write_message(sock: socket.socket, frames) -> int:
-    """Write ``frames`` as one message on ``sock``; returns the bytes written."""
-    views = [_bytes_view(f) for f in frames]
-    head = struct.pack(f"!{len(views) + 1}Q", len(views), *(v.nbytes for v in views))
-    total = len(head) + sum(v.nbytes for v in views)
-    if total <= DIRECT_BYTES:
-        sock.sendall(b"".join([head, *views]))  # one system call
-    else:
-        sock.sendall(head)
-        for v in views:
-            sock.sendall(v)
-    return total
-
-
-def _read_exact(sock: socket.socket, n: int, eof_ok: bool = False):
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        r = sock.recv_into(view[got:])
-        if not r:
-            if eof_ok and got == 0:
-                return None
-            raise ConnectionError(f"link closed after {got} of {n} bytes of a message")
-        got += r
-    return buf
-
-
-def read_message(sock: socket.socket) -> list | None:
-    """The frames (writable ``bytearray``) of the next message on a blocking ``sock``, or
-    None where the link ends between messages. Reads exactly the message (no read-ahead),
-    so that a readiness check of the socket afterwards tells whether another one waits."""
-    first = _read_exact(sock, 8, eof_ok=True)
-    if first is None:
-        return None
-    (n,) = struct.unpack("!Q", first)
-    if n > 1 << 20:  # a message has a pickle and its blocks' buffers
-        raise ValueError(f"not a message of dask-ipar's links ({n} frames)")
-    lengths = struct.unpack(f"!{n}Q", _read_exact(sock, 8 * n)) if n else ()
-    return [_read_exact(sock, m) for m in lengths]
-
-
-def _poller(sock):
-    """A readiness check of ``sock``: ``poller()`` says whether it can be read now without
-    blocking (data, or the end of the link). Not ``recv(MSG_DONTWAIT)``: a socket with a
-    timeout waits for data before it tries."""
-    if not hasattr(select, "poll"):  # Windows
-        return lambda: bool(select.select([sock], [], [], 0)[0])
-    p = select.poll()
-    p.register(sock, select.POLLIN)
-    return lambda: bool(p.poll(0))
-
-
 def _shut(sock) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -188,7 +110,9 @@ class WireServer:
     threads (a 4-byte hop 0.11 ms instead of 0.17 ms on loopback, interleaved A/B). While
     no program has waited for :data:`LINGER_S`, a background thread reads them, so that
     links never fill up. Both keep a selector over the links; a link is read by one thread
-    at a time (its lock), a whole message at a time, and only when it has data."""
+    at a time (its lock), a message at a time, without blocking: its
+    :class:`MessageReader` keeps a message that has not wholly come yet, so a peer stopped
+    halfway through one holds no reading thread."""
 
     def __init__(self, host: str, deliver, name: str = "ipar-wire"):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -199,7 +123,7 @@ class WireServer:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)  # the background thread, while one pumps
         self.plock = threading.Lock()  # one waiting program reads the links at a time
-        self.conns: dict = {}  # socket -> (its read lock, its readiness check)
+        self.conns: dict = {}  # socket -> (its read lock, its MessageReader)
         self.closed = False
         self.pumper = None  # thread id of the program reading the links now
         self.pumped = 0.0  # when a program last stopped reading them (time.monotonic)
@@ -224,15 +148,15 @@ class WireServer:
             except OSError:
                 pass
         else:
-            rlock, has_data = self.conns.get(obj, (None, None))
+            rlock, reader = self.conns.get(obj, (None, None))
             if rlock is None or not rlock.acquire(blocking=False):
                 return
-            try:  # another thread may have read the message this one was woken for:
-                if not has_data():  # never wait on a link with nothing to read
-                    return
-                frames = read_message(obj)
+            try:
+                frames = reader.read(obj)
+            except BlockingIOError:  # the rest of the message has not come yet (or another
+                return  # thread read the message this one was woken for)
             except (OSError, ValueError, OverflowError, MemoryError, struct.error):
-                frames = None  # the peer went away or stalled mid-message, or garbage
+                frames = None  # the peer went away mid-message, or garbage
             finally:
                 rlock.release()
             if frames is None:
@@ -250,7 +174,7 @@ class WireServer:
         except OSError:  # another thread took it, or closed
             return
         try:
-            conn.settimeout(READ_TIMEOUT_S)
+            conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             _shut(conn)
@@ -259,7 +183,7 @@ class WireServer:
             if self.closed:
                 _shut(conn)
                 return
-            self.conns[conn] = (threading.Lock(), _poller(conn))
+            self.conns[conn] = (threading.Lock(), MessageReader())
             for sel in (self.bsel, self.psel):
                 sel.register(conn, selectors.EVENT_READ)
 
@@ -413,7 +337,7 @@ class Wire:
         with self.lock:
             link = self.links.get(dest) or self.links.setdefault(dest, _Link(dest))
         fut = concurrent.futures.Future()
-        size = sum(_bytes_view(f).nbytes for f in frames)
+        size = sum(bytes_view(f).nbytes for f in frames)
         if size <= DIRECT_BYTES and not link.queue and link.wlock.acquire(blocking=False):
             try:  # the program's own thread: a small write into a free link
                 fut.set_result(self._write(link, frames))

@@ -1,0 +1,138 @@
+"""How the worker programs' messages travel on their direct links
+(:mod:`dask_ipar.runtime.wire`): packing, framing, and reading them back.
+
+A message is a pickle (protocol 5) with the blocks' buffers out of band
+(:func:`pack`: NumPy blocks are not copied; CuPy blocks pickle through host memory, as over
+dask's TCP comms; 4 us for a small block where :func:`distributed.protocol.dumps` takes
+30), framed as dask's TCP comm frames a message (the number of frames and their lengths,
+8-byte big-endian each, then the frames). Unpickling trusts the peer, as dask's comms do;
+clusters that must not are the ones with TLS. A message is written once the sender's call
+returns: the kernel holds a copy, so the block may be updated in place afterwards.
+
+Reading: :class:`MessageReader` reads a message a piece at a time and, on a non-blocking
+socket, keeps its place where the rest has not come yet (a reading thread never waits on a
+peer stopped halfway through a message).
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+
+__all__ = ["pack", "unpack", "bytes_view", "write_message", "MessageReader", "read_message",
+           "JOIN_BYTES", "MAX_FRAMES", "MAX_MESSAGE_BYTES"]
+
+#: Messages up to this many bytes are joined into one write (one system call).
+JOIN_BYTES = 1 << 16
+
+
+def pack(obj) -> list:
+    """Frames of ``obj``: its pickle (protocol 5), then its out-of-band buffers."""
+    buffers: list = []
+    head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return [head, *(b.raw() for b in buffers)]
+
+
+def unpack(frames):
+    """The object of :func:`pack`'s ``frames``."""
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
+def bytes_view(frame) -> memoryview:
+    """``frame`` as a flat view of its bytes."""
+    view = memoryview(frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def write_message(sock: socket.socket, frames) -> int:
+    """Write ``frames`` as one message on ``sock``; returns the bytes written."""
+    views = [bytes_view(f) for f in frames]
+    head = struct.pack(f"!{len(views) + 1}Q", len(views), *(v.nbytes for v in views))
+    total = len(head) + sum(v.nbytes for v in views)
+    if total <= JOIN_BYTES:
+        sock.sendall(b"".join([head, *views]))  # one system call
+    else:
+        sock.sendall(head)
+        for v in views:
+            sock.sendall(v)
+    return total
+
+
+#: What a message's header may announce at most: more frames, or more bytes, are garbage.
+MAX_FRAMES = 1 << 20
+MAX_MESSAGE_BYTES = 1 << 36
+
+
+class MessageReader:
+    """Reads the messages of one link a piece at a time (the frame count, the frames'
+    lengths, then each frame into a ``bytearray`` of its own), resumable: on a non-blocking
+    socket it reads what the socket has now and keeps its place until the rest comes, so
+    that a peer stopped halfway through a message holds no thread. It reads exactly up to
+    the message's end (no read-ahead): a readiness check of the socket afterwards tells
+    whether another message waits."""
+
+    __slots__ = ("buf", "got", "stage", "lengths", "frames")
+
+    def __init__(self):
+        self._start()
+
+    def _start(self) -> None:
+        # stage 0: the frame count, 1: the lengths, 2: the frames
+        self.buf, self.got, self.stage, self.lengths, self.frames = bytearray(8), 0, 0, (), []
+
+    @property
+    def midway(self) -> bool:
+        """Whether part of a message has been read."""
+        return self.stage > 0 or self.got > 0
+
+    def read(self, sock: socket.socket):
+        """The frames of the next message once it is whole, or None where the link ended
+        between messages. Raises ``BlockingIOError`` where a non-blocking ``sock`` has no
+        more bytes now (what came is kept for the next call), ``ConnectionError`` where
+        the link ended mid-message and ``ValueError`` on bytes that are no message."""
+        while True:
+            if self.got < len(self.buf):
+                view = memoryview(self.buf)
+                while self.got < len(self.buf):
+                    r = sock.recv_into(view[self.got:])
+                    if not r:
+                        if not self.midway:
+                            return None
+                        raise ConnectionError(f"link closed {self.got} bytes into piece "
+                                              f"{self.stage} of a message")
+                    self.got += r
+            done = self._next_piece()
+            if done is not None:
+                return done
+
+    def _next_piece(self):
+        """The piece in ``buf`` is whole: make room for the next one, or return the
+        message's frames after its last."""
+        if self.stage == 0:
+            (n,) = struct.unpack("!Q", self.buf)
+            if n > MAX_FRAMES:
+                raise ValueError(f"not a message of dask-ipar's links ({n} frames)")
+            self.stage, self.buf = 1, bytearray(8 * n)
+        elif self.stage == 1:
+            self.lengths = struct.unpack(f"!{len(self.buf) // 8}Q", self.buf)
+            if sum(self.lengths) > MAX_MESSAGE_BYTES:
+                raise ValueError(f"not a message of dask-ipar's links "
+                                 f"({sum(self.lengths)} bytes)")
+            self.stage = 2
+        else:
+            self.frames.append(self.buf)
+        self.got = 0
+        if self.stage == 2:
+            if len(self.frames) == len(self.lengths):
+                frames = self.frames
+                self._start()
+                return frames
+            self.buf = bytearray(self.lengths[len(self.frames)])
+        return None
+
+
+def read_message(sock: socket.socket) -> list | None:
+    """The frames (writable ``bytearray``) of the next message on a blocking ``sock``, or
+    None where the link ends between messages (:class:`MessageReader`, once)."""
+    return MessageReader().read(sock)
