@@ -11,6 +11,7 @@ each worker, never between workers.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import numpy as np
@@ -22,7 +23,7 @@ from dask_ipar.layout.partition import split_bounds
 from dask_ipar.layout.placement import SAMPLES_RC, STRIPS, WHOLE
 
 __all__ = ["place_batch", "min_samples", "check_batch", "batches", "take_sent_bytes",
-           "input_copies", "placement_blocks"]
+           "input_copies", "placement_blocks", "scatter_each"]
 
 #: Bytes of data blocks (features and labels) the client handed to dask per model uid,
 #: since :func:`take_sent_bytes` last read them (the comm table's ``input client`` row).
@@ -79,6 +80,31 @@ def placement_blocks(engine, Xb, xname, bounds):
     return blocks, grid.pr
 
 
+def scatter_each(client, per_worker: dict) -> dict:
+    """Scatter ``per_worker`` (worker -> ``{key: block}``) straight to each worker under the
+    keys given, every worker at once; ``{key: future}``.
+
+    One ``client.scatter`` per worker (dask places one call's data on the workers it is
+    given), run side by side on the client's event loop (``asynchronous=True``), so the
+    transfers take the time of the slowest worker's link, not the sum over the workers:
+    one after the other, each call waits for its worker's answer and the scheduler's
+    before the next begins."""
+    items = [(worker, blocks) for worker, blocks in per_worker.items() if blocks]
+    if len(items) == 1:
+        worker, blocks = items[0]
+        return client.scatter(blocks, workers=[worker], hash=False, direct=True)
+
+    async def scatter_all():
+        return await asyncio.gather(*(
+            client.scatter(blocks, workers=[worker], hash=False, direct=True,
+                           asynchronous=True) for worker, blocks in items))
+
+    out: dict = {}
+    for part in (client.sync(scatter_all) if items else ()):
+        out.update(part)
+    return out
+
+
 def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
                 embed_bytes: int, block_module=None):
     """Put sample block j of a batch on every cell of grid column j (client to workers).
@@ -125,10 +151,10 @@ def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
         # header (at any offset) and each later one into an allocation of its own, so
         # the input block then arrives aligned for BLAS (kernels copy misaligned ones)
         ordered = sorted(blocks.items(), key=lambda kv: kv[0][0] != yname)
-        for i, j in grid.cells():
-            mine = {k: v for k, v in ordered if k[1:] == (i, j)}
-            futures.update(client.scatter(mine, workers=[binding.worker(i, j)], hash=False,
-                                          direct=True))
+        per_worker: dict = {}
+        for key, value in ordered:
+            per_worker.setdefault(binding.worker(*key[1:]), {})[key] = value
+        futures.update(scatter_each(client, per_worker))
     if block_module:  # each cell copies its block to its GPU: one task, no hop
         for key in blocks:
             g.add((key[0] + "-dev", *key[1:]), binding.worker(*key[1:]), B.to_device,

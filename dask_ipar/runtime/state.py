@@ -20,6 +20,7 @@ from dask_ipar.errors import IparError, WorkerHung
 from dask_ipar.kernels import blocks as B
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.lineage import fold_finished_groups, missing_blocks, rekey_blocks
+from dask_ipar.runtime.placement import scatter_each
 from dask_ipar.runtime.weights import join_blocks
 from dask_ipar.runtime.workers import (hung_after_s, hung_workers, release_hung_workers,
                                        scheduler_workers)
@@ -130,10 +131,7 @@ class BlockStore:
         if self.block_module:  # host blocks go up, then each owner copies its own to the GPU
             per_worker = {w: {(f"{k[0]}-host", *k[1:]): v for k, v in blocks.items()}
                           for w, blocks in per_worker.items()}
-        scattered = {}
-        for worker, blocks in per_worker.items():
-            scattered.update(self.client.scatter(blocks, workers=[worker], hash=False,
-                                                 direct=True))
+        scattered = scatter_each(self.client, per_worker)
         if self.block_module:
             g = StepGraph()
             keys = []
