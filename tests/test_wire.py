@@ -324,6 +324,38 @@ def test_a_message_read_in_pieces_on_a_nonblocking_socket_keeps_its_place():
     d.close()
 
 
+@pytest.mark.fast
+def test_a_large_frame_grows_as_it_comes_and_a_message_without_frames_is_garbage(monkeypatch):
+    """A header announcing far more bytes than arrive costs the memory of what arrived
+    (the buffer doubles as bytes come); a large frame still arrives whole; a frame count
+    of 0 is no message."""
+    import os
+    import struct
+
+    from dask_ipar.runtime import framing as F
+
+    monkeypatch.setattr(F, "FIRST_BUFFER_BYTES", 1000)
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    a.sendall(struct.pack("!2Q", 1, 1 << 35) + b"x" * 10)
+    r = F.MessageReader()
+    with pytest.raises(BlockingIOError):
+        r.read(b)
+    assert len(r.buf) == 1000
+    c, d = socket.socketpair()
+    big = os.urandom(123_457)
+    t = threading.Thread(target=write_message, args=(c, [b"head", big]))
+    t.start()
+    got = read_message(d)
+    t.join()
+    assert bytes(got[1]) == big
+    c.sendall(struct.pack("!Q", 0))
+    with pytest.raises(ValueError):
+        read_message(d)
+    for s in (a, b, c, d):
+        s.close()
+
+
 class _Buf:
     """A socket stand-in that collects what write_message writes."""
 

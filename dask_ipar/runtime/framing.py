@@ -62,6 +62,9 @@ def write_message(sock: socket.socket, frames) -> int:
 #: What a message's header may announce at most: more frames, or more bytes, are garbage.
 MAX_FRAMES = 1 << 20
 MAX_MESSAGE_BYTES = 1 << 36
+#: A frame's buffer starts at most this large and doubles as its bytes come, so that a
+#: header announcing far more than arrives costs no more memory than what did arrive.
+FIRST_BUFFER_BYTES = 1 << 24
 
 
 class MessageReader:
@@ -72,14 +75,15 @@ class MessageReader:
     the message's end (no read-ahead): a readiness check of the socket afterwards tells
     whether another message waits."""
 
-    __slots__ = ("buf", "got", "stage", "lengths", "frames")
+    __slots__ = ("buf", "got", "need", "stage", "lengths", "frames")
 
     def __init__(self):
         self._start()
 
     def _start(self) -> None:
         # stage 0: the frame count, 1: the lengths, 2: the frames
-        self.buf, self.got, self.stage, self.lengths, self.frames = bytearray(8), 0, 0, (), []
+        self.buf, self.got, self.need = bytearray(8), 0, 8
+        self.stage, self.lengths, self.frames = 0, (), []
 
     @property
     def midway(self) -> bool:
@@ -92,16 +96,17 @@ class MessageReader:
         more bytes now (what came is kept for the next call), ``ConnectionError`` where
         the link ended mid-message and ``ValueError`` on bytes that are no message."""
         while True:
-            if self.got < len(self.buf):
-                view = memoryview(self.buf)
-                while self.got < len(self.buf):
+            while self.got < self.need:
+                if self.got == len(self.buf):  # a large frame's buffer grows as it comes
+                    self.buf.extend(bytes(min(len(self.buf), self.need - len(self.buf))))
+                with memoryview(self.buf) as view:
                     r = sock.recv_into(view[self.got:])
-                    if not r:
-                        if not self.midway:
-                            return None
-                        raise ConnectionError(f"link closed {self.got} bytes into piece "
-                                              f"{self.stage} of a message")
-                    self.got += r
+                if not r:
+                    if not self.midway:
+                        return None
+                    raise ConnectionError(f"link closed {self.got} bytes into piece "
+                                          f"{self.stage} of a message")
+                self.got += r
             done = self._next_piece()
             if done is not None:
                 return done
@@ -111,11 +116,12 @@ class MessageReader:
         message's frames after its last."""
         if self.stage == 0:
             (n,) = struct.unpack("!Q", self.buf)
-            if n > MAX_FRAMES:
+            if not 0 < n <= MAX_FRAMES:  # a message has its pickle at least
                 raise ValueError(f"not a message of dask-ipar's links ({n} frames)")
-            self.stage, self.buf = 1, bytearray(8 * n)
+            self.stage = 1
+            self._expect(8 * n)
         elif self.stage == 1:
-            self.lengths = struct.unpack(f"!{len(self.buf) // 8}Q", self.buf)
+            self.lengths = struct.unpack(f"!{self.need // 8}Q", self.buf)
             if sum(self.lengths) > MAX_MESSAGE_BYTES:
                 raise ValueError(f"not a message of dask-ipar's links "
                                  f"({sum(self.lengths)} bytes)")
@@ -128,8 +134,11 @@ class MessageReader:
                 frames = self.frames
                 self._start()
                 return frames
-            self.buf = bytearray(self.lengths[len(self.frames)])
+            self._expect(self.lengths[len(self.frames)])
         return None
+
+    def _expect(self, nbytes: int) -> None:
+        self.need, self.buf = nbytes, bytearray(min(nbytes, FIRST_BUFFER_BYTES))
 
 
 def read_message(sock: socket.socket) -> list | None:

@@ -94,13 +94,21 @@ def scatter_each(client, per_worker: dict) -> dict:
         worker, blocks = items[0]
         return client.scatter(blocks, workers=[worker], hash=False, direct=True)
 
-    async def scatter_all():
-        return await asyncio.gather(*(
-            client.scatter(blocks, workers=[worker], hash=False, direct=True,
-                           asynchronous=True) for worker, blocks in items))
+    async def one(worker, blocks):
+        return await client.scatter(blocks, workers=[worker], hash=False, direct=True,
+                                    asynchronous=True)
+
+    async def scatter_all():  # a failed one cancels the others (TaskGroup)
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(worker, blocks)) for worker, blocks in items]
+        return [t.result() for t in tasks]
 
     out: dict = {}
-    for part in (client.sync(scatter_all) if items else ()):
+    try:
+        parts = client.sync(scatter_all) if items else ()
+    except BaseExceptionGroup as group:  # the first error, as one scatter would raise it
+        raise group.exceptions[0] from None
+    for part in parts:
         out.update(part)
     return out
 

@@ -162,6 +162,8 @@ class WireServer:
             if frames is None:
                 self._drop(obj)
                 return
+            # delivered outside the link's lock: two messages of one link may be delivered
+            # out of order by two threads; harmless, every block has a key of its own
             try:
                 self.deliver(frames)
             except Exception:  # noqa: BLE001 - one bad message must not end the link
