@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from dask_ipar.cost import (FC, LOOPBACK_MACHINE, Machine, batch_layer_phases,
                             dense_layer_phases, engine_alltoall_phases, engine_model_conv_phases,
                             grad_norm_phase, redistribute_phase, window_halo_phases)
+from dask_ipar.dashboard.render import fmt_ms
 from dask_ipar.nn.graph import phase_of_key
 
 __all__ = ["CommMeter", "CommRow", "CommReport", "predict_step"]
@@ -101,7 +102,7 @@ class CommReport:
         for r in self.rows:
             lines.append(
                 f"{r.layer:<9}{r.phase:<12}{r.predicted_bytes:>14.0f}{r.measured_bytes:>14.0f}"
-                f"{r.ratio:>8.3f}{1e3 * r.predicted_s:>10.2f}{1e3 * r.measured_s:>10.2f}"
+                f"{r.ratio:>8.3f}{fmt_ms(r.predicted_s):>10}{fmt_ms(r.measured_s):>10}"
             )
         for r in self.input_rows:
             lines.append(f"{r.layer:<9}{r.phase:<12}{r.predicted_bytes:>14.0f}"
