@@ -90,6 +90,8 @@ def scatter_each(client, per_worker: dict) -> dict:
     one after the other, each call waits for its worker's answer and the scheduler's
     before the next begins."""
     items = [(worker, blocks) for worker, blocks in per_worker.items() if blocks]
+    if not items:
+        return {}
     if len(items) == 1:
         worker, blocks = items[0]
         return client.scatter(blocks, workers=[worker], hash=False, direct=True)
@@ -103,14 +105,11 @@ def scatter_each(client, per_worker: dict) -> dict:
             tasks = [tg.create_task(one(worker, blocks)) for worker, blocks in items]
         return [t.result() for t in tasks]
 
-    out: dict = {}
     try:
-        parts = client.sync(scatter_all) if items else ()
+        parts = client.sync(scatter_all)
     except BaseExceptionGroup as group:  # the first error, as one scatter would raise it
         raise group.exceptions[0] from None
-    for part in parts:
-        out.update(part)
-    return out
+    return {key: fut for part in parts for key, fut in part.items()}
 
 
 def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
