@@ -356,6 +356,26 @@ def test_api_on_an_external_cluster_survives_a_killed_worker(data, grid):
         model.close()
 
 
+def test_the_client_hears_at_once_that_a_grid_worker_died(client4):
+    """The scheduler's remove-worker event of a SIGKILLed worker reaches the client's
+    Departures (what wakes a step's wait at once); the other worker is not reported."""
+    from dask_ipar.runtime.departures import departures
+
+    victim, other = sorted(client4.scheduler_info()["workers"])[:2]
+    heard = departures(client4)
+    heard.news.clear()
+    heard.watch([victim, other])
+    assert heard.gone([victim, other]) == []
+    [pid] = pids_of(client4, [victim])
+    os.kill(pid, signal.SIGKILL)
+    try:
+        assert heard.news.wait(30), "no remove-worker event within 30 s"
+        assert heard.gone([victim, other]) == [victim]
+        assert departures(client4) is heard  # one per client: dask keeps one handler a topic
+    finally:
+        whole_again(client4)
+
+
 def test_stopped_worker_is_rebuilt_from_replicas(client4, data):
     """A hung worker (SIGSTOP) with replicas and no checkpoint: restarted, rebuilt from its
     buddy's copy, the run bit-equal to an uninterrupted one."""

@@ -66,7 +66,7 @@ def _pair(retry=(0, 0.01, 0.02)):
 
     server = WireServer("127.0.0.1", deliver, name="test-wire")
     addr = {"peer": ("127.0.0.1", server.port)}
-    wire = Wire(lambda dest: addr.get(dest), lambda: retry, name="test-wire")
+    wire = Wire(lambda dest, stopped=None: addr.get(dest), lambda: retry, name="test-wire")
     return server, wire, addr, box, cv
 
 
@@ -104,7 +104,8 @@ def test_a_waiting_program_reads_its_block_itself_and_the_background_thread_othe
             cv.notify_all()
 
     server = WireServer("127.0.0.1", deliver, name="test-wire")
-    wire = Wire(lambda dest: ("127.0.0.1", server.port), lambda: (0, 0.01, 0.02), name="t")
+    wire = Wire(lambda dest, stopped=None: ("127.0.0.1", server.port), lambda: (0, 0.01, 0.02),
+                name="t")
     try:
         wire.send("peer", pack([(("a-u-s1", 0), 0)]), lambda: None, "t").result(10)
         with cv:  # nobody waits: the background thread reads it
@@ -144,7 +145,7 @@ def test_a_waiting_program_reads_its_block_itself_and_the_background_thread_othe
 @pytest.mark.fast
 def test_a_peer_without_direct_links_gets_none_so_dask_comms_carry_the_block():
     server, wire, _, _, _ = _pair()
-    wire.resolve = lambda dest: None  # the peer's answer: no port
+    wire.resolve = lambda dest, stopped=None: None  # the peer's answer: no port
     try:
         assert wire.send("peer", pack([]), lambda: None, "test") is None
     finally:
@@ -372,8 +373,8 @@ def test_two_programs_waiting_on_one_worker_both_get_their_blocks():
     its deliveries, then reads them itself once the first has its block)."""
     plugin = ExchangePlugin()
     plugin.setup(SimpleNamespace(handlers={}, address="tcp://127.0.0.1:1"))
-    wire = Wire(lambda dest: ("127.0.0.1", plugin.server.port), lambda: (0, 0.01, 0.02),
-                name="t")
+    wire = Wire(lambda dest, stopped=None: ("127.0.0.1", plugin.server.port),
+                lambda: (0, 0.01, 0.02), name="t")
     got, errors = {}, []
 
     def wait_for(key):
@@ -398,3 +399,88 @@ def test_two_programs_waiting_on_one_worker_both_get_their_blocks():
     finally:
         wire.close()
         plugin.teardown(SimpleNamespace(handlers={}))
+
+
+class _Unanswering:
+    """A worker stand-in whose peers never answer ``ipar_wire`` (a dead host: dask's
+    connect attempts go on until its connect timeout), on an event loop of its own."""
+
+    def __init__(self):
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.cancelled = threading.Event()
+        outer = self
+
+        class _Rpc:
+            async def ipar_wire(self):
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    outer.cancelled.set()
+                    raise
+
+        self.worker = SimpleNamespace(handlers={}, address="tcp://127.0.0.1:1",
+                                      rpc=lambda dest: _Rpc(),
+                                      loop=SimpleNamespace(asyncio_loop=self.loop))
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.mark.fast
+def test_a_send_to_a_peer_that_never_answers_ends_when_its_step_is_stopped():
+    """A program's send to a dead peer (asking it for its link's port hangs) holds the
+    program only until the step is aborted, not through dask's connect timeout: it
+    returns once stopped, and its future fails with the abort's reason."""
+    fake = _Unanswering()
+    plugin = ExchangePlugin()
+    plugin.setup(fake.worker)
+    reason = []
+    try:
+        threading.Timer(0.3, lambda: reason.append("worker gone")).start()
+        t0 = time.monotonic()
+        fut = plugin.wire.send("tcp://127.0.0.1:9", pack([(("a-u-s1", 0), 1)]),
+                               lambda: reason[0] if reason else None, "sending a to peer")
+        returned = time.monotonic() - t0
+        with pytest.raises(OSError, match="worker gone"):
+            fut.result(10)
+        assert 0.25 < returned < 5, returned
+        assert fake.cancelled.wait(5)  # the question to the dead peer does not linger
+    finally:
+        plugin.teardown(fake.worker)
+        fake.close()
+
+
+@pytest.mark.fast
+def test_a_program_thread_writes_only_into_connected_links(monkeypatch):
+    """Connecting (a dead host's timeout) is the link thread's work: the first small
+    message to a peer connects there; later ones go from the sending thread itself."""
+    import dask_ipar.runtime.wire as wire_mod
+
+    got = []
+    server = WireServer("127.0.0.1", lambda frames: got.append(unpack(frames)), name="t")
+    connects = []
+    real = wire_mod.socket.create_connection
+
+    def connect(*a, **kw):
+        connects.append(threading.current_thread().name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(wire_mod.socket, "create_connection", connect)
+    wire = Wire(lambda dest, stopped=None: ("127.0.0.1", server.port), lambda: (0, 0.01, 0.02),
+                name="t")
+    try:
+        for n in range(3):
+            wire.send("peer", pack([(("a-u-s1", n), n)]), lambda: None, "t").result(10)
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [items[0][1] for items in got] == [0, 1, 2]
+        assert connects == ["t-to-peer"], connects
+    finally:
+        wire.close()
+        server.close()

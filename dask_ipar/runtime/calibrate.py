@@ -177,11 +177,12 @@ def _pingpong(peer: str, reps: int, uid: str, serve: bool, direct: bool = True):
     instead of the direct links."""
     from distributed import get_worker
 
-    from dask_ipar.runtime.exchange import _plugin, _Sender
+    from dask_ipar.runtime.exchange import plugin_of
+    from dask_ipar.runtime.sender import Sender
 
     worker = get_worker()
-    plugin = _plugin(worker)
-    sender = _Sender(plugin, worker, direct=direct)
+    plugin = plugin_of(worker)
+    sender = Sender(plugin, worker, direct=direct)
     block = np.zeros(1, dtype=np.float32)
     ping = [(f"calibrate.ping-{uid}-s{k}", 0) for k in range(reps)]
     pong = [(f"calibrate.pong-{uid}-s{k}", 0) for k in range(reps)]

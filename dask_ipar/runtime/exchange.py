@@ -27,11 +27,12 @@ from collections import deque
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_ipar.errors import IparError
-from dask_ipar.runtime.framing import pack, unpack
-from dask_ipar.runtime.wire import Wire, WireServer, retry_settings, send_with_retry
+from dask_ipar.runtime.framing import unpack
+from dask_ipar.runtime.wire import Wire, WireServer, retry_settings
 
 __all__ = ["ExchangePlugin", "PLUGIN_NAME", "TRANSPORTS", "DIRECT_MAX_BYTES", "LOG_LENGTH",
-           "install_exchange", "abort_programs", "drain_exchange_log", "KEEP_STEPS", "MERGE_BYTES"]
+           "install_exchange", "abort_programs", "drain_exchange_log", "KEEP_STEPS", "MERGE_BYTES",
+           "tag_of", "plugin_of"]
 
 #: Name of the worker plugin (one per worker, shared by every model).
 PLUGIN_NAME = "dask-ipar-exchange"
@@ -39,7 +40,8 @@ PLUGIN_NAME = "dask-ipar-exchange"
 LOG_LENGTH = 20_000
 #: Blocks below this many bytes that a program sends to the same peer within one phase
 #: (consecutive tasks of one layer and phase, such as the pieces of a reduce-scatter) go
-#: as one message: one latency instead of several (:meth:`_Sender.push`).
+#: as one message: one latency instead of several
+#: (:meth:`dask_ipar.runtime.sender.Sender.push`).
 MERGE_BYTES = 16384
 #: A block still in a mailbox when its model has sent blocks of a step this many graph
 #: submissions newer is dropped: no program will take it (a late duplicate of a retried
@@ -58,19 +60,12 @@ DIRECT_MAX_BYTES = 1 << 16
 
 
 # ------------------------------------------------------------------ worker side
-def _tag_of(key):
+def tag_of(key):
     """``"<uid>-s<step>"`` of a key ``("<layer>.<task>-<uid>-s<step>", ...)``, else None."""
     name = key[0] if isinstance(key, tuple) else key
     if not isinstance(name, str) or "-" not in name:
         return None
     return name.split("-", 1)[1]
-
-
-def _what(items, dest) -> str:
-    """What a message of ``items`` ``[(key, value, nbytes)]`` to ``dest`` is, for errors."""
-    name = items[0][0][0]
-    what = name if len(items) == 1 else f"{len(items)} blocks ({name}, ...)"
-    return f"sending {what} to {dest}"
 
 
 def _stale(aborted, tag) -> bool:
@@ -144,13 +139,25 @@ class ExchangePlugin(WorkerPlugin):
         """Handler ``ipar_wire``: the port of this worker's direct links (None: none)."""
         return None if self.server is None else self.server.port
 
-    def _resolve(self, dest):
-        """``(host, port)`` of ``dest``'s direct links, or None (a worker thread)."""
+    def _resolve(self, dest, stopped=None):
+        """``(host, port)`` of ``dest``'s direct links, or None (a worker thread); OSError
+        where ``dest`` does not answer (dask's connect timeout), or at once when
+        ``stopped()`` says why (a dead peer's connect attempts must not hold a program)."""
         from distributed.comm.addressing import parse_address, parse_host_port
 
         fut = asyncio.run_coroutine_threadsafe(self.worker.rpc(dest).ipar_wire(),
                                                self.worker.loop.asyncio_loop)
-        port = fut.result(timeout=60)
+        while True:
+            try:
+                port = fut.result(timeout=0.05)
+                break
+            except TimeoutError:  # concurrent.futures' (an alias since Python 3.11)
+                if fut.done():  # the call's own timeout
+                    raise OSError(f"asking {dest} for its direct links timed out") from None
+                if stopped is not None and (why := stopped()):
+                    fut.cancel()
+                    raise ConnectionAbortedError(f"asking {dest} for its direct links: "
+                                                 f"{why}") from None
         scheme, loc = parse_address(dest)
         return None if port is None or scheme != "tcp" else (parse_host_port(loc)[0], port)
 
@@ -179,11 +186,11 @@ class ExchangePlugin(WorkerPlugin):
         with self.cond:
             if key in self.dropped:
                 self.dropped.discard(key)
-            elif _tag_of(key) in self.aborted or _stale(self.aborted, _tag_of(key)):
+            elif tag_of(key) in self.aborted or _stale(self.aborted, tag_of(key)):
                 pass  # a late block of a stopped step, or of a stopped model's
             else:
                 self.box[key] = data
-                self._purge(_tag_of(key))
+                self._purge(tag_of(key))
         self._notify()
         return "OK"
 
@@ -233,7 +240,7 @@ class ExchangePlugin(WorkerPlugin):
         self.newest[uid] = n
         old = []
         for k in self.box:
-            u, s, t = (_tag_of(k) or "").rpartition("-s")
+            u, s, t = (tag_of(k) or "").rpartition("-s")
             if u == uid and s and t.isdigit() and int(t) < n - KEEP_STEPS:
                 old.append(k)
         for k in old:
@@ -247,9 +254,9 @@ class ExchangePlugin(WorkerPlugin):
             self.aborted[tag] = (reason or "aborted", time.monotonic(), upto) if model \
                 else reason or "aborted"
             if model:
-                gone = [k for k in self.box if (_tag_of(k) or "").rsplit("-s", 1)[0] == tag]
+                gone = [k for k in self.box if (tag_of(k) or "").rsplit("-s", 1)[0] == tag]
             else:
-                gone = [k for k in self.box if _tag_of(k) == tag]
+                gone = [k for k in self.box if tag_of(k) == tag]
             for k in gone:
                 del self.box[k]
         self._notify()
@@ -332,130 +339,7 @@ class ExchangePlugin(WorkerPlugin):
         return out
 
 
-class _Sender:
-    """Pushes blocks to other workers from a program's thread, without waiting.
-
-    A block of at least :data:`MERGE_BYTES` goes at once, in a message of its own. Smaller
-    ones are held per peer while the program pushes blocks without computing in between
-    (the blocks it holds at its start) or runs tasks of the same layer and phase, and go
-    together, one message per peer (:meth:`release`), before the program runs a task of
-    another phase (:meth:`phase`), waits for blocks, or flushes: one latency instead of one
-    per block, and never later than the program would otherwise have idled."""
-
-    def __init__(self, plugin, worker, recorder=None, direct=True):
-        from distributed.protocol import to_serialize
-        from distributed.sizeof import sizeof
-
-        self.plugin, self.worker = plugin, worker
-        self.wire = plugin.wire if direct else None  # None: dask's comms
-        self.recorder = recorder  # the dashboard's timeline, or None
-        self.loop = worker.loop.asyncio_loop
-        self._ser, self._sizeof = to_serialize, sizeof
-        self.pending: dict = {}  # key -> [concurrent futures]
-        self.small: dict = {}  # dest -> [(key, value, nbytes)] held back
-        self._phase = None  # layer and phase name of the blocks held back
-
-    async def _send(self, dest, items):
-        """One message to ``dest`` with ``items`` ``[(key, value, nbytes)]``."""
-        t0, w0 = time.perf_counter(), time.time()
-        tag = _tag_of(items[0][0])
-        me = self.worker.address
-        if len(items) == 1:
-            key, value, _ = items[0]
-            data = self._ser(value)
-
-            async def put():
-                return await self.worker.rpc(dest).ipar_put(key=key, data=data, sender=me)
-        else:
-            # lists, not tuples: an in-process comm unwraps Serialize in lists and dicts only
-            many = [[key, self._ser(value)] for key, value, _ in items]
-
-            async def put():
-                return await self.worker.rpc(dest).ipar_put_many(items=many, sender=me)
-
-        await send_with_retry(put, lambda: self.plugin.stopped_tag(tag), _what(items, dest))
-        self._sent(dest, items, t0, w0)
-
-    def _sent(self, dest, items, t0, w0) -> None:
-        """Log a message sent: the transfer log, the dashboard's timeline."""
-        self.plugin.log.append((self.worker.address, dest, time.perf_counter() - t0,
-                                [(key, nbytes) for key, _, nbytes in items]))
-        if self.recorder is not None:
-            for key, _, _ in items:
-                self.recorder.add(key[0], "send", w0, time.time(), dest)
-
-    def _direct(self, dest, items):
-        """Send ``items`` over the direct link to ``dest``: a future, or None (no link)."""
-        t0, w0 = time.perf_counter(), time.time()
-        tag = _tag_of(items[0][0])
-        f = self.wire.send(dest, pack([(k, v) for k, v, _ in items]),
-                           lambda: self.plugin.stopped_tag(tag), _what(items, dest))
-        if f is not None:
-            f.add_done_callback(lambda f: f.exception() or self._sent(dest, items, t0, w0))
-        return f
-
-    def _go(self, dest, items):
-        small = sum(n for _, _, n in items) <= self.plugin.direct_bytes
-        f = self._direct(dest, items) if self.wire is not None and small else None
-        if f is None:
-            f = asyncio.run_coroutine_threadsafe(self._send(dest, items), self.loop)
-        for key, _, _ in items:
-            self.pending.setdefault(key, []).append(f)
-
-    def push(self, key, value, dests):
-        nbytes = self._sizeof(value)
-        for d in dests:
-            if nbytes < MERGE_BYTES:
-                self.small.setdefault(d, []).append((key, value, nbytes))
-            else:
-                self._go(d, [(key, value, nbytes)])
-
-    def phase(self, name) -> None:
-        """The program runs a task named ``name`` next: blocks held back from another layer
-        or phase go now."""
-        name = name.split("-", 1)[0] if isinstance(name, str) else name
-        if name != self._phase:
-            self.release()
-            self._phase = name
-
-    def release(self) -> None:
-        """Send the small blocks held back: one message per peer."""
-        small, self.small = self.small, {}
-        for d, items in small.items():
-            self._go(d, items)
-
-    def flush(self, keys=None, tag=None):
-        """Wait until the sends of ``keys`` (all when None) are written; raise their errors.
-        With ``tag``, stop waiting (IparError) once step ``tag`` is stopped: a send to a
-        dead peer would hold this worker's thread through its retries."""
-        import concurrent.futures
-
-        self.release()
-        for k in list(self.pending) if keys is None else [k for k in keys if k in self.pending]:
-            for f in self.pending.pop(k):
-                while True:
-                    try:
-                        f.result(timeout=0.5)
-                        break
-                    except concurrent.futures.TimeoutError:
-                        reason = None if tag is None else self.plugin.stopped_tag(tag)
-                        if reason:
-                            raise IparError(f"step {tag} stopped on worker "
-                                            f"{self.worker.address}: {reason}") from None
-
-    def abort_peers(self, prog, reason):
-        for p in prog.peers:
-            if p != self.worker.address:
-                asyncio.run_coroutine_threadsafe(self._abort(p, prog.tag, reason), self.loop)
-
-    async def _abort(self, dest, tag, reason):
-        try:
-            await self.worker.rpc(dest).ipar_abort(tag=tag, reason=reason)
-        except Exception:  # noqa: BLE001 - best effort: the peer may be gone
-            pass
-
-
-def _plugin(worker):
+def plugin_of(worker):
     plugin = worker.plugins.get(PLUGIN_NAME)
     if plugin is None:
         raise IparError(

@@ -58,7 +58,8 @@ from dask._task_spec import Task, TaskRef
 from dask_ipar.dashboard.recorder import recorder
 from dask_ipar.nn.graph import StepGraph, span_of_name
 from dask_ipar.errors import IparError
-from dask_ipar.runtime.exchange import _plugin, _Sender
+from dask_ipar.runtime.exchange import plugin_of
+from dask_ipar.runtime.sender import Sender
 
 __all__ = ["Program", "compile_programs", "run_program", "pick", "MUTATES", "DEFAULT_TIMEOUT_S"]
 
@@ -241,10 +242,10 @@ def run_program(prog: Program, *values):
     from distributed.metrics import context_meter
 
     worker = get_worker()
-    plugin = _plugin(worker)
+    plugin = plugin_of(worker)
     rec = recorder(worker)  # the dashboard's timeline (None: not installed)
     trace = []  # this program's kernels and waits, for dask's task stream at its end
-    sender = _Sender(plugin, worker, rec)
+    sender = Sender(plugin, worker, rec)
     if prog.carried:
         env = {k: values[0][k] for k in prog.carried}
     else:

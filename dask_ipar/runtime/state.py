@@ -19,13 +19,17 @@ from dask._task_spec import TaskRef
 from dask_ipar.errors import IparError, WorkerHung
 from dask_ipar.kernels import blocks as B
 from dask_ipar.nn.graph import StepGraph
+from dask_ipar.runtime.departures import departures
 from dask_ipar.runtime.lineage import fold_finished_groups, missing_blocks, rekey_blocks
 from dask_ipar.runtime.placement import scatter_each
 from dask_ipar.runtime.weights import join_blocks
 from dask_ipar.runtime.workers import (hung_after_s, hung_workers, release_hung_workers,
                                        scheduler_workers)
 
-__all__ = ["BlockStore"]
+__all__ = ["BlockStore", "WAKE_S"]
+
+#: Seconds between looks at the scheduler's worker-removal events while a step runs.
+WAKE_S = 0.2
 
 
 class BlockStore:
@@ -260,16 +264,24 @@ class BlockStore:
         )
 
     def wait_alive(self, futs, step):
-        """Wait for ``futs``, checking every few seconds that the grid is intact."""
+        """Wait for ``futs``, checking that the grid is intact every ``liveness_check_s``
+        and at once when the scheduler says it removed a grid worker (its event: the
+        step's programs would wait for the dead worker's blocks until the next check)."""
         from distributed import wait
 
+        workers = self.binding.workers
+        heard = departures(self.client)
+        heard.watch(workers)
+        check = time.monotonic() + self.liveness_check_s
         while True:
             try:
                 with self.client.as_current():  # not a client the caller made current
-                    wait(futs, timeout=self.liveness_check_s)
+                    wait(futs, timeout=min(WAKE_S, max(0.0, check - time.monotonic())))
                 return
             except TimeoutError:
-                self.check_alive(step)
+                if heard.gone(workers) or time.monotonic() >= check:
+                    self.check_alive(step)
+                    check = time.monotonic() + self.liveness_check_s
 
     def gather_step(self, futs, step):
         """Wait for a step's results, checking every few seconds that the grid is intact.

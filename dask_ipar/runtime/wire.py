@@ -306,10 +306,14 @@ class _Link:
 class Wire:
     """This worker's links to its peers (one per peer, shared by all its programs).
 
-    ``resolve(dest)`` gives the ``(host, port)`` of worker ``dest``'s
+    ``resolve(dest, stopped)`` gives the ``(host, port)`` of worker ``dest``'s
     :class:`WireServer`, or None where it has none (then :meth:`send` returns None and the
-    caller uses dask's comms); ``retry()`` gives ``(count, delay_min, delay_max)`` of a
-    failed write's retries (reconnecting each time)."""
+    caller uses dask's comms); it raises ``OSError`` where ``dest`` does not answer, and
+    at once where ``stopped()`` says why: a dead peer holds a program no longer than the
+    client takes to stop its step. ``retry()`` gives ``(count, delay_min, delay_max)`` of a
+    failed write's retries (reconnecting each time). A program's thread writes a small
+    message itself only into a connected, idle link: connecting (a dead host's timeout)
+    is the link thread's work."""
 
     def __init__(self, resolve, retry, name: str = "ipar-wire"):
         self.resolve, self.retry, self.name = resolve, retry, name
@@ -318,11 +322,11 @@ class Wire:
         self.addrs: dict = {}  # dest -> (host, port) or None, as resolved
         self.closed = False
 
-    def _addr(self, dest):
+    def _addr(self, dest, stopped=None):
         with self.lock:
             if dest in self.addrs:
                 return self.addrs[dest]
-        addr = self.resolve(dest)
+        addr = self.resolve(dest, stopped)
         with self.lock:
             self.addrs[dest] = addr
         return addr
@@ -332,17 +336,18 @@ class Wire:
         a future of the bytes written (or of the error after the retries), or None where
         ``dest`` has no wire. ``stopped()`` says why to stop retrying (None: go on)."""
         try:
-            if self._addr(dest) is None:
+            if self._addr(dest, stopped) is None:
                 return None
         except OSError:
-            pass  # unreachable now: the link's thread retries
+            pass  # unreachable now (or the step stopped): the link's thread retries
         with self.lock:
             link = self.links.get(dest) or self.links.setdefault(dest, _Link(dest))
         fut = concurrent.futures.Future()
         size = sum(bytes_view(f).nbytes for f in frames)
-        if size <= DIRECT_BYTES and not link.queue and link.wlock.acquire(blocking=False):
-            try:  # the program's own thread: a small write into a free link
-                fut.set_result(self._write(link, frames))
+        if size <= DIRECT_BYTES and link.sock is not None and not link.queue \
+                and link.wlock.acquire(blocking=False):
+            try:  # the program's own thread: a small write into a free, connected link
+                fut.set_result(self._write(link, frames, stopped))
                 return fut
             except OSError:
                 pass  # the link's thread retries it
@@ -357,10 +362,10 @@ class Wire:
             link.cv.notify()
         return fut
 
-    def _write(self, link, frames) -> int:
+    def _write(self, link, frames, stopped=None) -> int:
         try:
             if link.sock is None:
-                addr = self._addr(link.dest)
+                addr = self._addr(link.dest, stopped)
                 if addr is None:
                     raise ConnectionError(f"{link.dest} no longer accepts direct links")
                 sock = socket.create_connection(addr, timeout=10.0)
@@ -397,7 +402,7 @@ class Wire:
         count, dmin, dmax = self.retry()
         for attempt in range(count + 1):
             try:
-                return self._write(link, frames)
+                return self._write(link, frames, stopped)
             except OSError as exc:
                 _give_up(exc, what, attempt, count, stopped(), self.closed)
                 time.sleep(backoff(attempt, dmin, dmax))
