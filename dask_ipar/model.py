@@ -245,11 +245,12 @@ class Sequential:
                             [self.engine.name(lay.name, "w", step) for lay in lays], step,
                             velocity, [self.engine.name(lay.name, "v", step) for lay in lays])
 
-    def _place_batch(self, Xb, yb, step: int, g: StepGraph):
+    def _place_batch(self, Xb, yb, step: int, g: StepGraph, pending=None):
         """Sample block j of a batch on every cell of grid column j
         (:func:`dask_ipar.runtime.placement.place_batch`)."""
         return place_batch(self.engine, self.client, Xb, yb, step, g, uid=self.uid,
-                           embed_bytes=self.embed_bytes, block_module=self.block_module)
+                           embed_bytes=self.embed_bytes, block_module=self.block_module,
+                           pending=pending)
 
     def _fetch(self, keys, futures) -> list:
         """Results of ``futures`` (keys ``(name, i, j, ...)``) as NumPy arrays."""
@@ -294,14 +295,14 @@ class Sequential:
 
     def train_step(self, Xb, yb, optimizer: SGD):
         """Submit one SGD step on a prepared batch; returns the loss-statistics futures."""
-        self._require()
         return submit_step(self, Xb, yb, optimizer)
 
     def fit(self, X, y, *, epochs: int = 1, batch_size: int = 32, optimizer: SGD | None = None,
             shuffle: bool = True, seed: int | None = None, progress=False, max_inflight: int = 2,
             measure: bool = True, machine=None, validation_data=None, standardize: bool = False,
             callbacks=(), checkpoint=None, log_file=None, diverge_factor: float = 2.0,
-            shuffle_window: int | None = None, replicas=None) -> History:
+            shuffle_window: int | None = None, replicas=None, steps_per_program: int = 1
+            ) -> History:
         """Train on minibatches; returns a :class:`History` of per-epoch records.
 
         Runs :class:`dask_ipar.runtime.loop.TrainLoop`, the loop of every training run:
@@ -319,7 +320,9 @@ class Sequential:
         shuffle_window : data read from storage shuffles within windows of this many
             chunks (default 8; 0: full shuffle; :class:`~dask_ipar.runtime.loop.BatchPlan`)
         progress : True for a tqdm bar on stderr, or a callable given each :class:`StepStats`
-        max_inflight : steps submitted ahead of the one waited for
+        max_inflight : submissions ahead of the one waited for
+        steps_per_program : consecutive steps per submission (1-8; one program per worker
+            runs them all): fewer per-step costs where steps are short, losses in bursts
         measure : put the per-layer, per-phase predicted-vs-measured bytes in ``history.comm``
             (predicted seconds from ``machine``, a :class:`dask_ipar.cost.Machine`).
         validation_data : ``(X_val, y_val)``: ``val_loss``, ``val_accuracy`` per epoch
@@ -339,7 +342,7 @@ class Sequential:
                     measure=measure, machine=machine, validation_data=validation_data,
                     standardize=standardize, callbacks=callbacks, checkpoint=checkpoint,
                     log_file=log_file, diverge_factor=diverge_factor, shuffle_window=shuffle_window,
-                    replicas=replicas)
+                    replicas=replicas, steps_per_program=steps_per_program)
 
     def _require_bound(self):
         """Raise a clear error unless the model is on a cluster with its state intact."""

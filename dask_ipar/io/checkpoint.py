@@ -181,7 +181,7 @@ class Checkpointing(Callback):
                 f"{found[-1][0]}) and resume is off. Resume from them (resume=True, "
                 "--resume), or use an empty directory."
             )
-        from dask_ipar.runtime.training import check_optimizer
+        from dask_ipar.runtime.steps import check_optimizer
 
         check_optimizer(model, loop.optimizer)
         model.state_blocks()  # builds the initial weights
@@ -205,7 +205,7 @@ class Checkpointing(Callback):
                 "Checkpointing(allow_changes=True)).")
 
     def _check_state(self, model, optimizer):
-        from dask_ipar.runtime.training import check_optimizer
+        from dask_ipar.runtime.steps import check_optimizer
 
         try:
             check_optimizer(model, optimizer)

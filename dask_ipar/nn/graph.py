@@ -109,11 +109,16 @@ def span_of_name(name: str):
     ('dask-ipar', 'dense1', 'forward')
     """
     layer, _, rest = name.partition(".")
-    task = rest.split("-", 1)[0]
-    tags = ("dask-ipar", layer, TASK_SPAN.get(task, task))
-    ids = tuple(str(uuid.uuid5(uuid.NAMESPACE_URL, "/".join(tags[: k + 1])))
-                for k in range(len(tags)))
+    tags, ids = _span(layer, rest.split("-", 1)[0])
     return {"name": tags, "ids": ids}
+
+
+@functools.lru_cache(maxsize=4096)
+def _span(layer: str, task: str) -> tuple:
+    """``(tags, ids)`` of a layer's task (three uuid5 each: cached, as every step asks)."""
+    tags = ("dask-ipar", layer, TASK_SPAN.get(task, task))
+    return tags, tuple(str(uuid.uuid5(uuid.NAMESPACE_URL, "/".join(tags[: k + 1])))
+                       for k in range(len(tags)))
 
 
 

@@ -281,7 +281,9 @@ class ExchangePlugin(WorkerPlugin):
 
     def take_ready(self, keys):
         """Values of those of ``keys`` that have arrived (removed from the mailbox)."""
-        with self.cond:
+        with self.cond:  # the mailbox is usually far smaller than what a program awaits
+            if len(self.box) < len(keys):
+                return {k: self.box.pop(k) for k in [k for k in self.box if k in keys]}
             return {k: self.box.pop(k) for k in keys if k in self.box}
 
     def wait(self, prog, due, started, last_progress, patience=None):
@@ -294,7 +296,8 @@ class ExchangePlugin(WorkerPlugin):
                     "the worker is shutting down" if self.closing else None)
                 if reason:
                     raise IparError(f"step {prog.tag} stopped on worker {prog.worker}: {reason}")
-                if any(k in self.box for k in due):
+                if any(k in due for k in self.box) if len(self.box) < len(due) \
+                        else any(k in self.box for k in due):
                     return True
                 if give_up is not None and time.monotonic() >= give_up:
                     return False

@@ -15,9 +15,12 @@ from a lost worker. The loop itself owns three things only:
   without checkpoints.
 - **The learning rate of step ``s``**: the optimizer's schedule
   (:mod:`dask_ipar.optim`), also a pure function of ``s``.
-- **When the state may be read**: steps are submitted ``max_inflight`` ahead of the one
-  waited for; before a callback reads the weights (a checkpoint, validation, the end of
-  an epoch) the loop waits for every submitted step (:meth:`Callback.wants_sync`).
+- **When the state may be read**: steps are submitted ``max_inflight`` submissions ahead
+  of the one waited for, ``steps_per_program`` consecutive steps per submission (one
+  graph, one program per worker: :func:`dask_ipar.runtime.training.submit_steps`); a
+  submission ends at every step a callback reads the weights after (a checkpoint, a
+  replica refresh: :meth:`Callback.wants_sync`, asked ahead, so a pure function of the
+  step) and at every epoch's end, and there the loop waits for every submitted step.
 
 A stop requested with :meth:`TrainLoop.request_stop` (what the CLI's SIGINT/SIGTERM
 handlers do) ends the run after the step in flight: the loop waits for it, gives the
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dask_ipar.errors import IparError
+from dask_ipar.runtime.steps import submit_steps
 
 _log = logging.getLogger("dask_ipar")
 
@@ -177,7 +181,8 @@ class Callback:
 
     def wants_sync(self, loop, step: int) -> bool:
         """Whether the callback reads the state right after step ``step`` (1-based) was
-        submitted; the loop then waits for every step and calls :meth:`on_sync`."""
+        submitted; the loop then waits for every step and calls :meth:`on_sync`. Asked
+        before the steps up to ``step`` are submitted: a function of ``step`` alone."""
         return False
 
     def on_sync(self, loop, step: int): ...
@@ -220,9 +225,12 @@ class TrainLoop:
 
     def __init__(self, model, X, y, plan: BatchPlan, optimizer, *, total_steps: int,
                  start_step: int = 0, callbacks=(), max_inflight: int = 2,
-                 diverge_factor: float = 2.0):
+                 diverge_factor: float = 2.0, steps_per_program: int = 1):
+        from dask_ipar.runtime.steps import check_steps_per_program
+
         if not isinstance(max_inflight, int) or max_inflight < 0:
             raise IparError(f"max_inflight must be an integer >= 0, got {max_inflight!r}.")
+        self.steps_per_program = check_steps_per_program(steps_per_program)
         self.model, self.X, self.y, self.plan = model, X, y, plan
         self._gang = None  # the run's lock on its grid workers (:meth:`run`)
         self._preempt = None  # notices of grid workers about to leave (:meth:`run`)
@@ -237,6 +245,7 @@ class TrainLoop:
         self._stop_at_epoch: str | None = None
         self._first_loss: float | None = None
         self._pending: deque = deque()
+        self._sizes: deque = deque()  # steps of each submission in _pending, oldest first
         self._submitted = start_step
         self._epoch_totals = np.zeros(3)
         self._epoch_t0 = time.perf_counter()
@@ -313,6 +322,7 @@ class TrainLoop:
         totals rebuilt from the steps kept, and the callbacks told (:meth:`Callback.
         on_rewind`)."""
         self._pending.clear()
+        self._sizes.clear()
         h = self.history
         h.steps = [s for s in h.steps if s.step <= step]
         h.epochs = [e for e in h.epochs if e["steps"] <= step]
@@ -343,22 +353,35 @@ class TrainLoop:
                 self._each("on_interrupt", self._submitted)
                 reason, signum = self._stop_request
                 raise Interrupted(self._submitted, reason, signum)
-            s = self._submitted
-            Xb, yb = self.batch(s)
-            opt = self.optimizer.at_step(s)
-            futs = self.model.train_step(Xb, yb, opt)
-            self._submitted = s + 1
-            self._pending.append((s + 1, Xb.shape[0], futs, opt.lr))
-            if any(cb.wants_sync(self, s + 1) for cb in self.callbacks):
+            first = self._submitted
+            s = self._chunk_end(first)  # the submission's last step, 1-based
+            batches = [(*self.batch(k), self.optimizer.at_step(k)) for k in range(first, s)]
+            for k, futs in enumerate(submit_steps(self.model, batches)):
+                self._pending.append((first + k + 1, batches[k][0].shape[0], futs,
+                                      batches[k][2].lr))
+            self._sizes.append(len(batches))
+            self._submitted = s
+            if any(cb.wants_sync(self, s) for cb in self.callbacks):
                 self.drain()
-                self._each("on_sync", s + 1)
-            while len(self._pending) > self.max_inflight:
-                self._finish(self._pending.popleft())
-            if (s + 1) % spe == 0 or s + 1 == self.total_steps:
-                self._end_epoch((s + 1 - 1) // spe)
+                self._each("on_sync", s)
+            while len(self._sizes) > self.max_inflight:
+                for _ in range(self._sizes.popleft()):
+                    self._finish(self._pending.popleft())
+            if s % spe == 0 or s == self.total_steps:
+                self._end_epoch((s - 1) // spe)
                 if self._stop_at_epoch is not None:
                     self.history.stopped = self._stop_at_epoch
                     return
+
+    def _chunk_end(self, first: int) -> int:
+        """The last step (1-based) of the submission starting after step ``first``: at most
+        ``steps_per_program`` steps, ending at the epoch's end, the run's end and every
+        step a callback reads the state after."""
+        spe, end = self.plan.steps_per_epoch, first + 1
+        while end - first < self.steps_per_program and end % spe and end < self.total_steps \
+                and not any(cb.wants_sync(self, end) for cb in self.callbacks):
+            end += 1
+        return end
 
     def _preempted(self, leaving: dict):
         """Grid workers announced their leave: finish the steps in flight, let the
@@ -400,6 +423,7 @@ class TrainLoop:
         """Wait for every submitted step (losses gathered, callbacks told) and its update."""
         while self._pending:
             self._finish(self._pending.popleft())
+        self._sizes.clear()
         store = self.model._store  # a worker that died fails the wait within seconds
         store.wait_alive(store.state(store.w + store.v), self._submitted)
 

@@ -113,7 +113,7 @@ def scatter_each(client, per_worker: dict) -> dict:
 
 
 def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
-                embed_bytes: int, block_module=None):
+                embed_bytes: int, block_module=None, pending=None):
     """Put sample block j of a batch on every cell of grid column j (client to workers).
 
     Batches up to ``embed_bytes`` travel inside the step's graph ``g`` (one message; the
@@ -122,7 +122,9 @@ def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
     them); in-process workers would hold the caller's memory itself, so for them the batch
     is copied first. Returns ``(x_keys, y_keys, futures)``: refs per cell of the inputs and
     labels (labels inline when embedded), and the futures of scattered blocks, which the
-    caller holds until the graph is submitted.
+    caller holds until the graph is submitted. With ``pending`` (a dict) the blocks to
+    scatter are added to it, ``{worker: {key: block}}``, instead: the caller scatters the
+    blocks of several steps at once (:func:`scatter_each`) before it submits them.
     """
     from dask_ipar.io.lazy import LazyBatch
 
@@ -158,10 +160,11 @@ def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
         # header (at any offset) and each later one into an allocation of its own, so
         # the input block then arrives aligned for BLAS (kernels copy misaligned ones)
         ordered = sorted(blocks.items(), key=lambda kv: kv[0][0] != yname)
-        per_worker: dict = {}
+        per_worker: dict = {} if pending is None else pending
         for key, value in ordered:
             per_worker.setdefault(binding.worker(*key[1:]), {})[key] = value
-        futures.update(scatter_each(client, per_worker))
+        if pending is None:
+            futures.update(scatter_each(client, per_worker))
     if block_module:  # each cell copies its block to its GPU: one task, no hop
         for key in blocks:
             g.add((key[0] + "-dev", *key[1:]), binding.worker(*key[1:]), B.to_device,

@@ -50,6 +50,7 @@ written to the network, so no peer can receive a half-updated block.
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -211,7 +212,7 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
             pkey = (f"step.run{p if early else ''}-{tag}", n)
             prog.key = pkey
             args = [TaskRef(prev)] if p == 1 else [TaskRef(k) for k in inputs]
-            out.add(pkey, w, run_program, prog, *args)
+            out.add(pkey, w, run_program, _pack(prog), *args)
             prog_keys.append(pkey)
             for k in prog.outputs:
                 owner[k] = pkey
@@ -226,12 +227,52 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
     return out.to_hlg(name), prog_keys, orphans
 
 
+def _pack(prog: Program) -> bytes:
+    """``prog`` pickled on the client: the scheduler forwards bytes to the worker instead
+    of unpickling and pickling again each of the program's tasks (with several steps per
+    program, the larger part of the scheduler's work per step)."""
+    from distributed.protocol.pickle import dumps
+
+    return dumps(prog, protocol=5)
+
+
 def pick(result: dict, key):
     """Output ``key`` of a program's result."""
     return result[key]
 
 
 # ------------------------------------------------------------------ worker side
+class _Ready:
+    """Which of a program's tasks ``nodes`` (in the global order) can run: a count of the
+    blocks each still lacks, and a heap of those lacking none, so that the first ready
+    task in order is found in O(log n) instead of a scan of every task left."""
+
+    def __init__(self, nodes, env):
+        self.lacking, self.waiters = [], {}  # task -> count; block -> [tasks reading it]
+        self.heap, self.done = [], [False] * len(nodes)
+        for n, (_, node) in enumerate(nodes):
+            lack = [d for d in node.dependencies if d not in env]
+            for d in lack:
+                self.waiters.setdefault(d, []).append(n)
+            self.lacking.append(len(lack))
+            if not lack:
+                self.heap.append(n)  # in order: already a heap
+
+    def pop(self) -> int:
+        n = heapq.heappop(self.heap)
+        self.done[n] = True
+        return n
+
+
+def _ready_keys(ready: _Ready, keys) -> None:
+    """Blocks ``keys`` exist now (computed here or received): their readers lack less."""
+    for k in keys:
+        for n in ready.waiters.pop(k, ()):
+            ready.lacking[n] -= 1
+            if not ready.lacking[n]:
+                heapq.heappush(ready.heap, n)
+
+
 def run_program(prog: Program, *values):
     """Run ``prog`` on this worker: its tasks in order, blocks pushed and received.
 
@@ -241,6 +282,10 @@ def run_program(prog: Program, *values):
     from distributed import get_worker, rejoin, secede
     from distributed.metrics import context_meter
 
+    if isinstance(prog, bytes):  # as compile_programs sends it (:func:`_pack`)
+        from distributed.protocol.pickle import loads
+
+        prog = loads(prog)
     worker = get_worker()
     plugin = plugin_of(worker)
     rec = recorder(worker)  # the dashboard's timeline (None: not installed)
@@ -265,19 +310,22 @@ def run_program(prog: Program, *values):
             if k in prog.sends:
                 sender.push(k, env[k], prog.sends[k])
                 sent(k)
-        todo = list(prog.nodes)
+        todo = prog.nodes
+        ready, head = _Ready(todo, env), 0
         started = last = time.monotonic()
-        while todo:
+        left = len(todo)
+        while left:
             got = plugin.take_ready(waiting)
             if got:
                 env.update(got)
                 waiting.difference_update(got)
                 last = time.monotonic()
-            n = next((n for n, (_, node) in enumerate(todo)
-                      if all(d in env for d in node.dependencies)), None)
-            if n is None:
+                _ready_keys(ready, got)
+            if not ready.heap:
                 if rec is not None:  # what the first task in order waits for, and whom
-                    due = next(d for d in todo[0][1].dependencies if d not in env)
+                    while ready.done[head]:
+                        head += 1
+                    due = next(d for d in todo[head][1].dependencies if d not in env)
                     rec.now("waiting", due[0], prog.remote.get(due))
                     t0 = time.time()
                 sender.release()  # small blocks held back go before this program idles
@@ -291,7 +339,8 @@ def run_program(prog: Program, *values):
                     secede()  # a long wait: free the thread for other tasks
                     seceded = True
                 continue
-            key, node = todo.pop(n)
+            key, node = todo[ready.pop()]
+            left -= 1
             last = time.monotonic()  # progress: a wait's timeout counts from its start
             deps = node.dependencies
             sender.phase(key[0])
@@ -306,6 +355,7 @@ def run_program(prog: Program, *values):
             if rec is not None:
                 trace.append([key[0], "compute", t0, time.time()])
                 rec.add(*trace[-1])
+            _ready_keys(ready, (key,))
             if key in prog.sends:
                 sender.push(key, value, prog.sends[key])
                 sent(key)

@@ -6,62 +6,16 @@
 from __future__ import annotations
 
 from dask_ipar.errors import IparError
-from dask_ipar.nn.graph import StepGraph
+from dask_ipar.runtime.steps import check_optimizer, submit_steps
 
-__all__ = ["fit", "prepare", "submit_step", "check_optimizer"]
+__all__ = ["fit", "prepare", "submit_step"]
 
-
-
-def _state_kind(optimizer) -> str:
-    return "adam" if optimizer.name in ("adam", "adamw") else "sgd"
-
-
-def check_optimizer(model, optimizer):
-    """Refuse to train with an optimizer whose state is not the one the model holds."""
-    from dask_ipar.optim import SGD, Adam
-
-    if not isinstance(optimizer, (SGD, Adam)):
-        raise IparError(f"optimizer must be dask_ipar.SGD, Adam or AdamW, got {optimizer!r}.")
-    held, _ = model._store.opt
-    if held is not None and held != _state_kind(optimizer):
-        what = {"sgd": "SGD momentum", "adam": "Adam moments"}
-        raise IparError(
-            f"the model holds {what[held]} from its earlier training; {type(optimizer).__name__} "
-            f"needs {what[_state_kind(optimizer)]}. Train on with the same kind of optimizer, "
-            "or start its state afresh with model.set_weights(model.get_weights())."
-        )
 
 
 def submit_step(model, Xb, yb, optimizer):
     """Submit one SGD step of ``model`` on a prepared batch; returns the loss-statistics
-    futures. Every ``model.lineage_steps`` steps the state's task history is cut first
-    (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`)."""
-    check_optimizer(model, optimizer)
-    if model.lineage_steps is not None and model._since_cut >= model.lineage_steps:
-        model._since_cut = 0
-        model._store.cut_lineage(model._step)
-    model._since_cut += 1
-    step = model._next_step()
-    g = StepGraph()
-    x_keys, y_keys, data = model._place_batch(Xb, yb, step, g)
-    store = model._store
-    kind, t = store.opt
-    g, new_w, new_v, stats = model.engine.train_step(
-        x_keys, y_keys, Xb.shape[0], model._w, model._v, step, optimizer.lr,
-        getattr(optimizer, "momentum", 0.0), optimizer.weight_decay, g=g,
-        optimizer=optimizer, t=t + 1,
-    )
-    store.opt = (_state_kind(optimizer), t + 1)
-    # momentum blocks updated in place keep their names (and futures)
-    fresh = [n for n in new_w + new_v if n not in model._v]
-    keys = [(n, i, j) for n in fresh for i, j in model.binding.grid.cells()]
-    futs = model._submit(g, f"step-{model.uid}-s{step}", keys + stats, step=step,
-                        first=stats)
-    store.keep(keys, futs[: len(keys)])
-    store.release([n for n in store.w + store.v if n not in new_v])
-    store.w, store.v = new_w, new_v
-    del data  # the graph holds the batch now
-    return futs[len(keys):]
+    futures (:func:`submit_steps` of one step)."""
+    return submit_steps(model, [(Xb, yb, optimizer)])[0]
 
 
 def prepare(model, X, y, batch_size):
@@ -108,7 +62,7 @@ def _window(X, y, window):
 def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, seed=None,
         progress=False, max_inflight=2, measure=True, machine=None, validation_data=None,
         standardize=False, callbacks=(), checkpoint=None, log_file=None,
-        diverge_factor=2.0, shuffle_window=None, replicas=None):
+        diverge_factor=2.0, shuffle_window=None, replicas=None, steps_per_program=1):
     """:meth:`dask_ipar.model.Sequential.fit` (its docstring says what each argument does)."""
     from dask_ipar.optim import SGD
     from dask_ipar.runtime import callbacks as cbs
@@ -171,5 +125,5 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
             data.until = epochs * plan.steps_per_epoch
     loop = TrainLoop(model, X, y, plan, optimizer, total_steps=epochs * plan.steps_per_epoch,
                      callbacks=pre + post, max_inflight=max_inflight,
-                     diverge_factor=diverge_factor)
+                     diverge_factor=diverge_factor, steps_per_program=steps_per_program)
     return loop.run()

@@ -1,0 +1,82 @@
+"""Several training steps per submission (``fit(steps_per_program=k)``): the same floats as
+one step at a time, on any grid, optimizer and executor; submissions end where callbacks
+read the state and at every epoch's end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dask_ipar import SGD, Adam, Dense, Sequential
+from dask_ipar.errors import IparError
+from dask_ipar.optim import StepLR
+from dask_ipar.runtime.loop import Callback
+
+
+class SyncAt(Callback):
+    """Reads the state after step ``at`` (as a checkpoint every ``at`` steps would)."""
+
+    def __init__(self, at):
+        self.at, self.seen = at, []
+
+    def wants_sync(self, loop, step):
+        return step == self.at
+
+    def on_sync(self, loop, step):
+        self.seen.append((step, loop._submitted))
+
+
+def _train(client, grid, k, optimizer, executor="programs", callbacks=()):
+    rng = np.random.default_rng(7)
+    X = rng.standard_normal((5 * 11 + 3, 19))  # 5 steps per epoch, the last one 14 samples
+    y = rng.integers(0, 6, X.shape[0])
+    model = Sequential([Dense(13, "relu"), Dense(17, "tanh"), Dense(6)], input_dim=19,
+                       dtype="float64", seed=5).distribute(client, grid)
+    model.executor = executor
+    submissions = []
+    submit = model._submit
+
+    def counting(graph, name, keys, step=None, first=()):
+        if step is not None:
+            submissions.append(step)
+        return submit(graph, name, keys, step=step, first=first)
+
+    model._submit = counting
+    try:
+        h = model.fit(X, y, epochs=2, batch_size=11, optimizer=optimizer,
+                      steps_per_program=k, callbacks=list(callbacks))
+        return model.get_weights(), [s.loss for s in h.steps], submissions
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("grid,optimizer,executor", [
+    ("2x2", SGD(lr=0.1, momentum=0.9, weight_decay=0.01, schedule=StepLR(3, 0.5)), "programs"),
+    ("3x1", SGD(lr=0.05, momentum=0.9, nesterov=True, clip_norm=0.5), "programs"),
+    ("1x3", Adam(lr=0.01), "programs"),
+    ("2x2", Adam(lr=0.01, clip_norm=1.0), "graph"),
+])
+def test_several_steps_per_program_equal_one_at_a_time_bit_for_bit(client, grid, optimizer,
+                                                                   executor):
+    w1, loss1, subs1 = _train(client, grid, 1, optimizer, executor)
+    sync = SyncAt(4)
+    w3, loss3, subs3 = _train(client, grid, 3, optimizer, executor, [sync])
+    assert loss3 == loss1 and len(loss1) == 10
+    for (a, b), (c, d) in zip(w1, w3):
+        assert np.array_equal(a, c) and np.array_equal(b, d)
+    assert len(subs1) == 10
+    # steps 1-3 | 4 (read after it) | 5 (epoch end) | 6-8 | 9-10 (epoch end)
+    assert np.diff(subs3).tolist() == [3, 1, 1, 3], subs3
+    assert sync.seen == [(4, 4)]  # every step up to 4 submitted and done, none after
+
+
+@pytest.mark.parametrize("bad", [0, 9, 2.5, True, "4"])
+def test_bad_steps_per_program_is_refused(client, bad):
+    model = Sequential([Dense(4)], input_dim=3).distribute(client, "1x1")
+    try:
+        with pytest.raises(IparError, match=r"steps_per_program must be a whole number from 1 "
+                                            r"to 8, got"):
+            model.fit(np.zeros((8, 3)), np.zeros(8, dtype=int), batch_size=4,
+                      steps_per_program=bad)
+    finally:
+        model.close()
