@@ -301,7 +301,7 @@ class Sequential:
             shuffle: bool = True, seed: int | None = None, progress=False, max_inflight: int = 2,
             measure: bool = True, machine=None, validation_data=None, standardize: bool = False,
             callbacks=(), checkpoint=None, log_file=None, diverge_factor: float = 2.0,
-            shuffle_window: int | None = None, replicas=None, steps_per_program: int = 1
+            shuffle_window: int | None = None, replicas=None, steps_per_program: int | str = 1
             ) -> History:
         """Train on minibatches; returns a :class:`History` of per-epoch records.
 
@@ -321,8 +321,8 @@ class Sequential:
             chunks (default 8; 0: full shuffle; :class:`~dask_ipar.runtime.loop.BatchPlan`)
         progress : True for a tqdm bar on stderr, or a callable given each :class:`StepStats`
         max_inflight : submissions ahead of the one waited for
-        steps_per_program : consecutive steps per submission (1-8; one program per worker
-            runs them all): fewer per-step costs where steps are short, losses in bursts
+        steps_per_program : consecutive steps per submission (1-8, or "auto": 8 for small
+            models, 1 for large); one program per worker runs them, losses come in bursts
         measure : put the per-layer, per-phase predicted-vs-measured bytes in ``history.comm``
             (predicted seconds from ``machine``, a :class:`dask_ipar.cost.Machine`).
         validation_data : ``(X_val, y_val)``: ``val_loss``, ``val_accuracy`` per epoch

@@ -22,6 +22,7 @@ def test_train_defaults_reach_95_percent_on_digits():
         assert key in out
     assert out["test_accuracy"] >= 0.95, out
     assert out["epochs"] == 10 and out["executor"] == "programs"
+    assert out["steps_per_program"] == 8  # auto: the digits MLP's step is microseconds
     # predicted beside measured communication, per layer and phase
     comm = out["comm"]
     assert {c["phase"] for c in comm} >= {"fwd_gather", "dw_reduce", "w_gather"}
@@ -42,7 +43,7 @@ def test_train_on_existing_scheduler(client, tmp_path, capsys):
     card = tmp_path / "run.html"
     rc = main(["train", "--scheduler-address", address, "--grid", "2x1", "--epochs", "1",
                "--batch", "128", "--no-progress", "--json", "--report", str(card),
-               "--executor", "graph"])
+               "--executor", "graph", "--steps-per-program", "3"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err[-3000:]
     out = json.loads(captured.out.strip().splitlines()[-1])
@@ -68,6 +69,7 @@ def test_train_on_existing_scheduler(client, tmp_path, capsys):
         assert "dask-ipar train --scheduler-address" in dask_html
         assert "performance_report_beside" not in dask_html
     assert out["grid"] == "2x1" and out["executor"] == "graph"
+    assert out["steps_per_program"] == 3
     assert out["test_accuracy"] > 0.5, out
     # the shared cluster keeps running: our own client still works
     assert client.submit(sum, [1, 2]).result() == 3

@@ -75,8 +75,32 @@ def test_bad_steps_per_program_is_refused(client, bad):
     model = Sequential([Dense(4)], input_dim=3).distribute(client, "1x1")
     try:
         with pytest.raises(IparError, match=r"steps_per_program must be a whole number from 1 "
-                                            r"to 8, got"):
+                                            r"to 8 or .auto., got"):
             model.fit(np.zeros((8, 3)), np.zeros(8, dtype=int), batch_size=4,
                       steps_per_program=bad)
     finally:
         model.close()
+
+
+def test_auto_groups_the_steps_of_small_models_only(client):
+    """``"auto"``: 8 steps per submission for a tiny MLP (microseconds of compute a step),
+    1 for a model whose step computes for seconds; fit uses what it picks."""
+    from dask_ipar.runtime.steps import auto_steps_per_program
+
+    class Seen(Callback):
+        def on_train_begin(self, loop):
+            self.k = loop.steps_per_program
+
+    small = Sequential([Dense(16, "relu"), Dense(4)], input_dim=8).distribute(client, "2x1")
+    big = Sequential([Dense(2048, "relu"), Dense(2048, "relu"), Dense(10)],
+                     input_dim=2048).distribute(client, "2x1")
+    try:
+        assert auto_steps_per_program(small, 32, SGD()) == 8
+        assert auto_steps_per_program(big, 4096, SGD()) == 1
+        seen = Seen()
+        small.fit(np.zeros((64, 8)), np.zeros(64, dtype=int), batch_size=32,
+                  steps_per_program="auto", callbacks=[seen])
+        assert seen.k == 8
+    finally:
+        small.close()
+        big.close()

@@ -9,7 +9,7 @@ import sys
 
 from dask_ipar.errors import IparError
 
-__all__ = ["eprint", "positive_int", "fraction", "widths", "resolve_grid", "report",
+__all__ = ["eprint", "positive_int", "steps_per_program", "fraction", "widths", "resolve_grid", "report",
            "cluster_line", "add_cluster_flags", "command_cluster", "mute_interrupt_noise"]
 
 
@@ -33,6 +33,17 @@ def positive_int(text):
 
 def non_negative_int(text):
     return _int_at_least(text, 0, "an integer >= 0")
+
+
+def steps_per_program(text):
+    """``--steps-per-program``: ``auto`` or a whole number from 1 to 8."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    v = _int_at_least(text, 1, "a whole number from 1 to 8, or auto")
+    if v > 8:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to 8, or auto, "
+                                         f"got {text!r}")
+    return v
 
 
 def widths(text):

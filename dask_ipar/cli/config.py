@@ -67,6 +67,7 @@ TRAIN_FLAGS = {
     "seed": "train.seed",
     "executor": "train.executor",
     "replicas": "train.replicas",
+    "steps_per_program": "train.steps_per_program",
     "data": "data.path",
     "machine": "machine",
     "cluster": "cluster.kind",

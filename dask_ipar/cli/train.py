@@ -13,8 +13,7 @@ import numpy as np
 
 from dask_ipar.cli import checks
 from dask_ipar.cli.args import (add_cluster_flags, eprint, fraction, non_negative_int,
-                                positive_int, report)
-from dask_ipar.cli.args import resolve_grid, widths
+                                positive_int, report, resolve_grid, steps_per_program, widths)
 from dask_ipar.cli.pages import dashboard_setting, performance_report_beside, training_page
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.loop import Callback, Interrupted
@@ -74,6 +73,10 @@ def add_parser(sub):
                    help="programs: two dask tasks per worker and step (default); graph: a dask "
                         "task per kernel, every layer and phase in the dashboard's task stream, "
                         "same results, far more scheduler work")
+    p.add_argument("--steps-per-program", type=steps_per_program, metavar="N",
+                   help="consecutive steps per submission, 1 to 8, or auto (the default: 8 "
+                        "for models whose step computes in a few ms, 1 for large ones); "
+                        "cheaper steps, losses and progress in bursts of N")
     p.add_argument("--data", metavar="PATH",
                    help=".npz, .npy, Zarr or HDF5 with X and y, or a bundled set: digits "
                    "(the default: scikit-learn's 8x8 digits) or mnist5k (5,000 28x28 MNIST "
@@ -387,6 +390,10 @@ def _run(args, signals) -> int:
                + (", inputs standardized" if standardize else ""))
         model.distribute(client, grid)
         model.executor = t["executor"]
+        from dask_ipar.runtime.steps import auto_steps_per_program as auto_k
+
+        spp = t["steps_per_program"]
+        spp = auto_k(model, t["batch"], optimizer) if spp == "auto" else spp
         page = training_page(client, cfg)
         if page:
             eprint(f"dask-ipar: training page {page}")
@@ -422,7 +429,8 @@ def _run(args, signals) -> int:
                                     validation_data=val, standardize=standardize,
                                     callbacks=callbacks, checkpoint=checkpoint,
                                     replicas=replicas, log_file=args.log,
-                                    shuffle_window=cfg["data"]["shuffle_window"])
+                                    shuffle_window=cfg["data"]["shuffle_window"],
+                                    steps_per_program=spp)
         except Interrupted as exc:
             interrupted = exc
         except Exception as exc:
@@ -456,6 +464,7 @@ def _run(args, signals) -> int:
             "grid": str(grid), "pr": grid.pr, "pc": grid.pc, "model": widths,
             "data": data_name, "dtype": cfg["model"]["dtype"], "device": args.device,
             "batch": t["batch"], "epochs": t["epochs"], "executor": t["executor"],
+            "steps_per_program": spp,
             "standardized": standardize,
             "train_loss": history.last.get("loss"), "train_accuracy": history.last.get("accuracy"),
             "test_loss": result["loss"], "test_accuracy": result["accuracy"],

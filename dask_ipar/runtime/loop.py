@@ -231,6 +231,10 @@ class TrainLoop:
         if not isinstance(max_inflight, int) or max_inflight < 0:
             raise IparError(f"max_inflight must be an integer >= 0, got {max_inflight!r}.")
         self.steps_per_program = check_steps_per_program(steps_per_program)
+        if self.steps_per_program == "auto":
+            from dask_ipar.runtime.steps import auto_steps_per_program
+
+            self.steps_per_program = auto_steps_per_program(model, plan.batch, optimizer)
         self.model, self.X, self.y, self.plan = model, X, y, plan
         self._gang = None  # the run's lock on its grid workers (:meth:`run`)
         self._preempt = None  # notices of grid workers about to leave (:meth:`run`)

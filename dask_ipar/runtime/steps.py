@@ -16,7 +16,8 @@ from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.exchange import KEEP_STEPS
 
 __all__ = ["submit_steps", "check_optimizer", "check_steps_per_program",
-           "MAX_STEPS_PER_PROGRAM"]
+           "auto_steps_per_program", "MAX_STEPS_PER_PROGRAM", "AUTO_SUBMISSION_S",
+           "AUTO_FLOPS_PER_S"]
 
 #: The most steps one submission may hold (``steps_per_program``): a worker's mailbox keeps
 #: blocks of :data:`~dask_ipar.runtime.exchange.KEEP_STEPS` steps, and two submissions
@@ -24,12 +25,43 @@ __all__ = ["submit_steps", "check_optimizer", "check_steps_per_program",
 MAX_STEPS_PER_PROGRAM = KEEP_STEPS // 2
 
 
-def check_steps_per_program(k) -> int:
-    """``k`` checked: steps per submission, 1 to :data:`MAX_STEPS_PER_PROGRAM`."""
+#: ``steps_per_program="auto"`` groups steps so that a submission holds about this much
+#: compute: what a submission costs beyond its steps on a small cluster, about 30-40 ms
+#: (the tiny MLP on 2x2: 64 ms a step one at a time, 24 ms eight at a time;
+#: ``benchmarks/tiny_step.py``), is then paid at most once per that much work.
+AUTO_SUBMISSION_S = 0.05
+#: The matmul rate per worker that "auto" assumes: about one core of a current CPU, on the
+#: low side (this machine's NumPy sgemm: 100 GFLOP/s on one thread), so a step is grouped
+#: only when it is surely short.
+AUTO_FLOPS_PER_S = 5e10
+
+
+def check_steps_per_program(k) -> int | str:
+    """``k`` checked: steps per submission, 1 to :data:`MAX_STEPS_PER_PROGRAM`, or
+    ``"auto"``."""
+    if k == "auto":
+        return k
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_STEPS_PER_PROGRAM:
         raise IparError(f"steps_per_program must be a whole number from 1 to "
-                        f"{MAX_STEPS_PER_PROGRAM}, got {k!r}.")
+                        f"{MAX_STEPS_PER_PROGRAM} or 'auto', got {k!r}.")
     return k
+
+
+def auto_steps_per_program(model, batch: int, optimizer) -> int:
+    """Steps per submission for ``"auto"``: as many as fit in :data:`AUTO_SUBMISSION_S`
+    of the step's compute (its task graph simulated at :data:`AUTO_FLOPS_PER_S` per
+    worker, no transfer costs), 1 to :data:`MAX_STEPS_PER_PROGRAM`: 8 for small models,
+    1 where a step computes 50 ms or more (there a submission's cost is lost in the step,
+    and a stop or a progress update waits for one step only)."""
+    from dask_ipar.cost import Machine
+    from dask_ipar.runtime.stepmodel import simulate_engine
+
+    shape = model.input_shape if model.engine.front is not None else (model.input_dim,)
+    machine = Machine(alpha_s=0.0, bandwidth_Bps=1e15, word_bytes=model.dtype.itemsize,
+                      flops_per_s=AUTO_FLOPS_PER_S)
+    step_s = simulate_engine(model.engine, model._w, batch, shape, model.dtype, machine,
+                             None, optimizer, "graph").seconds
+    return max(1, min(MAX_STEPS_PER_PROGRAM, int(AUTO_SUBMISSION_S / max(step_s, 1e-9))))
 
 
 def submit_steps(model, batches):
