@@ -254,6 +254,30 @@ def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, see
     whole_again(client4)
 
 
+def test_killed_worker_with_several_steps_per_program_recovers_exactly(client4, data):
+    """Four steps per submission (the epochs here), replicas every four steps: a worker
+    SIGKILLed while a submission runs is rebuilt, its submission run again, and the run
+    ends bit-equal to one step at a time without a fault."""
+    from dask_ipar.runtime.replicas import Replicas
+
+    X, y = data
+    plain = make_model().distribute(client4, "2x2")
+    _fit(plain, X, y, replicas=4)
+    expected = plain.get_weights()
+    plain.close()
+    model = make_model().distribute(client4, "2x2")
+    [pid] = pids_of(client4, [model.binding.worker(1, 1)])
+    lines = []
+    h = _fit(model, X, y, replicas=Replicas(4, log=lines.append), steps_per_program=4,
+             callbacks=[KillAt([pid], 5)])  # once the submission of steps 5-8 came back
+    # the refresh of step 8 meets the dead worker: back to the one of step 4
+    assert any(ln.startswith("recovered from the replicas of step 4") for ln in lines), lines
+    assert len(h.steps) == 12, lines
+    same_weights(model, expected, str(lines))
+    model.close()
+    whole_again(client4)
+
+
 def test_two_workers_lost_at_once(client4, data):
     """Two grid workers killed together: rebuilt when each one's buddy survived; a cell
     lost with its buddy (cell (0, 0)'s replica lives on cell (1, 0)) cannot be, and
