@@ -40,7 +40,7 @@ class Departures:
     def watch(self, workers) -> None:
         """Hear of the removal of each of ``workers`` from now on."""
         with self.lock:
-            new = [w for w in workers if w not in self.topics and w not in self.left]
+            new = [w for w in workers if w not in self.topics]
             self.topics.update(new)
         client = self.client()
         for w in new if client is not None else ():
@@ -48,10 +48,14 @@ class Departures:
 
     def _on_event(self, worker, event) -> None:
         _, msg = event
-        if isinstance(msg, dict) and msg.get("action") == "remove-worker":
+        action = msg.get("action") if isinstance(msg, dict) else None
+        if action == "remove-worker":
             with self.lock:
                 self.left.add(worker)
             self.news.set()
+        elif action == "add-worker":  # back at the same address (a fixed port)
+            with self.lock:
+                self.left.discard(worker)
 
     def gone(self, workers) -> list:
         """Those of ``workers`` the scheduler has removed (as far as its events came)."""

@@ -152,8 +152,12 @@ class ExchangePlugin(WorkerPlugin):
                 port = fut.result(timeout=0.05)
                 break
             except TimeoutError:  # concurrent.futures' (an alias since Python 3.11)
-                if fut.done():  # the call's own timeout
-                    raise OSError(f"asking {dest} for its direct links timed out") from None
+                if fut.done():  # it ended meanwhile, or the call itself timed out
+                    try:
+                        port = fut.result(timeout=0)
+                        break
+                    except TimeoutError:
+                        raise OSError(f"asking {dest} for its direct links timed out") from None
                 if stopped is not None and (why := stopped()):
                     fut.cancel()
                     raise ConnectionAbortedError(f"asking {dest} for its direct links: "

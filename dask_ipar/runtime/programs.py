@@ -290,7 +290,7 @@ def run_program(prog: Program, *values):
     plugin = plugin_of(worker)
     rec = recorder(worker)  # the dashboard's timeline (None: not installed)
     trace = []  # this program's kernels and waits, for dask's task stream at its end
-    sender = Sender(plugin, worker, rec)
+    sender = Sender(plugin, worker, rec, tag=prog.tag)
     if prog.carried:
         env = {k: values[0][k] for k in prog.carried}
     else:

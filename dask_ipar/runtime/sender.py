@@ -38,7 +38,7 @@ class Sender:
     another phase (:meth:`phase`), waits for blocks, or flushes: one latency instead of one
     per block, and never later than the program would otherwise have idled."""
 
-    def __init__(self, plugin, worker, recorder=None, direct=True):
+    def __init__(self, plugin, worker, recorder=None, direct=True, tag=None):
         from distributed.protocol import to_serialize
         from distributed.sizeof import sizeof
 
@@ -50,11 +50,14 @@ class Sender:
         self.pending: dict = {}  # key -> [concurrent futures]
         self.small: dict = {}  # dest -> [(key, value, nbytes)] held back
         self._phase = None  # layer and phase name of the blocks held back
+        #: the sending program's tag: a program of several steps is stopped under its
+        #: first step's tag, which its later steps' blocks do not carry (None: the block's)
+        self.tag = tag
 
     async def _send(self, dest, items):
         """One message to ``dest`` with ``items`` ``[(key, value, nbytes)]``."""
         t0, w0 = time.perf_counter(), time.time()
-        tag = tag_of(items[0][0])
+        tag = self.tag or tag_of(items[0][0])
         me = self.worker.address
         if len(items) == 1:
             key, value, _ = items[0]
@@ -83,7 +86,7 @@ class Sender:
     def _direct(self, dest, items):
         """Send ``items`` over the direct link to ``dest``: a future, or None (no link)."""
         t0, w0 = time.perf_counter(), time.time()
-        tag = tag_of(items[0][0])
+        tag = self.tag or tag_of(items[0][0])
         f = self.wire.send(dest, pack([(k, v) for k, v, _ in items]),
                            lambda: self.plugin.stopped_tag(tag), _what(items, dest))
         if f is not None:

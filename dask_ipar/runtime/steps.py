@@ -101,12 +101,12 @@ def submit_steps(model, batches):
         # momentum blocks updated in place keep their names (and futures)
         fresh_w, fresh_v = w_new, [n for n in v_new if n not in model._v]
         w, v = w_new, v_new
-    store.opt = (_state_kind(batches[-1][2]), t)
     keys = [(n, i, j) for n in fresh_w + fresh_v for i, j in model.binding.grid.cells()]
     data = scatter_each(model.client, pending) if pending else {}  # held until submitted
     flat = [k for st in stats for k in st]
     futs = model._submit(g, f"step-{model.uid}-s{first}", keys + flat, step=first,
                          first=flat if len(batches) == 1 else ())
+    store.opt = (_state_kind(batches[-1][2]), t)  # once submitted (Adam's update count)
     store.keep(keys, futs[: len(keys)])
     store.release([n for n in store.w + store.v if n not in v])
     store.w, store.v = w, v

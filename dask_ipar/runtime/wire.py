@@ -347,6 +347,8 @@ class Wire:
         if size <= DIRECT_BYTES and link.sock is not None and not link.queue \
                 and link.wlock.acquire(blocking=False):
             try:  # the program's own thread: a small write into a free, connected link
+                if link.sock is None:  # dropped meanwhile: reconnecting is the thread's
+                    raise ConnectionResetError(f"link to {dest} closed")
                 fut.set_result(self._write(link, frames, stopped))
                 return fut
             except OSError:
