@@ -428,13 +428,14 @@ class Sequential:
 
     # ----------------------------------------------------- step-time model
     def predict_step_s(self, batch: int, machine, *, cores: int | None = None,
-                       optimizer: SGD | None = None, executor: str | None = None):
-        """Predicted seconds of one training step on this grid, by simulating its task
-        graph as ``executor`` (default: :attr:`executor`) runs it
-        (:func:`dask_ipar.runtime.stepmodel.predict_step_s`). Nothing is submitted."""
+                       optimizer: SGD | None = None, executor: str | None = None,
+                       steps_per_program: int = 1):
+        """Predicted seconds of one training step on this grid, by simulating its task graph
+        as ``executor`` (default: :attr:`executor`) runs it, ``steps_per_program`` a
+        submission (:func:`dask_ipar.runtime.stepmodel.predict_step_s`)."""
         self._require()
         return predict_step_s(self, batch, machine, cores=cores, optimizer=optimizer or SGD(),
-                              executor=executor)
+                              executor=executor, steps_per_program=steps_per_program)
 
     # ------------------------------------------------------- state blocks
     def state_blocks(self) -> dict:
@@ -496,5 +497,3 @@ class Sequential:
 
     def __exit__(self, *exc):
         self.close()
-
-

@@ -191,6 +191,13 @@ def test_simulated_grids_without_a_cluster_match_the_distributed_model(client):
             got = simulate_layers(layers, (512,), "2x2", 32, m, cores=2, executor=ex,
                                   optimizer=SGD()).seconds
             assert got == pytest.approx(want)
+        # several steps per program share the submission's round trip (programs only)
+        one = model.predict_step_s(32, m, cores=2, executor="programs").seconds
+        eight = model.predict_step_s(32, m, cores=2, executor="programs",
+                                     steps_per_program=8).seconds
+        assert one - eight == pytest.approx(m.round_s * 7 / 8)
+        assert model.predict_step_s(32, m, executor="graph", steps_per_program=8).seconds \
+            == model.predict_step_s(32, m, executor="graph").seconds
     finally:
         model.close()
     ranked = rank_grids(layers, (512,), 4, 32, m, cores=2)

@@ -116,7 +116,9 @@ class DashboardFeed(Callback):
         pred, note = None, "n/a"
         if self.machine is not None and getattr(self.machine, "flops_per_s", None):
             try:
-                pred = float(model.predict_step_s(loop.plan.batch, self.machine).seconds)
+                pred = float(model.predict_step_s(
+                    loop.plan.batch, self.machine,
+                    steps_per_program=loop.steps_per_program).seconds)
             except Exception as exc:  # noqa: BLE001 - the page is a view; training goes on
                 note = f"n/a ({exc})"
         else:

@@ -70,8 +70,10 @@ def step_tasks(engine, w_names, batch: int, input_shape, dtype, optimizer):
 
 
 def predict_step_s(model, batch: int, machine, *, cores: int | None = None, optimizer,
-                   executor: str | None = None):
-    """Predicted seconds of one training step of ``model`` (distributed) on its grid.
+                   executor: str | None = None, steps_per_program: int = 1):
+    """Predicted seconds of one training step of ``model`` (distributed) on its grid, run
+    ``steps_per_program`` steps per submission (the submission's round trip, the
+    machine's ``round_s``, is shared by its steps).
 
     ``machine`` is a :class:`dask_ipar.cost.Machine` from ``dask-ipar calibrate``
     (``alpha_s`` = seconds per dependent hop, ``message_s`` = one way between worker
@@ -80,8 +82,12 @@ def predict_step_s(model, batch: int, machine, *, cores: int | None = None, opti
     ``"graph"`` (default: the model's). Returns a :class:`dask_ipar.cost.SimResult`.
     """
     shape = model.input_shape if model.engine.front is not None else (model.input_dim,)
-    return simulate_engine(model.engine, model._w, batch, shape, model.dtype, machine, cores,
-                           optimizer, executor or model.executor)
+    r = simulate_engine(model.engine, model._w, batch, shape, model.dtype, machine, cores,
+                        optimizer, executor or model.executor)
+    if (executor or model.executor) == "programs" and machine.round_s:  # a k-th each
+        shared = machine.round_s * (1 - 1 / steps_per_program)
+        r = dataclasses.replace(r, seconds=r.seconds - shared)
+    return r
 
 
 def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, optimizer,
