@@ -434,6 +434,7 @@ def validate(cfg: dict) -> dict:
     _need(_is_int(rp) and rp >= 0, "train.replicas", rp,
           "a non-negative integer (steps between replica refreshes; 0: off)")
     sp = t.get("steps_per_program", "auto")
+    # 8: runtime.steps.MAX_STEPS_PER_PROGRAM (not imported: the config stays below runtime)
     _need(sp == "auto" or (_is_int(sp) and 1 <= sp <= 8), "train.steps_per_program", sp,
           "a whole number from 1 to 8, or auto")
 

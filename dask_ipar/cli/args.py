@@ -36,13 +36,16 @@ def non_negative_int(text):
 
 
 def steps_per_program(text):
-    """``--steps-per-program``: ``auto`` or a whole number from 1 to 8."""
+    """``--steps-per-program``: ``auto`` or a whole number from 1 to
+    :data:`~dask_ipar.runtime.steps.MAX_STEPS_PER_PROGRAM`."""
+    from dask_ipar.runtime.steps import MAX_STEPS_PER_PROGRAM as most
+
     if text.strip().lower() == "auto":
         return "auto"
-    v = _int_at_least(text, 1, "a whole number from 1 to 8, or auto")
-    if v > 8:
-        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to 8, or auto, "
-                                         f"got {text!r}")
+    what = f"a whole number from 1 to {most}, or auto"
+    v = _int_at_least(text, 1, what)
+    if v > most:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return v
 
 

@@ -35,7 +35,6 @@ class Departures:
         self.lock = threading.Lock()
         self.topics: set = set()  # worker addresses subscribed to
         self.left: set = set()  # workers the scheduler removed
-        self.news = threading.Event()  # set by every removal
 
     def watch(self, workers) -> None:
         """Hear of the removal of each of ``workers`` from now on."""
@@ -52,7 +51,6 @@ class Departures:
         if action == "remove-worker":
             with self.lock:
                 self.left.add(worker)
-            self.news.set()
         elif action == "add-worker":  # back at the same address (a fixed port)
             with self.lock:
                 self.left.discard(worker)

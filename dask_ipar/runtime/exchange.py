@@ -20,6 +20,7 @@ or UCX addresses, or ``ExchangePlugin(transport="dask")``, through dask's comms 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections import deque
@@ -147,21 +148,11 @@ class ExchangePlugin(WorkerPlugin):
 
         fut = asyncio.run_coroutine_threadsafe(self.worker.rpc(dest).ipar_wire(),
                                                self.worker.loop.asyncio_loop)
-        while True:
-            try:
-                port = fut.result(timeout=0.05)
-                break
-            except TimeoutError:  # concurrent.futures' (an alias since Python 3.11)
-                if fut.done():  # it ended meanwhile, or the call itself timed out
-                    try:
-                        port = fut.result(timeout=0)
-                        break
-                    except TimeoutError:
-                        raise OSError(f"asking {dest} for its direct links timed out") from None
-                if stopped is not None and (why := stopped()):
-                    fut.cancel()
-                    raise ConnectionAbortedError(f"asking {dest} for its direct links: "
-                                                 f"{why}") from None
+        while not concurrent.futures.wait([fut], timeout=0.05).done:
+            if stopped is not None and (why := stopped()):
+                fut.cancel()
+                raise ConnectionAbortedError(f"asking {dest} for its direct links: {why}")
+        port = fut.result()  # its own errors are OSErrors (no answer, a timeout)
         scheme, loc = parse_address(dest)
         return None if port is None or scheme != "tcp" else (parse_host_port(loc)[0], port)
 

@@ -17,7 +17,7 @@ from a lost worker. The loop itself owns three things only:
   (:mod:`dask_ipar.optim`), also a pure function of ``s``.
 - **When the state may be read**: steps are submitted ``max_inflight`` submissions ahead
   of the one waited for, ``steps_per_program`` consecutive steps per submission (one
-  graph, one program per worker: :func:`dask_ipar.runtime.training.submit_steps`); a
+  graph, one program per worker: :func:`dask_ipar.runtime.steps.submit_steps`); a
   submission ends at every step a callback reads the weights after (a checkpoint, a
   replica refresh: :meth:`Callback.wants_sync`, asked ahead, so a pure function of the
   step) and at every epoch's end, and there the loop waits for every submitted step.
@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dask_ipar.errors import IparError
-from dask_ipar.runtime.steps import submit_steps
+from dask_ipar.runtime.steps import (auto_steps_per_program, check_steps_per_program,
+                                     submit_steps)
 
 _log = logging.getLogger("dask_ipar")
 
@@ -226,14 +227,10 @@ class TrainLoop:
     def __init__(self, model, X, y, plan: BatchPlan, optimizer, *, total_steps: int,
                  start_step: int = 0, callbacks=(), max_inflight: int = 2,
                  diverge_factor: float = 2.0, steps_per_program: int = 1):
-        from dask_ipar.runtime.steps import check_steps_per_program
-
         if not isinstance(max_inflight, int) or max_inflight < 0:
             raise IparError(f"max_inflight must be an integer >= 0, got {max_inflight!r}.")
         self.steps_per_program = check_steps_per_program(steps_per_program)
         if self.steps_per_program == "auto":
-            from dask_ipar.runtime.steps import auto_steps_per_program
-
             self.steps_per_program = auto_steps_per_program(model, plan.batch, optimizer)
         self.model, self.X, self.y, self.plan = model, X, y, plan
         self._gang = None  # the run's lock on its grid workers (:meth:`run`)

@@ -263,14 +263,13 @@ class _Ready:
         self.done[n] = True
         return n
 
-
-def _ready_keys(ready: _Ready, keys) -> None:
-    """Blocks ``keys`` exist now (computed here or received): their readers lack less."""
-    for k in keys:
-        for n in ready.waiters.pop(k, ()):
-            ready.lacking[n] -= 1
-            if not ready.lacking[n]:
-                heapq.heappush(ready.heap, n)
+    def arrived(self, keys) -> None:
+        """Blocks ``keys`` exist now (computed here or received): their readers lack less."""
+        for k in keys:
+            for n in self.waiters.pop(k, ()):
+                self.lacking[n] -= 1
+                if not self.lacking[n]:
+                    heapq.heappush(self.heap, n)
 
 
 def run_program(prog: Program, *values):
@@ -320,7 +319,7 @@ def run_program(prog: Program, *values):
                 env.update(got)
                 waiting.difference_update(got)
                 last = time.monotonic()
-                _ready_keys(ready, got)
+                ready.arrived(got)
             if not ready.heap:
                 if rec is not None:  # what the first task in order waits for, and whom
                     while ready.done[head]:
@@ -355,7 +354,7 @@ def run_program(prog: Program, *values):
             if rec is not None:
                 trace.append([key[0], "compute", t0, time.time()])
                 rec.add(*trace[-1])
-            _ready_keys(ready, (key,))
+            ready.arrived((key,))
             if key in prog.sends:
                 sender.push(key, value, prog.sends[key])
                 sent(key)

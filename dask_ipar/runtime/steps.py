@@ -85,7 +85,7 @@ def submit_steps(model, batches):
     store = model._store
     g = StepGraph()
     w, v = model._w, model._v
-    kind, t = store.opt
+    _, t = store.opt
     first = model._step + 1
     stats, pending = [], {}
     for Xb, yb, optimizer in batches:
