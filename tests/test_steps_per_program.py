@@ -104,3 +104,51 @@ def test_auto_groups_the_steps_of_small_models_only(client):
     finally:
         small.close()
         big.close()
+
+
+def test_a_submissions_losses_come_as_one_block_per_worker(client):
+    """Several steps: one loss future per worker of grid row 0 for all of them (not one per
+    worker and step), each step reading its row; the values are the one-step ones."""
+    from dask_ipar.runtime.steps import StepLosses, gather_losses, submit_steps
+
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((3 * 8, 5))
+    y = rng.integers(0, 4, X.shape[0])
+    opt = SGD(lr=0.1, momentum=0.9)
+    got = {}
+    for k in (1, 3):
+        model = Sequential([Dense(6, "relu"), Dense(4)], input_dim=5, dtype="float64",
+                           seed=2).distribute(client, "2x2")
+        try:
+            batches = [(X[8 * s:8 * s + 8], y[8 * s:8 * s + 8], opt) for s in range(3)]
+            parts = [p for n in range(0, 3, k) for p in submit_steps(model, batches[n:n + k])]
+            if k == 3:
+                assert all(isinstance(p, StepLosses) for p in parts)
+                assert len({id(p.losses) for p in parts}) == 1
+                assert len(parts[0].losses.futures) == 2  # grid row 0 of 2x2: two workers
+            else:
+                assert all(isinstance(p, list) and len(p) == 2 for p in parts)
+            got[k] = [np.asarray(gather_losses(model._store, p, s + 1)).tolist()
+                      for s, p in enumerate(parts)]
+        finally:
+            model.close()
+    assert got[3] == got[1]
+
+
+def test_collector_paused_restores_the_collector_as_it_was():
+    import gc
+
+    from dask_ipar.runtime.steps import collector_paused
+
+    was = gc.isenabled()
+    try:
+        for start in (True, False):
+            (gc.enable if start else gc.disable)()
+            with collector_paused():
+                assert not gc.isenabled()
+            assert gc.isenabled() == start
+            with pytest.raises(KeyError), collector_paused():
+                raise KeyError("x")
+            assert gc.isenabled() == start
+    finally:
+        (gc.enable if was else gc.disable)()

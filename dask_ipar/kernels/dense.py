@@ -26,6 +26,7 @@ __all__ = [
     "axpy_",
     "softmax_xent_grad",
     "softmax_xent_stats",
+    "stack_stats",
     "dx_piece",
     "dz_from_pieces",
     "dw_piece",
@@ -184,6 +185,12 @@ def softmax_xent_stats(labels, *logits):
     logp = xp.sum(onehot * z, axis=0) - xp.log(s[0, :])
     correct = xp.sum(xp.astype(xp.argmax(logits, axis=0) == labels, xp.int64))
     return np.array([float(-xp.sum(logp)), float(correct)], dtype=np.float64)
+
+
+def stack_stats(*stats):
+    """The loss statistics of several steps (each ``[loss sum, correct]``) as one ``(k, 2)``
+    array: what a worker returns for all the steps of one submission."""
+    return np.stack(stats)
 
 
 def dx_piece(wb, c0, c1, dz, *w):

@@ -75,6 +75,7 @@ TASK_SPAN = {
     "rep": "replica",  # a cell's state snapshot (runtime/replicas.py)
     "repheld": "replica",  # its buddy's copy
     "stats": "loss",
+    "stepstats": "loss",  # a submission's steps' statistics, one block per worker
     "x": "input",
     "y": "input",
     "fetch": "to_host",

@@ -41,7 +41,7 @@ import numpy as np
 
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.steps import (auto_steps_per_program, check_steps_per_program,
-                                     submit_steps)
+                                     gather_losses, submit_steps)
 
 _log = logging.getLogger("dask_ipar")
 
@@ -430,7 +430,7 @@ class TrainLoop:
 
     def _finish(self, item):
         step, nb, futs, lr = item
-        loss_sum, correct = np.sum(self.model._store.gather_step(futs, step), axis=0)
+        loss_sum, correct = np.sum(gather_losses(self.model._store, futs, step), axis=0)
         loss = loss_sum / nb
         if self._first_loss is None:
             self._first_loss = loss

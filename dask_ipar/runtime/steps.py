@@ -11,11 +11,14 @@ once for ``steps_per_program`` steps, and the floats are those of one step at a 
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 from dask_ipar.errors import IparError
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.exchange import KEEP_STEPS
 
-__all__ = ["submit_steps", "check_optimizer", "check_steps_per_program",
+__all__ = ["submit_steps", "collector_paused", "SubmissionLosses", "StepLosses", "gather_losses", "check_optimizer", "check_steps_per_program",
            "auto_steps_per_program", "MAX_STEPS_PER_PROGRAM", "AUTO_SUBMISSION_S",
            "AUTO_FLOPS_PER_S"]
 
@@ -64,15 +67,41 @@ def auto_steps_per_program(model, batch: int, optimizer) -> int:
     return max(1, min(MAX_STEPS_PER_PROGRAM, int(AUTO_SUBMISSION_S / max(step_s, 1e-9))))
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cycle collector off for the block (as it was after): a submission's graph
+    (a few thousand tasks and keys, freed when submitted) would otherwise outlive two
+    collections, be promoted to the oldest generation and make the collector sweep the
+    whole client process (the in-process scheduler's state too) every few submissions:
+    about 130 ms each, 2 ms a step of the tiny MLP on 2x2. Nothing it allocates is a cycle,
+    so reference counting frees it all."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def submit_steps(model, batches):
     """Submit consecutive SGD steps of ``model``, one ``(Xb, yb, optimizer)`` each (the
     optimizer at that step), as one graph: each step's weights feed the next inside it, so
     the executor runs them all in one submission (with ``"programs"``: one program per
     worker for all of them), and the per-submission costs (the scheduler's tasks, the
     client's requests, scattering the batches: one message per worker for all of them)
-    are paid once. Returns the loss-statistics futures of each step; they resolve when the
-    whole submission has run. Every ``model.lineage_steps`` steps the state's task history
-    is cut first (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`)."""
+    are paid once. Returns per step its loss statistics: of one step its futures (one
+    per worker of grid row 0), of several a :class:`StepLosses` each (their workers'
+    statistics of all the steps come as one block each, when the whole submission has
+    run; :func:`gather_losses` reads either). Every ``model.lineage_steps`` steps the state's task history
+    is cut first (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`).
+
+    Python's cycle collector is paused meanwhile (:func:`collector_paused`)."""
+    with collector_paused():
+        return _submit_steps(model, batches)
+
+
+def _submit_steps(model, batches):
     from dask_ipar.runtime.placement import scatter_each
 
     model._require()
@@ -103,7 +132,7 @@ def submit_steps(model, batches):
         w, v = w_new, v_new
     keys = [(n, i, j) for n in fresh_w + fresh_v for i, j in model.binding.grid.cells()]
     data = scatter_each(model.client, pending) if pending else {}  # held until submitted
-    flat = [k for st in stats for k in st]
+    flat = _bundle_stats(g, model.engine, stats, step) if len(batches) > 1 else stats[0]
     futs = model._submit(g, f"step-{model.uid}-s{first}", keys + flat, step=first,
                          first=flat if len(batches) == 1 else ())
     store.opt = (_state_kind(batches[-1][2]), t)  # once submitted (Adam's update count)
@@ -111,11 +140,66 @@ def submit_steps(model, batches):
     store.release([n for n in store.w + store.v if n not in v])
     store.w, store.v = w, v
     del data  # the graph holds the batches now
-    out, at = [], len(keys)
-    for st in stats:
-        out.append(futs[at:at + len(st)])
-        at += len(st)
+    if len(batches) == 1:
+        return [futs[len(keys):]]
+    losses = SubmissionLosses(futs[len(keys):])
+    return [StepLosses(losses, i) for i in range(len(batches))]
+
+
+def _bundle_stats(g, engine, stats, last: int) -> list:
+    """Per worker one task (in ``g``) stacking the loss statistics of every step of the
+    submission, ``stats`` (per step its keys, the same workers in the same order); its
+    keys. One output per worker instead of one per worker and step: fewer tasks for the
+    scheduler and one request per worker for all the steps' losses."""
+    from dask._task_spec import TaskRef
+
+    from dask_ipar.kernels.dense import stack_stats
+
+    name = engine.name("loss", "stepstats", last)
+    out = []
+    for j, key in enumerate(stats[0]):
+        worker = g.place[key]
+        assert all(g.place[st[j]] == worker for st in stats)
+        g.add((name, j), worker, stack_stats, *[TaskRef(st[j]) for st in stats])
+        out.append((name, j))
     return out
+
+
+class SubmissionLosses:
+    """The loss statistics of a submission's steps: per worker that holds them one future
+    of an array ``(steps, 2)`` (each step's ``[loss sum, correct]``), gathered once for
+    all the steps."""
+
+    def __init__(self, futures: list):
+        self.futures = futures
+        self._values = None
+
+    def of_step(self, store, i: int, step: int) -> list:
+        """Step ``i``'s (0-based in the submission) statistics per worker; the first
+        call waits for the submission (``step``: the step named in a lost worker's
+        error)."""
+        if self._values is None:
+            self._values = store.gather_step(self.futures, step)
+        return [v[i] for v in self._values]
+
+
+class StepLosses:
+    """One step's share of a :class:`SubmissionLosses`."""
+
+    def __init__(self, losses: SubmissionLosses, i: int):
+        self.losses, self.i = losses, i
+
+    def gather(self, store, step: int) -> list:
+        """The step's ``[loss sum, correct]`` per worker."""
+        return self.losses.of_step(store, self.i, step)
+
+
+def gather_losses(store, losses, step: int) -> list:
+    """Step ``step``'s ``[loss sum, correct]`` per worker, from what :func:`submit_steps`
+    returned for it (its futures, or its :class:`StepLosses`)."""
+    if isinstance(losses, StepLosses):
+        return losses.gather(store, step)
+    return store.gather_step(losses, step)
 
 
 def _state_kind(optimizer) -> str:
