@@ -72,3 +72,22 @@ def test_report_table_and_per_worker_totals(client):
     assert comm.unattributed_bytes == 0
     assert set(comm.sent_bytes) == set(model.binding.workers)
     model.close()
+
+
+def test_transfer_logs_are_summed_per_sender_receiver_and_phase():
+    """What a worker sends back for its log: bytes and seconds per sender, receiver and
+    layer phase, an entry's seconds shared among its keys by their bytes."""
+    from dask_ipar.runtime.meter import summarize_transfers
+
+    k1 = ("dense1.dwp-0a1b2c3d-s7", 0, 1, 0)  # dense1 dw_reduce
+    k2 = ("dense1.act-0a1b2c3d-s7", 0, 1)  # dense1 fwd_gather
+    other = ("something-else", 0)
+    got = summarize_transfers([
+        ("a", "b", 1.0, [(k1, 300), (k2, 100)]),
+        ("a", "b", 0.5, [(k1, 50)]),
+        ("c", "b", 2.0, [(other, 10)]),
+        ("a", "b", 0.25, []),  # an entry of no keys adds nothing
+    ])
+    assert got == {("a", "b", ("dense1", "dw_reduce")): [350, 0.75 + 0.5],
+                   ("a", "b", ("dense1", "fwd_gather")): [100, 0.25],
+                   ("c", "b", None): [10, 2.0]}

@@ -24,7 +24,7 @@ from dask_ipar.cost import (FC, LOOPBACK_MACHINE, Machine, batch_layer_phases,
 from dask_ipar.dashboard.render import fmt_ms
 from dask_ipar.nn.graph import phase_of_key
 
-__all__ = ["CommMeter", "CommRow", "CommReport", "predict_step"]
+__all__ = ["CommMeter", "CommRow", "CommReport", "predict_step", "summarize_transfers"]
 
 
 #: Log length set on the workers: far more than a step moves; drained every 32 steps.
@@ -41,19 +41,37 @@ def _widen_logs(maxlen, dask_worker=None):
     return dask_worker.transfer_incoming_log.maxlen
 
 
-def _drain_logs(dask_worker=None):
-    """Pop every transfer entry as ``(sender, receiver, duration_s, [(key, nbytes), ...])``:
-    what dask fetched to this worker, and what this worker's programs pushed to others
-    (:mod:`dask_ipar.runtime.exchange`, logged by the sender)."""
+def _drain_logs(dask_worker=None) -> dict:
+    """Pop every transfer entry (what dask fetched to this worker, and what this worker's
+    programs pushed to others: :mod:`dask_ipar.runtime.exchange`, logged by the sender)
+    and sum them here: ``{(sender, receiver, (layer, phase) or None): [bytes, seconds]}``,
+    an entry's duration shared among its keys by their bytes. Summed on the worker, not
+    sent entry by entry: a tiny MLP's 32 steps log thousands of small transfers, and
+    serializing them one by one cost each worker about 1 ms a step."""
     from dask_ipar.runtime.exchange import drain_exchange_log
 
-    out = []
+    entries = []
     log = dask_worker.transfer_incoming_log
     while log:
         e = log.popleft()
-        out.append((e["who"], dask_worker.address, e["duration"], list(e["keys"].items())))
+        entries.append((e["who"], dask_worker.address, e["duration"], e["keys"].items()))
     dask_worker.transfer_outgoing_log.clear()
-    return out + drain_exchange_log(dask_worker=dask_worker)
+    return summarize_transfers(entries + drain_exchange_log(dask_worker=dask_worker))
+
+
+def summarize_transfers(entries) -> dict:
+    """``(sender, receiver, duration_s, [(key, nbytes), ...])`` entries summed per sender,
+    receiver and layer phase (None: keys of no layer phase): ``{(sender, receiver, lp):
+    [bytes, seconds]}``, each entry's seconds shared among its keys by their bytes."""
+    out: dict = {}
+    for sender, receiver, duration, keys in entries:
+        keys = list(keys)
+        total = sum(n for _, n in keys) or 1
+        for key, nbytes in keys:
+            acc = out.setdefault((sender, receiver, phase_of_key(key)), [0, 0.0])
+            acc[0] += nbytes
+            acc[1] += duration * nbytes / total
+    return out
 
 
 @dataclass(frozen=True)
@@ -295,19 +313,16 @@ class CommMeter:
         for w, nbytes in read.items():
             self._input["storage"] += nbytes
             self._read[w] += nbytes
-        for entries in logs.values():
-            for sender, receiver, duration, keys in entries:
-                total = sum(n for _, n in keys) or 1
-                for key, nbytes in keys:
-                    self._recv[receiver] += nbytes
-                    self._sent[sender] += nbytes
-                    lp = phase_of_key(key)
-                    if lp is None:
-                        self._other += nbytes
-                        continue
-                    self._bytes[lp] += nbytes
-                    self._secs[(*lp, receiver)] += duration * nbytes / total
-                    self._sent_phase[lp][sender] += nbytes
+        for sums in logs.values():
+            for (sender, receiver, lp), (nbytes, secs) in sums.items():
+                self._recv[receiver] += nbytes
+                self._sent[sender] += nbytes
+                if lp is None:
+                    self._other += nbytes
+                    continue
+                self._bytes[lp] += nbytes
+                self._secs[(*lp, receiver)] += secs
+                self._sent_phase[lp][sender] += nbytes
 
     def _drain_reads(self, workers) -> dict:
         """Bytes each worker read from storage for this run's data since the last drain."""
