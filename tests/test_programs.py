@@ -293,3 +293,29 @@ def test_programs_on_threads_equal_the_graph_executor():
     assert loss_graph == loss_prog
     for (a, b), (d, e) in zip(w_graph, w_prog):
         assert np.array_equal(a, d) and np.array_equal(b, e)
+
+
+def test_dask_fine_performance_metrics_split_programs_by_layer_and_phase(client):
+    """Dask's "Fine Performance Metrics" of the program tasks: seconds per layer and
+    phase, and the waits for blocks (what the dashboard page shows)."""
+    rng = np.random.default_rng(0)
+    model = Sequential([Dense(8, "relu"), Dense(3)], input_dim=5).distribute(client, "2x2")
+    try:
+        model.fit(rng.standard_normal((64, 5)), rng.integers(0, 3, 64), batch_size=16)
+    finally:
+        model.close()
+
+    def labels(dask_scheduler):
+        return [k for k in dask_scheduler.cumulative_worker_metrics
+                if isinstance(k, tuple) and len(k) == 4 and str(k[1]).startswith("step.run")
+                and k[3] == "seconds"]
+
+    deadline = time.monotonic() + 10  # workers send their metrics with the heartbeat
+    while True:
+        seen = {k[2] for k in client.run_on_scheduler(labels)}
+        want = {"dense0 forward", "dense1 forward", "loss loss", "dense1 dw_reduce",
+                "dense0 update", "wait for blocks"}
+        if want <= seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert want <= seen, sorted(seen)
