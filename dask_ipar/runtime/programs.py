@@ -108,6 +108,8 @@ class Program:
 def _order(dsk: dict) -> list:
     """Keys of ``dsk`` with dependencies first, otherwise in insertion order."""
     index = {k: n for n, k in enumerate(dsk)}
+    if all(index.get(d, -1) < n for k, n in index.items() for d in dsk[k].dependencies):
+        return list(dsk)  # built dependencies first (the engine's graphs are)
     deps = {k: [d for d in node.dependencies if d in dsk] for k, node in dsk.items()}
     done, out = set(), []
     for root in dsk:
