@@ -254,10 +254,12 @@ def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, see
     whole_again(client4)
 
 
-def test_killed_worker_with_several_steps_per_program_recovers_exactly(client4, data):
+@pytest.mark.parametrize("cell", [(1, 1), (0, 1)], ids=["row1", "row0-holds-losses"])
+def test_killed_worker_with_several_steps_per_program_recovers_exactly(client4, data, cell):
     """Four steps per submission (the epochs here), replicas every four steps: a worker
     SIGKILLed while a submission runs is rebuilt, its submission run again, and the run
-    ends bit-equal to one step at a time without a fault."""
+    ends bit-equal to one step at a time without a fault; also when the worker is one of
+    grid row 0, which hold the submission's loss statistics."""
     from dask_ipar.runtime.replicas import Replicas
 
     X, y = data
@@ -266,7 +268,7 @@ def test_killed_worker_with_several_steps_per_program_recovers_exactly(client4, 
     expected = plain.get_weights()
     plain.close()
     model = make_model().distribute(client4, "2x2")
-    [pid] = pids_of(client4, [model.binding.worker(1, 1)])
+    [pid] = pids_of(client4, [model.binding.worker(*cell)])
     lines = []
     h = _fit(model, X, y, replicas=Replicas(4, log=lines.append), steps_per_program=4,
              callbacks=[KillAt([pid], 5)])  # once the submission of steps 5-8 came back

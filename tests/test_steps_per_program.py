@@ -152,3 +152,39 @@ def test_collector_paused_restores_the_collector_as_it_was():
             assert gc.isenabled() == start
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def _exchange_log(dask_worker=None):
+    from dask_ipar.runtime.exchange import drain_exchange_log
+
+    return [(s, r, [k for k, _ in keys]) for s, r, _, keys in drain_exchange_log(
+        dask_worker=dask_worker)]
+
+
+def test_next_steps_weight_slices_of_every_layer_go_as_one_message(client):
+    """A program of several steps holds the small updated weight slices that only the next
+    step reads until its step is done: per peer and step one message with every layer's
+    slices (not one per layer), and the run stays bit-equal to one step at a time (the
+    tests above)."""
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((32, 19))
+    y = rng.integers(0, 6, 32)
+    model = Sequential([Dense(13, "relu"), Dense(17, "tanh"), Dense(6)], input_dim=19,
+                       dtype="float64", seed=5).distribute(client, "2x2")
+    try:
+        client.run(_exchange_log)
+        model.fit(X, y, epochs=1, batch_size=8, optimizer=SGD(lr=0.1, momentum=0.9),
+                  steps_per_program=4, measure=False, shuffle=False)
+        msgs = [m for log in client.run(_exchange_log).values() for m in log]
+    finally:
+        model.close()
+    per = {}  # (sender, receiver, step) -> messages with updated weight slices of that step
+    for sender, receiver, keys in msgs:
+        for step in {int(k[0].rpartition("-s")[2]) for k in keys if ".w-" in k[0]}:
+            layers = {k[0].split(".")[0] for k in keys
+                      if k[0].endswith(f".w-{model.uid}-s{step}")}
+            per.setdefault((sender, receiver, step), []).append(layers)
+    inside = {k: v for k, v in per.items() if k[2] < 4}  # read by the submission's next step
+    assert inside and {s for _, _, s in inside} == {1, 2, 3}, per
+    for where, messages in inside.items():
+        assert messages == [{"dense0", "dense1", "dense2"}], (where, messages)

@@ -41,7 +41,10 @@ of a model (the model calls it when a grid worker has left).
 Small blocks: blocks under :data:`~dask_ipar.runtime.exchange.MERGE_BYTES` (16 KiB) that
 a program sends to one peer without computing in between, or while it runs one layer and
 phase, travel as one message (a tiny 2x2 MLP's step: 144 messages instead of 180); the
-bytes, and so the cost model's prediction, are unchanged.
+bytes, and so the cost model's prediction, are unchanged. In a program of several steps,
+small blocks that only later steps read (the updated weight slices the peers gather for
+the next step) are held until the program has run its tasks of their step, so those of
+every layer go as one message per peer (:class:`~dask_ipar.runtime.sender.Sender`).
 
 In-place updates: a task that rewrites one of its inputs (:data:`MUTATES`: the fused SGD
 update, halo and gradient sums) first waits until every send of that input has been
@@ -103,6 +106,9 @@ class Program:
     carried: list = field(default_factory=list)
     #: the program's own task key (what dask's task stream names it by)
     key: tuple = ()
+    #: sent keys whose readers all belong to later steps -> the key's step: small ones
+    #: are held until this program's tasks of that step are done (:class:`Sender`)
+    later: dict = field(default_factory=dict)
 
 
 def _order(dsk: dict) -> list:
@@ -164,8 +170,12 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
     sends: dict = {}  # (worker, phase) -> {key: [workers]}
     needs: dict = {}  # (worker, key) -> phases of that worker reading key
     uses: dict = {}  # (worker, phase) -> {key: readers}
+    reader_step: dict = {}  # sent key -> the earliest step of a task reading it elsewhere
+    stepped = True  # every task's key names its step (what holding for later steps needs)
     for key in order:
         w, p = where[key], phase[key]
+        step = _step_of(key)
+        stepped = stepped and step >= 0
         for d in g.dsk[key].dependencies:
             if d in g.dsk:
                 src, sp = where[d], phase[d]
@@ -178,6 +188,7 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
                 dests = sends.setdefault((src, sp), {}).setdefault(d, [])
                 if w not in dests:
                     dests.append(w)
+                reader_step[d] = min(reader_step.get(d, step), step)
             # the reader's program has the block: made there, received there, or left
             # by the first program (a block the first made, received or held)
             uses.setdefault((w, p), {}).setdefault(d, 0)
@@ -212,6 +223,9 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
                 timeout_s=timeout_s,
                 carried=sorted(carry.get(w, ()), key=str) if p == 1 else [],
             )
+            if stepped:  # a task reads blocks of its own step and earlier ones only
+                prog.later = {k: s for k in prog.sends
+                              if (s := _step_of(k)) >= 0 and reader_step[k] > s}
             pkey = (f"step.run{p if early else ''}-{tag}", n)
             prog.key = pkey
             args = [TaskRef(prev)] if p == 1 else [TaskRef(k) for k in inputs]
@@ -228,6 +242,12 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
     needed |= {d for k in list(needed) for d in out.dsk[k].dependencies}
     orphans = [k for k in prog_keys if k not in needed]
     return out.to_hlg(name), prog_keys, orphans
+
+
+def _step_of(key) -> int:
+    """The step of a key ``("<layer>.<task>-<uid>-s<step>", ...)``; -1 for other keys."""
+    _, sep, tail = key[0].rpartition("-s") if isinstance(key, tuple) else ("", "", "")
+    return int(tail) if sep and tail.isdigit() else -1
 
 
 def _pack(prog: Program) -> bytes:
@@ -318,13 +338,18 @@ def run_program(prog: Program, *values):
     try:
         for k in prog.inputs:
             if k in prog.sends:
-                sender.push(k, env[k], prog.sends[k])
+                sender.push(k, env[k], prog.sends[k], prog.later.get(k))
                 sent(k)
         todo = prog.nodes
         ready, head = _Ready(todo, env), 0
+        steps = [_step_of(k) for k, _ in todo] if prog.later else None
         started = last = time.monotonic()
         left = len(todo)
         while left:
+            while ready.done[head]:
+                head += 1  # the first task in order not yet run
+            if steps is not None and sender.held_before(steps[head]):
+                sender.release_later(steps[head])  # this program's earlier steps are done
             got = plugin.take_ready(waiting)
             if got:
                 env.update(got)
@@ -333,17 +358,17 @@ def run_program(prog: Program, *values):
                 ready.arrived(got)
             if not ready.heap:
                 if rec is not None:  # what the first task in order waits for, and whom
-                    while ready.done[head]:
-                        head += 1
                     due = next(d for d in todo[head][1].dependencies if d not in env)
                     rec.now("waiting", due[0], prog.remote.get(due))
                     t0 = time.time()
                 sender.release()  # small blocks held back go before this program idles
                 t1 = time.perf_counter()
-                arrived = plugin.wait(prog, waiting, started, last,
-                                      None if seceded else SECEDE_AFTER_S)
-                spent["wait for blocks"] = spent.get("wait for blocks", 0.0) \
-                    + time.perf_counter() - t1
+                try:
+                    arrived = plugin.wait(prog, waiting, started, last,
+                                          None if seceded else SECEDE_AFTER_S)
+                finally:  # an abort's or a timeout's wait counts too
+                    spent["wait for blocks"] = spent.get("wait for blocks", 0.0) \
+                        + time.perf_counter() - t1
                 if rec is not None:
                     trace.append([due[0], "wait", t0, time.time()])
                     rec.add(*trace[-1], prog.remote.get(due))
@@ -362,16 +387,17 @@ def run_program(prog: Program, *values):
                 rec.now("computing", key[0])
                 t0 = time.time()
             t1 = time.perf_counter()
-            env[key] = value = node({d: env[d] for d in deps})
-            # the dashboard's fine performance metrics show each layer and phase's share
-            label = _meter_label(key[0].split("-", 1)[0])
-            spent[label] = spent.get(label, 0.0) + time.perf_counter() - t1
+            try:
+                env[key] = value = node({d: env[d] for d in deps})
+            finally:  # dask's fine performance metrics: each layer and phase's share
+                label = _meter_label(key[0].split("-", 1)[0])
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t1
             if rec is not None:
                 trace.append([key[0], "compute", t0, time.time()])
                 rec.add(*trace[-1])
             ready.arrived((key,))
             if key in prog.sends:
-                sender.push(key, value, prog.sends[key])
+                sender.push(key, value, prog.sends[key], prog.later.get(key))
                 sent(key)
             for d in deps:
                 uses[d] -= 1
@@ -391,9 +417,11 @@ def run_program(prog: Program, *values):
             rec.now("idle", f"failed: {reason}")
         raise
     finally:
-        for label, secs in spent.items():  # one digest per label, not a context per task
-            context_meter.digest_metric(label, secs, "seconds")
-        if seceded:
-            rejoin()
+        try:
+            for label, secs in spent.items():  # one digest per label, not one per task
+                context_meter.digest_metric(label, secs, "seconds")
+        finally:
+            if seceded:
+                rejoin()
 
 

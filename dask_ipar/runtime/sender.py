@@ -36,7 +36,15 @@ class Sender:
     (the blocks it holds at its start) or runs tasks of the same layer and phase, and go
     together, one message per peer (:meth:`release`), before the program runs a task of
     another phase (:meth:`phase`), waits for blocks, or flushes: one latency instead of one
-    per block, and never later than the program would otherwise have idled."""
+    per block, and never later than the program would otherwise have idled.
+
+    Small blocks that only tasks of later steps read (a program of several steps: the
+    updated weight slices its peers gather for the next step) are held longer, until the
+    program has run its tasks of the block's step (:meth:`release_later`) or flushes them:
+    the slices of every layer then go as one message per peer. Nothing of the block's own
+    step or earlier can depend on it (a step's tasks read blocks of that step and earlier
+    ones only), so every program still reaches the end of that step, and the block goes
+    before any task of a later step needs it."""
 
     def __init__(self, plugin, worker, recorder=None, direct=True, tag=None):
         from distributed.protocol import to_serialize
@@ -50,6 +58,8 @@ class Sender:
         self.pending: dict = {}  # key -> [concurrent futures]
         self.small: dict = {}  # dest -> [(key, value, nbytes)] held back
         self._phase = None  # layer and phase name of the blocks held back
+        self.later: dict = {}  # key -> (step, dests, value, nbytes): held for later steps
+        self._later_min = None  # the earliest step in ``later``
         #: the sending program's tag: a program of several steps is stopped under its
         #: first step's tag, which its later steps' blocks do not carry (None: the block's)
         self.tag = tag
@@ -101,8 +111,15 @@ class Sender:
         for key, _, _ in items:
             self.pending.setdefault(key, []).append(f)
 
-    def push(self, key, value, dests):
+    def push(self, key, value, dests, later=None):
+        """Send ``value`` of ``key`` to ``dests``; ``later``: the key's step when only tasks
+        of later steps read it (held while small, see the class)."""
         nbytes = self._sizeof(value)
+        if later is not None and nbytes < MERGE_BYTES:
+            self.later[key] = (later, dests, value, nbytes)
+            if self._later_min is None or later < self._later_min:
+                self._later_min = later
+            return
         for d in dests:
             if nbytes < MERGE_BYTES:
                 self.small.setdefault(d, []).append((key, value, nbytes))
@@ -117,6 +134,26 @@ class Sender:
             self.release()
             self._phase = name
 
+    def held_before(self, step) -> bool:
+        """Whether blocks of a step before ``step`` are held for later steps."""
+        return self._later_min is not None and self._later_min < step
+
+    def release_later(self, step=None, keys=None) -> None:
+        """Hold the blocks held for later steps that are of a step before ``step`` (all
+        when None), or among ``keys``, back as small blocks: they go with the next
+        :meth:`release`, merged per peer."""
+        if not self.later:
+            return
+        if keys is not None:
+            go = [k for k in keys if k in self.later]
+        else:
+            go = [k for k, e in self.later.items() if step is None or e[0] < step]
+        for k in go:
+            _, dests, value, nbytes = self.later.pop(k)
+            for d in dests:
+                self.small.setdefault(d, []).append((k, value, nbytes))
+        self._later_min = min((e[0] for e in self.later.values()), default=None)
+
     def release(self) -> None:
         """Send the small blocks held back: one message per peer."""
         small, self.small = self.small, {}
@@ -129,6 +166,7 @@ class Sender:
         dead peer would hold this worker's thread through its retries."""
         import concurrent.futures
 
+        self.release_later(keys=keys)  # a block about to be rewritten goes first
         self.release()
         for k in list(self.pending) if keys is None else [k for k in keys if k in self.pending]:
             for f in self.pending.pop(k):

@@ -18,7 +18,8 @@ from dask_ipar.errors import IparError
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.exchange import KEEP_STEPS
 
-__all__ = ["submit_steps", "collector_paused", "SubmissionLosses", "StepLosses", "gather_losses", "check_optimizer", "check_steps_per_program",
+__all__ = ["submit_steps", "collector_paused", "SubmissionLosses", "StepLosses",
+           "gather_losses", "check_optimizer", "check_steps_per_program",
            "auto_steps_per_program", "MAX_STEPS_PER_PROGRAM", "AUTO_SUBMISSION_S",
            "AUTO_FLOPS_PER_S"]
 
@@ -29,7 +30,7 @@ MAX_STEPS_PER_PROGRAM = KEEP_STEPS // 2
 
 
 #: ``steps_per_program="auto"`` groups steps so that a submission holds about this much
-#: compute: what a submission costs beyond its steps on a small cluster, about 30-40 ms
+#: compute: what a submission costs beyond its steps on a small cluster, about 40-50 ms
 #: (the tiny MLP on 2x2: 59 ms a step one at a time, 16 ms eight at a time;
 #: ``benchmarks/tiny_step.py``), is then paid at most once per that much work.
 AUTO_SUBMISSION_S = 0.05
@@ -93,17 +94,12 @@ def submit_steps(model, batches):
     are paid once. Returns per step its loss statistics: of one step its futures (one
     per worker of grid row 0), of several a :class:`StepLosses` each (their workers'
     statistics of all the steps come as one block each, when the whole submission has
-    run; :func:`gather_losses` reads either). Every ``model.lineage_steps`` steps the state's task history
-    is cut first (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`).
+    run; :func:`gather_losses` reads either). Every ``model.lineage_steps`` steps the
+    state's task history is cut first
+    (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`).
 
-    Python's cycle collector is paused meanwhile (:func:`collector_paused`)."""
-    with collector_paused():
-        return _submit_steps(model, batches)
-
-
-def _submit_steps(model, batches):
-    from dask_ipar.runtime.placement import scatter_each
-
+    Python's cycle collector is paused while the graph is built, its batches scattered
+    and the graph submitted (:func:`collector_paused`)."""
     model._require()
     for _, _, optimizer in batches:
         check_optimizer(model, optimizer)
@@ -111,6 +107,13 @@ def _submit_steps(model, batches):
         model._since_cut = 0
         model._store.cut_lineage(model._step)
     model._since_cut += len(batches)
+    with collector_paused():
+        return _build_and_submit(model, batches)
+
+
+def _build_and_submit(model, batches):
+    from dask_ipar.runtime.placement import scatter_each
+
     store = model._store
     g = StepGraph()
     w, v = model._w, model._v
@@ -149,8 +152,9 @@ def _submit_steps(model, batches):
 def _bundle_stats(g, engine, stats, last: int) -> list:
     """Per worker one task (in ``g``) stacking the loss statistics of every step of the
     submission, ``stats`` (per step its keys, the same workers in the same order); its
-    keys. One output per worker instead of one per worker and step: fewer tasks for the
-    scheduler and one request per worker for all the steps' losses."""
+    keys. One output per worker instead of one per worker and step: with the programs
+    executor one task per worker instead of k for the scheduler, and with either one
+    request per worker for all the steps' losses."""
     from dask._task_spec import TaskRef
 
     from dask_ipar.kernels.dense import stack_stats
@@ -159,7 +163,9 @@ def _bundle_stats(g, engine, stats, last: int) -> list:
     out = []
     for j, key in enumerate(stats[0]):
         worker = g.place[key]
-        assert all(g.place[st[j]] == worker for st in stats)
+        if any(g.place[st[j]] != worker for st in stats):  # the engines place them alike
+            raise IparError(f"the loss statistics {key} of a submission's steps are on "
+                            "different workers; submit one step at a time.")
         g.add((name, j), worker, stack_stats, *[TaskRef(st[j]) for st in stats])
         out.append((name, j))
     return out
