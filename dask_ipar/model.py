@@ -257,10 +257,9 @@ class Sequential:
         name = f"{self.uid}-s{self._next_step()}" if self.block_module else ""
         return self._store.fetch(keys, futures, name)
 
-    def _submit(self, graph, name, keys, step=None, first=()):
-        """Submit ``graph`` with the model's executor; futures of ``keys``. With ``step``
-        (a training step) the ``executor`` setting is checked and may run it as worker
-        programs (per worker one for what ``first`` needs, one for the rest)."""
+    def _submit(self, graph, name, keys, step=None, first=(), leave=()):
+        """Submit ``graph`` with the model's executor (:meth:`GraphExecutor.submit`); a
+        training step (``step``) may run as worker programs, reading the blocks held in them."""
         ex = self._executor
         if step is not None and (ex is None or ex.name != self.executor or
                                  ex.client is not self.client):
@@ -274,7 +273,9 @@ class Sequential:
         elif ex is None or ex.client is not self.client:
             self._executor = ex = GraphExecutor(self.client, self.uid, self._locate)
         ex.program_timeout_s = self.program_timeout_s
-        return ex.submit(graph, name, keys, step=step, first=first)
+        if step is None or not ex.leaves_in_programs:
+            self._store.materialize()  # other graphs read the blocks' own tasks
+        return ex.submit(graph, name, keys, step, first, self._store.held_key, leave)
 
     def abort_programs(self, reason: str) -> None:
         """Make this model's worker programs that are waiting for blocks fail now with
@@ -477,7 +478,7 @@ class Sequential:
         """Release every block this model holds on the cluster, keeping it usable: the
         next use builds the initial weights again, unless state is loaded first (what
         :func:`dask_ipar.io.checkpoint.recover` does after a worker died)."""
-        if self._futures and self._programs_on is not None:
+        if self._store is not None and self._store.holds_any() and self._programs_on is not None:
             self.abort_programs("the model was closed")
         self._programs_on = None
         if self._executor is not None:

@@ -36,10 +36,10 @@ def _train(client, grid, k, optimizer, executor="programs", callbacks=()):
     submissions = []
     submit = model._submit
 
-    def counting(graph, name, keys, step=None, first=()):
+    def counting(graph, name, keys, step=None, first=(), leave=()):
         if step is not None:
             submissions.append(step)
-        return submit(graph, name, keys, step=step, first=first)
+        return submit(graph, name, keys, step=step, first=first, leave=leave)
 
     model._submit = counting
     try:
@@ -188,3 +188,41 @@ def test_next_steps_weight_slices_of_every_layer_go_as_one_message(client):
     assert inside and {s for _, _, s in inside} == {1, 2, 3}, per
     for where, messages in inside.items():
         assert messages == [{"dense0", "dense1", "dense2"}], (where, messages)
+
+
+def test_new_weights_stay_in_the_programs_results_until_something_reads_them(client):
+    """With worker programs a step's new weight blocks get no task of their own: the next
+    submission's programs take them from the results of the programs that made them, and
+    anything else (here get_weights) gets their tasks first; the weights equal the task
+    graph executor's, where every block is a task."""
+    from dask_ipar.runtime.steps import submit_steps
+
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((4 * 8, 5))
+    y = rng.integers(0, 4, X.shape[0])
+    opt = SGD(lr=0.1, momentum=0.9)
+    batches = [(X[8 * s:8 * s + 8], y[8 * s:8 * s + 8], opt) for s in range(4)]
+    got = {}
+    for executor in ("graph", "programs"):
+        model = Sequential([Dense(6, "relu"), Dense(4)], input_dim=5, dtype="float64",
+                           seed=2).distribute(client, "2x2")
+        model.executor = executor
+        try:
+            for n in (0, 2):
+                submit_steps(model, batches[n:n + 2])
+                store = model._store
+                keys = [(name, i, j) for name in store.w for i, j in [(0, 0), (1, 1)]]
+                if executor == "programs":
+                    assert all(store.held_key(k)[0].startswith("step.run") for k in keys)
+                    known = client.run_on_scheduler(
+                        lambda dask_scheduler, keys=keys: [k in dask_scheduler.tasks
+                                                           for k in keys])
+                    assert known == [False] * len(keys)
+                else:
+                    assert all(store.held_key(k) is None for k in keys)
+            got[executor] = model.get_weights()
+            assert all(model._store.held_key(k) is None for k in keys)  # tasks of their own
+        finally:
+            model.close()
+    for (a, b), (c, d) in zip(got["graph"], got["programs"]):
+        assert np.array_equal(a, c) and np.array_equal(b, d)

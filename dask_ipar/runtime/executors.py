@@ -32,6 +32,8 @@ class GraphExecutor:
     """Submits step graphs as they are: one pinned dask task per kernel."""
 
     name = "graph"
+    #: whether :meth:`submit`'s ``leave`` keys stay in program results (else: futures)
+    leaves_in_programs = False
 
     def __init__(self, client, uid: str, locate, program_timeout_s: float = 300.0):
         self.client = client
@@ -40,13 +42,17 @@ class GraphExecutor:
         self.program_timeout_s = program_timeout_s
         self._roots: deque = deque(maxlen=4)
 
-    def submit(self, graph, name: str, keys, step=None, first=()):
+    def submit(self, graph, name: str, keys, step=None, first=(), held=None, leave=()):
         """Submit ``graph``; futures of ``keys``. The graph's roots (prefetch tasks) are
-        computed too, their futures held until four submissions later."""
-        futs = self.client.get(graph.to_hlg(name), list(keys) + graph.roots, sync=False)
+        computed too, their futures held until four submissions later. With ``leave``
+        (keys the caller keeps as state): ``(futures of keys, {key: its future})``."""
+        leave = list(leave)
+        futs = self.client.get(graph.to_hlg(name), list(keys) + leave + graph.roots,
+                               sync=False)
+        n, m = len(keys), len(keys) + len(leave)
         if graph.roots:
-            self._roots.append(futs[len(keys):])
-        return futs[:len(keys)]
+            self._roots.append(futs[m:])
+        return (futs[:n], dict(zip(leave, futs[n:m]))) if leave else futs[:n]
 
     def clear(self) -> None:
         self._roots.clear()
@@ -56,6 +62,7 @@ class ProgramExecutor(GraphExecutor):
     """Runs training steps (``step`` given) as worker programs; the rest as graphs."""
 
     name = "programs"
+    leaves_in_programs = True
 
     def __init__(self, client, uid: str, locate, program_timeout_s: float = 300.0):
         from dask_ipar.runtime.exchange import install_exchange
@@ -63,20 +70,30 @@ class ProgramExecutor(GraphExecutor):
         super().__init__(client, uid, locate, program_timeout_s)
         install_exchange(client)
 
-    def submit(self, graph, name: str, keys, step=None, first=()):
+    def submit(self, graph, name: str, keys, step=None, first=(), held=None, leave=()):
         """With ``step``: per worker one program for what ``first`` needs (the forward pass
         and the loss statistics) and one for the rest of the step (the prefetches happen
-        inside them); otherwise as :meth:`GraphExecutor.submit`."""
+        inside them); ``leave`` keys stay in their program's result (no task of their own:
+        ``(futures of keys, {key: future of the program holding it})``), and blocks
+        ``held(key)`` names a program for are taken from that program's result
+        (:func:`~dask_ipar.runtime.programs.compile_programs`); otherwise as
+        :meth:`GraphExecutor.submit`."""
         if step is None:
-            return super().submit(graph, name, keys)
+            return super().submit(graph, name, keys, leave=leave)
         from dask_ipar.runtime.programs import compile_programs
 
-        hlg, _, orphans = compile_programs(graph, list(keys), self.locate, name,
-                                           f"{self.uid}-s{step}", self.program_timeout_s, first)
-        futs = self.client.get(hlg, list(keys) + orphans, sync=False)
+        hlg, _, orphans, left = compile_programs(
+            graph, list(keys), self.locate, name, f"{self.uid}-s{step}",
+            self.program_timeout_s, first, held=held, leave=list(leave))
+        holders = sorted(set(left.values()), key=str)
+        futs = self.client.get(hlg, list(keys) + orphans + holders, sync=False)
+        n, m = len(keys), len(keys) + len(orphans)
         if orphans:  # programs that only send: held like the prefetches
-            self._roots.append(futs[len(keys):])
-        return futs[:len(keys)]
+            self._roots.append(futs[n:m])
+        if not leave:
+            return futs[:n]
+        by_key = dict(zip(holders, futs[m:]))
+        return futs[:n], {k: by_key[pk] for k, pk in left.items()}
 
 
 #: The executors by the name of the ``executor`` setting.

@@ -106,6 +106,9 @@ class Program:
     carried: list = field(default_factory=list)
     #: the program's own task key (what dask's task stream names it by)
     key: tuple = ()
+    #: keys this worker holds in the results of earlier programs: per such program (its
+    #: result comes as an argument after those of ``inputs``) the keys taken from it
+    sources: list = field(default_factory=list)
     #: sent keys whose readers all belong to later steps -> the key's step: small ones
     #: are held until this program's tasks of that step are done (:class:`Sender`)
     later: dict = field(default_factory=dict)
@@ -147,7 +150,7 @@ def _ancestors(dsk: dict, keys) -> set:
 
 
 def compile_programs(g, outputs, locate, name: str, tag: str,
-                     timeout_s: float = DEFAULT_TIMEOUT_S, first=()):
+                     timeout_s: float = DEFAULT_TIMEOUT_S, first=(), held=None, leave=()):
     """The step graph ``g`` as program tasks per worker plus one task per output key.
 
     ``outputs``: keys the caller wants futures of (returned under the same keys);
@@ -155,11 +158,15 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
     compute. With ``first`` (keys of ``g``, e.g. the loss statistics) each worker runs two
     programs, one task per phase: the tasks that ``first`` depends on, then the others
     (whose dask task reads what the first left for it on the same worker), so that
-    ``first`` is ready while the rest of the step runs. Returns
-    ``(HighLevelGraph, program_keys, orphans)``: ``orphans`` are programs that no output
-    depends on (they only send); request them too, or dask never runs them.
+    ``first`` is ready while the rest of the step runs. ``leave``: keys of ``g`` left in
+    their program's result without a task of their own (the model's new weights: a later
+    step's program takes them from there); ``held(key)``: the key of an earlier program
+    whose result holds an existing key, or None (the key is a task's output). Returns
+    ``(HighLevelGraph, program_keys, orphans, left)``: ``orphans`` are programs that no
+    output depends on (they only send; request them too, or dask never runs them),
+    ``left`` maps each key of ``leave`` to the program holding it (request those too).
     """
-    missing = [k for k in outputs if k not in g.dsk]
+    missing = [k for k in list(outputs) + list(leave) if k not in g.dsk]
     if missing:
         raise IparError(f"output keys {missing[:3]} are not computed by the step graph.")
     order = _order(g.dsk)
@@ -206,7 +213,13 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
     out, prog_keys = StepGraph(), []
     owner = {}  # output key -> program key
     for n, w in enumerate(workers):
-        inputs = sorted({d for d, src in external.items() if src == w}, key=str)
+        inputs, sources = [], {}  # given as arguments; program key -> keys of its result
+        for d in sorted({d for d, src in external.items() if src == w}, key=str):
+            pk = None if held is None else held(d)
+            if pk is None:
+                inputs.append(d)
+            else:
+                sources.setdefault(pk, []).append(d)
         prev = None
         for p in (0, 1):
             nodes = [(k, g.dsk[k]) for k in order if where[k] == w and phase[k] == p]
@@ -216,9 +229,11 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
             prog = Program(
                 tag=tag, worker=w, peers=tuple(workers), nodes=nodes,
                 inputs=inputs if p == 0 else [],
+                sources=list(sources.values()) if p == 0 else [],
                 sends=sends.get((w, p), {}),
                 remote=remote.get((w, p), {}),
-                outputs=[k for k in outputs if where[k] == w and phase[k] == p] + kept,
+                outputs=[k for k in list(outputs) + list(leave)
+                         if where[k] == w and phase[k] == p] + kept,
                 uses=uses.get((w, p), {}),
                 timeout_s=timeout_s,
                 carried=sorted(carry.get(w, ()), key=str) if p == 1 else [],
@@ -228,7 +243,7 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
                               if (s := _step_of(k)) >= 0 and reader_step[k] > s}
             pkey = (f"step.run{p if early else ''}-{tag}", n)
             prog.key = pkey
-            args = [TaskRef(prev)] if p == 1 else [TaskRef(k) for k in inputs]
+            args = [TaskRef(prev)] if p == 1 else [TaskRef(k) for k in [*inputs, *sources]]
             out.add(pkey, w, run_program, _pack(prog), *args)
             prog_keys.append(pkey)
             for k in prog.outputs:
@@ -238,10 +253,11 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
         out.add(k, where[k], pick, TaskRef(owner[k]), k)
     # a program no output depends on (it only sends) would be culled by dask: the caller
     # must request it too (``orphans``)
-    needed = {owner[k] for k in outputs}
+    left = {k: owner[k] for k in leave}
+    needed = {owner[k] for k in outputs} | set(left.values())
     needed |= {d for k in list(needed) for d in out.dsk[k].dependencies}
     orphans = [k for k in prog_keys if k not in needed]
-    return out.to_hlg(name), prog_keys, orphans
+    return out.to_hlg(name), prog_keys, orphans, left
 
 
 def _step_of(key) -> int:
@@ -324,6 +340,8 @@ def run_program(prog: Program, *values):
         env = {k: values[0][k] for k in prog.carried}
     else:
         env = dict(zip(prog.inputs, values))
+        for keys, result in zip(prog.sources, values[len(prog.inputs):]):
+            env.update((k, result[k]) for k in keys)  # blocks an earlier program left
     uses = dict(prog.uses)
     keep = set(prog.outputs)
     seceded = False
@@ -336,7 +354,7 @@ def run_program(prog: Program, *values):
             env.pop(key, None)
 
     try:
-        for k in prog.inputs:
+        for k in [*prog.inputs, *(k for keys in prog.sources for k in keys)]:
             if k in prog.sends:
                 sender.push(k, env[k], prog.sends[k], prog.later.get(k))
                 sent(k)

@@ -37,7 +37,10 @@ class BlockStore:
 
     ``w`` and ``v`` are the key names of the current weight and momentum blocks, one per
     layer with weights (``v[l]`` is None before the layer's first update); block ``(i, j)``
-    of name ``n`` is ``futures[(n, i, j)]``. ``submit(graph, name, keys)`` runs a graph
+    of name ``n`` is ``futures[(n, i, j)]``; blocks that a training step's worker programs
+    left in their results (:meth:`hold`: the next step's programs take them from there)
+    get a task of their own only when something else reads ``futures``
+    (:meth:`materialize`). ``submit(graph, name, keys)`` runs a graph
     (the model's executor); ``abort(reason)`` stops its waiting worker programs;
     ``liveness_s()`` is the current seconds between liveness checks. ``opt`` is
     ``(kind, t)``: what the ``v`` blocks hold (``"sgd"``: momentum, ``"adam"``: the two
@@ -53,7 +56,8 @@ class BlockStore:
         self.block_module = block_module
         self.submit = submit
         self.abort = abort
-        self.futures: dict = {}
+        self._futures: dict = {}  # (name, i, j) -> future of the block
+        self._held: dict = {}  # (name, i, j) -> future of the program whose result holds it
         self.w: list[str] | None = None
         self.v: list[str | None] | None = None
         self._liveness_s = liveness_s
@@ -77,16 +81,54 @@ class BlockStore:
         return self._liveness_s()
 
     # ---------------------------------------------------------------- keys
+    @property
+    def futures(self) -> dict:
+        """``{(name, i, j): future}`` of every block (held ones get their tasks first)."""
+        self.materialize()
+        return self._futures
+
     def keep(self, keys, futures):
         for k, f in zip(keys, futures):
-            self.futures[k] = f
+            self._futures[k] = f
+            self._held.pop(k, None)
+
+    def hold(self, programs: dict):
+        """Keep blocks ``{(name, i, j): future of the program holding it in its result}``
+        without a task of their own: a later training step's programs read them there
+        (:meth:`held_key`), anything else gets their tasks first (:meth:`materialize`).
+        Saves the scheduler one task per block and step."""
+        for k, f in programs.items():
+            self._held[k] = f
+            self._futures.pop(k, None)
+
+    def held_key(self, key):
+        """The key of the program whose result holds block ``key``, or None."""
+        f = self._held.get(key)
+        return None if f is None else f.key
+
+    def holds_any(self) -> bool:
+        return bool(self._futures or self._held)
+
+    def materialize(self) -> None:
+        """Give every block held in a program's result a task of its own (picking it out of
+        the result, on its worker): one graph for all of them."""
+        if not self._held:
+            return
+        from dask_ipar.runtime.programs import pick
+
+        held, self._held = self._held, {}
+        g = StepGraph()
+        for k, f in held.items():
+            g.add(k, self.locate(k), pick, TaskRef(f.key), k)
+        self._futures.update(zip(held, self.submit(g, f"held-{self.uid}", list(held))))
 
     def release(self, names):
         if not names:
             return
         names = set(n for n in names if n is not None)
-        for k in [k for k in self.futures if k[0] in names]:
-            del self.futures[k]
+        for store in (self._futures, self._held):
+            for k in [k for k in store if k[0] in names]:
+                del store[k]
 
     def locate(self, key):
         """The worker of an existing block ``(name, i, j, ...)``: that of cell (i, j)."""
@@ -102,7 +144,8 @@ class BlockStore:
         return [self.futures[(n, *c)] for n in names if n is not None for c in cells]
 
     def clear(self):
-        self.futures.clear()
+        self._futures.clear()
+        self._held.clear()
         self.w = self.v = None
 
     # ------------------------------------------------------------- placing
@@ -146,7 +189,7 @@ class BlockStore:
                 keys.append(key)
             futs = self.submit(g, f"to-device-{self.uid}-s{step}", keys)
             scattered = dict(zip(keys, futs))
-        self.futures.update(scattered)
+        self._futures.update(scattered)
         self.release(old)
         self.w = list(names)
         self.v = new_v
@@ -170,7 +213,7 @@ class BlockStore:
         if missing:
             raise IparError(f"state blocks missing for {len(missing)} keys, e.g. {min(missing)}.")
         old = (self.w or []) + (self.v or [])
-        self.futures.update({k: futures[k] for k in need})
+        self.keep(list(need), [futures[k] for k in need])
         self.release([n for n in old if n not in set(w_names) | set(v_names)])
         self.w, self.v = list(w_names), list(v_names)
 
@@ -307,7 +350,8 @@ class BlockStore:
             if name is None:
                 continue
             for c in cells:
-                f = self.futures.get((name, *c))
+                key = (name, *c)
+                f = self._futures.get(key, self._held.get(key))  # held: its program's
                 status = "missing" if f is None else f.status
                 if status not in ("pending", "finished"):
                     self.raise_lost(f"its block {name} of grid cell {c} is {status}", f)

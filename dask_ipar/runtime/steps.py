@@ -133,13 +133,21 @@ def _build_and_submit(model, batches):
         # momentum blocks updated in place keep their names (and futures)
         fresh_w, fresh_v = w_new, [n for n in v_new if n not in model._v]
         w, v = w_new, v_new
-    keys = [(n, i, j) for n in fresh_w + fresh_v for i, j in model.binding.grid.cells()]
+    cells = model.binding.grid.cells()
+    # the new weights (new names every step) stay in the programs' results (no task of
+    # their own); new momentum names (the first step's: kept for the run) get tasks
+    w_keys = [(n, i, j) for n in fresh_w for i, j in cells]
+    keys = [(n, i, j) for n in fresh_v for i, j in cells]
     data = scatter_each(model.client, pending) if pending else {}  # held until submitted
     flat = _bundle_stats(g, model.engine, stats, step) if len(batches) > 1 else stats[0]
-    futs = model._submit(g, f"step-{model.uid}-s{first}", keys + flat, step=first,
-                         first=flat if len(batches) == 1 else ())
+    futs, left = model._submit(g, f"step-{model.uid}-s{first}", keys + flat, step=first,
+                               first=flat if len(batches) == 1 else (), leave=w_keys)
     store.opt = (_state_kind(batches[-1][2]), t)  # once submitted (Adam's update count)
     store.keep(keys, futs[: len(keys)])
+    if model._executor.leaves_in_programs:
+        store.hold(left)
+    else:
+        store.keep(list(left), list(left.values()))
     store.release([n for n in store.w + store.v if n not in v])
     store.w, store.v = w, v
     del data  # the graph holds the batches now
