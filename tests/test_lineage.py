@@ -38,7 +38,7 @@ def _train(client, model, steps):
         client.gather(model.train_step(X[idx], y[idx], opt))
 
 
-@pytest.mark.parametrize("executor, per_step", [("graph", 8), ("programs", 4)])
+@pytest.mark.parametrize("executor, per_step", [("graph", 8), ("programs", 2)])
 def test_rekeyed_training_equals_uncut_training_and_forgets_past_steps(client, executor,
                                                                      per_step):
     steps = 13
@@ -52,7 +52,8 @@ def test_rekeyed_training_equals_uncut_training_and_forgets_past_steps(client, e
         kept_cut, sched_cut = _records(client, cut.uid)
         kept_uncut, sched_uncut = _records(client, uncut.uid)
         # without cuts every worker keeps records of every past step (~8 per step of the
-        # 2x2 graph, ~4 as programs: the program and its outputs); with a cut every 3 steps
+        # 2x2 graph, 2-3 as programs: its two programs and its loss statistics; the new
+        # weights stay in the programs' results); with a cut every 3 steps
         # at most the last few steps' records remain
         assert kept_uncut >= per_step * steps
         assert kept_cut <= kept_uncut / 2
@@ -62,9 +63,11 @@ def test_rekeyed_training_equals_uncut_training_and_forgets_past_steps(client, e
             ext = dask_scheduler.extensions["spans"]
             return sum(uid in tg.name for s in ext.spans.values() for tg in s.groups)
 
-        # the fold keeps the spans' groups of the model bounded too
+        # the fold keeps the spans' groups of the model bounded too: without it the cut
+        # model would have as many as the uncut one (2-3 a step) and more (its re-keyed
+        # blocks'); with it at least one a step fewer
         assert client.run_on_scheduler(span_groups, uid=cut.uid) <= \
-            client.run_on_scheduler(span_groups, uid=uncut.uid) / 2
+            client.run_on_scheduler(span_groups, uid=uncut.uid) - steps
     finally:
         cut.close()
         uncut.close()

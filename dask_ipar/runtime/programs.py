@@ -17,11 +17,14 @@ Why: dask's scheduler spends about half a millisecond of CPU per task on a small
 and two tasks per worker as programs (plus one small task per output block).
 
 What the scheduler sees: per worker and step a task ``step.run0-<uid>-s<step>`` that
-depends on the blocks the worker already holds (weights, momentum, a scattered batch),
-a task ``step.run1-<uid>-s<step>`` that depends on it alone (it takes over the blocks the
-first leaves for it, on the same worker), and one task per output block (new weights,
-loss statistics) that picks it out of a program's result, under the key the task graph
-would give it. Everything else (the
+depends on the blocks the worker already holds (weights, momentum, a scattered batch;
+the weights made by the previous submission: the programs that made them, whose results
+hold them), a task ``step.run1-<uid>-s<step>`` that depends on it alone (it takes over
+the blocks the first leaves for it, on the same worker), and one task per output block
+(new momentum, loss statistics) that picks it out of a program's result, under the key
+the task graph would give it. New weights (``leave``) get such a task only when
+something else reads them (:meth:`~dask_ipar.runtime.state.BlockStore.materialize`).
+Everything else (the
 per-layer tasks, the worker-to-worker blocks) happens inside the programs: the dashboard
 shows one bar per worker and step (its "Fine Performance Metrics" page splits the
 programs' time by layer and phase, and the time spent waiting for blocks), and the
@@ -32,7 +35,9 @@ Order and progress: every worker runs its tasks in one global order of the step'
 on first-phase tasks only), picking at each point the first task whose blocks have all
 arrived. Sends never wait for the receiver, so the
 first unfinished task of that global order can always run once its blocks arrive: the
-programs cannot deadlock. A program that fails tells the other workers, whose waiting
+programs cannot deadlock. (Blocks held for later steps keep this: a step's tasks read
+blocks of that step and earlier ones only, which :func:`compile_programs` checks before it
+lets any block wait.) A program that fails tells the other workers, whose waiting
 programs then fail with its message instead of waiting; a waiting program also gives up
 after ``timeout_s`` without any new block, and
 :func:`~dask_ipar.runtime.exchange.abort_programs` stops the programs
@@ -84,7 +89,8 @@ def _mutating_kernels() -> frozenset:
                       KA.adam_state, sum_pieces, add_rows})
 
 
-#: Kernels that may write into one of their input blocks.
+#: Kernels that may write into one of their input blocks (only through a key they read:
+#: a block held for sending is flushed before a task reading its key rewrites it).
 MUTATES: frozenset = _mutating_kernels()
 
 
@@ -184,6 +190,8 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
         step = _step_of(key)
         stepped = stepped and step >= 0
         for d in g.dsk[key].dependencies:
+            if d in g.dsk and _step_of(d) > step:  # not the rule holding for later needs
+                stepped = False
             if d in g.dsk:
                 src, sp = where[d], phase[d]
             else:
@@ -262,7 +270,9 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
 
 def _step_of(key) -> int:
     """The step of a key ``("<layer>.<task>-<uid>-s<step>", ...)``; -1 for other keys."""
-    _, sep, tail = key[0].rpartition("-s") if isinstance(key, tuple) else ("", "", "")
+    if not (isinstance(key, tuple) and key and isinstance(key[0], str)):
+        return -1
+    _, sep, tail = key[0].rpartition("-s")
     return int(tail) if sep and tail.isdigit() else -1
 
 

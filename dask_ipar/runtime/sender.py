@@ -152,7 +152,8 @@ class Sender:
             _, dests, value, nbytes = self.later.pop(k)
             for d in dests:
                 self.small.setdefault(d, []).append((k, value, nbytes))
-        self._later_min = min((e[0] for e in self.later.values()), default=None)
+        if go:
+            self._later_min = min((e[0] for e in self.later.values()), default=None)
 
     def release(self) -> None:
         """Send the small blocks held back: one message per peer."""
