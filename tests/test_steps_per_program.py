@@ -226,3 +226,47 @@ def test_new_weights_stay_in_the_programs_results_until_something_reads_them(cli
             model.close()
     for (a, b), (c, d) in zip(got["graph"], got["programs"]):
         assert np.array_equal(a, c) and np.array_equal(b, d)
+
+
+def test_resume_of_a_multi_step_run_on_an_uneven_grid_is_bit_equal(client, tmp_path):
+    """Three steps per submission with a checkpoint every four steps on 3x2 (blocks that
+    do not divide the widths or the batch): resumed from each mid-run checkpoint, the run
+    ends with the weights of the uninterrupted one, which equal one step at a time."""
+    import os
+    import shutil
+
+    pytest.importorskip("zarr")
+    from dask_ipar.io import checkpoint as ck
+    from dask_ipar.io.checkpoint import Checkpointing
+    from dask_ipar.runtime.loop import BatchPlan, TrainLoop
+    from dask_ipar.runtime.training import prepare
+
+    opt = SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)
+    rng = np.random.default_rng(0)
+    X0, y0 = rng.standard_normal((60, 9)), rng.integers(0, 5, 60)
+
+    def run(directory, k, seed=0):
+        m = Sequential([Dense(13, "relu"), Dense(11, "tanh"), Dense(5)], input_dim=9,
+                       dtype="float64", seed=seed).distribute(client, "3x2")
+        try:
+            X, y, b = prepare(m, X0, y0, 10)
+            TrainLoop(m, X, y, BatchPlan(X.shape[0], b, 0), opt, total_steps=12,
+                      callbacks=[Checkpointing(directory, every=4, keep=None)],
+                      steps_per_program=k).run()
+            return m.get_weights()
+        finally:
+            m.close()
+
+    def same(a, b):
+        return all(np.array_equal(p, q) for x, z in zip(a, b) for p, q in zip(x, z))
+
+    one = run(tmp_path / "k1", 1)
+    full = run(tmp_path / "full", 3)
+    assert same(one, full)
+    mid = ck.checkpoints(tmp_path / "full")[1:-1]
+    assert [s for s, _ in mid] == [4, 8]
+    for step, path in mid:
+        d = tmp_path / f"from{step}"
+        d.mkdir()
+        shutil.copytree(path, d / os.path.basename(path))
+        assert same(run(d, 3, seed=99), full), f"resumed at step {step}"

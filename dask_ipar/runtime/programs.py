@@ -184,13 +184,12 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
     needs: dict = {}  # (worker, key) -> phases of that worker reading key
     uses: dict = {}  # (worker, phase) -> {key: readers}
     reader_step: dict = {}  # sent key -> the earliest step of a task reading it elsewhere
-    stepped = True  # every task's key names its step (what holding for later steps needs)
+    step_of = {k: _step_of(k) for k in order}
+    stepped = min(step_of.values(), default=0) >= 0  # every task's key names its step
     for key in order:
-        w, p = where[key], phase[key]
-        step = _step_of(key)
-        stepped = stepped and step >= 0
+        w, p, step = where[key], phase[key], step_of[key]
         for d in g.dsk[key].dependencies:
-            if d in g.dsk and _step_of(d) > step:  # not the rule holding for later needs
+            if step_of.get(d, -1) > step:  # not the rule holding for later needs
                 stepped = False
             if d in g.dsk:
                 src, sp = where[d], phase[d]
@@ -248,7 +247,8 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
             )
             if stepped:  # a task reads blocks of its own step and earlier ones only
                 prog.later = {k: s for k in prog.sends
-                              if (s := _step_of(k)) >= 0 and reader_step[k] > s}
+                              if (s := step_of.get(k, _step_of(k))) >= 0
+                              and reader_step[k] > s}
             pkey = (f"step.run{p if early else ''}-{tag}", n)
             prog.key = pkey
             args = [TaskRef(prev)] if p == 1 else [TaskRef(k) for k in [*inputs, *sources]]

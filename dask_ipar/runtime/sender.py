@@ -139,9 +139,9 @@ class Sender:
         return self._later_min is not None and self._later_min < step
 
     def release_later(self, step=None, keys=None) -> None:
-        """Hold the blocks held for later steps that are of a step before ``step`` (all
-        when None), or among ``keys``, back as small blocks: they go with the next
-        :meth:`release`, merged per peer."""
+        """Move the blocks held for later steps that are of a step before ``step`` (all
+        when None), or among ``keys``, to the small blocks held back: they go with the
+        next :meth:`release`, merged per peer."""
         if not self.later:
             return
         if keys is not None:
