@@ -390,7 +390,7 @@ def graph_profile(model, cfg: MLPConfig, optimizer, executor: str = "graph") -> 
     (one program per worker plus one per output block; ``graph_tasks`` the kernels they
     run); the chains and hops are those of the kernels' data flow either way.
     """
-    from dask_ipar.runtime.programs import compile_programs
+    from dask_ipar.runtime.compiler import compile_programs
 
     from dask._task_spec import TaskRef
 

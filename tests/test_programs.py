@@ -12,7 +12,7 @@ import pytest
 from dask_ipar import SGD, Dense, Sequential
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.exchange import PLUGIN_NAME
-from dask_ipar.runtime.programs import compile_programs
+from dask_ipar.runtime.compiler import compile_programs
 from dask_ipar.testing import awkward_problem, check_cnn, check_mlp
 
 

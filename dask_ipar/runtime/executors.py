@@ -9,7 +9,7 @@ placement, the same floats and bytes); they differ in what the scheduler sees:
 * :class:`GraphExecutor`: the graph as it is, each task pinned to its cell (the
   dashboard's task stream shows every layer and phase, dask moves the blocks);
 * :class:`ProgramExecutor`: a training step as two tasks per worker
-  (:func:`dask_ipar.runtime.programs.compile_programs`) that push blocks to each other over
+  (:func:`dask_ipar.runtime.compiler.compile_programs`) that push blocks to each other over
   the exchange plugin (:mod:`dask_ipar.runtime.exchange`); graphs that are not training
   steps (inference, gradients, device copies) run as with :class:`GraphExecutor`.
 
@@ -21,7 +21,7 @@ waiting programs (a grid worker left, the model closed) is
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from dask_ipar.errors import IparError
 
@@ -69,6 +69,8 @@ class ProgramExecutor(GraphExecutor):
 
         super().__init__(client, uid, locate, program_timeout_s)
         install_exchange(client)
+        #: step templates by signature (:mod:`dask_ipar.runtime.templates`), newest last
+        self.templates: OrderedDict = OrderedDict()
 
     def submit(self, graph, name: str, keys, step=None, first=(), held=None, leave=()):
         """With ``step``: per worker one program for what ``first`` needs (the forward pass
@@ -76,22 +78,27 @@ class ProgramExecutor(GraphExecutor):
         inside them); ``leave`` keys stay in their program's result (no task of their own:
         ``(futures of keys, {key: future of the program holding it})``), and blocks
         ``held(key)`` names a program for are taken from that program's result
-        (:func:`~dask_ipar.runtime.programs.compile_programs`); otherwise as
+        (:func:`~dask_ipar.runtime.compiler.compile_programs`); otherwise as
         :meth:`GraphExecutor.submit`."""
         if step is None:
             return super().submit(graph, name, keys, leave=leave)
-        from dask_ipar.runtime.programs import compile_programs
+        from dask_ipar.runtime.compiler import compile_programs
 
         hlg, _, orphans, left = compile_programs(
             graph, list(keys), self.locate, name, f"{self.uid}-s{step}",
             self.program_timeout_s, first, held=held, leave=list(leave))
+        futs, by_key = self.run(hlg, keys, orphans, left)
+        return (futs, by_key) if leave else futs
+
+    def run(self, hlg, keys, orphans, left):
+        """Submit compiled programs: futures of ``keys`` and, per key of ``left`` (key ->
+        program holding it), the future of its program; ``orphans`` (programs that only
+        send) are held like the prefetches."""
         holders = sorted(set(left.values()), key=str)
-        futs = self.client.get(hlg, list(keys) + orphans + holders, sync=False)
+        futs = self.client.get(hlg, list(keys) + list(orphans) + holders, sync=False)
         n, m = len(keys), len(keys) + len(orphans)
-        if orphans:  # programs that only send: held like the prefetches
+        if orphans:
             self._roots.append(futs[n:m])
-        if not leave:
-            return futs[:n]
         by_key = dict(zip(holders, futs[m:]))
         return futs[:n], {k: by_key[pk] for k, pk in left.items()}
 

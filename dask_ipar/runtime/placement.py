@@ -23,14 +23,14 @@ from dask_ipar.layout.partition import split_bounds
 from dask_ipar.layout.placement import SAMPLES_RC, STRIPS, WHOLE
 
 __all__ = ["place_batch", "min_samples", "check_batch", "batches", "take_sent_bytes",
-           "input_copies", "placement_blocks", "scatter_each"]
+           "add_sent_bytes", "input_copies", "placement_blocks", "scatter_each"]
 
 #: Bytes of data blocks (features and labels) the client handed to dask per model uid,
 #: since :func:`take_sent_bytes` last read them (the comm table's ``input client`` row).
 _SENT: dict = {}
 
 
-def _sent(uid: str, nbytes: int) -> None:
+def add_sent_bytes(uid: str, nbytes: int) -> None:
     _SENT[uid] = _SENT.get(uid, 0) + int(nbytes)
 
 
@@ -149,7 +149,7 @@ def place_batch(engine, client, Xb: np.ndarray, yb, step: int, g, *, uid: str,
     if labs is not None and not inline_labels:
         for i, j in grid.cells():
             blocks[(yname, i, j)] = labs[j]
-    _sent(uid, sum(v.nbytes for v in blocks.values())
+    add_sent_bytes(uid, sum(v.nbytes for v in blocks.values())
           + (0 if labs is None or not inline_labels else grid.pr * yb.nbytes))
     futures = {}
     if embed:
@@ -197,7 +197,7 @@ def _place_lazy(engine, client, Xb, yb, step, g, uid, block_module):
         sub = engine.front.samples(n)
     rows = split_bounds(Xb.shape[2], grid.pr) if where == STRIPS else None
     src, held, sent = Xb.of.placed(client, binding, uid)
-    _sent(uid, sent)
+    add_sent_bytes(uid, sent)
     held = dict(held)
     for i, j in grid.cells():
         take = replace(Xb.take, pc=grid.pc, j=j, sub=None if sub is None else sub[j][i],
@@ -206,7 +206,7 @@ def _place_lazy(engine, client, Xb, yb, step, g, uid, block_module):
     keys = [(xname, i, j) for i, j in grid.cells()]
     if isinstance(yb, LazyBatch):
         ysrc, yheld, sent = yb.of.placed(client, binding, uid)
-        _sent(uid, sent)
+        add_sent_bytes(uid, sent)
         held.update(yheld)
         for i, j in grid.cells():
             g.add((yname, i, j), binding.worker(i, j), read_labels, TaskRef((ysrc, i, j)),
@@ -215,7 +215,7 @@ def _place_lazy(engine, client, Xb, yb, step, g, uid, block_module):
         for (i, j), (b0, b1) in zip(grid.cells(), [split_bounds(n, grid.pc)[j]
                                                  for _, j in grid.cells()]):
             g.add_data((yname, i, j), binding.worker(i, j), np.asarray(yb[b0:b1]))
-            _sent(uid, np.asarray(yb[b0:b1]).nbytes)
+            add_sent_bytes(uid, np.asarray(yb[b0:b1]).nbytes)
     if yb is not None:
         keys += [(yname, i, j) for i, j in grid.cells()]
     if block_module:

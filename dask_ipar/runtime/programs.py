@@ -2,7 +2,7 @@
 
 With ``Model.executor = "programs"`` the engine builds the same step graph as always
 (:class:`~dask_ipar.nn.graph.StepGraph`: the same kernels, arguments and placement), and
-:func:`compile_programs` turns it into *programs*, dask tasks that run the tasks placed on
+:func:`~dask_ipar.runtime.compiler.compile_programs` turns it into *programs*, dask tasks that run the tasks placed on
 their worker themselves: per worker one for the forward pass up to the loss statistics,
 and one for the rest of the step (backward and update), so that the loss arrives, and the
 client sends the next batch, while the backward runs. A block that a task on another worker reads is
@@ -36,7 +36,7 @@ on first-phase tasks only), picking at each point the first task whose blocks ha
 arrived. Sends never wait for the receiver, so the
 first unfinished task of that global order can always run once its blocks arrive: the
 programs cannot deadlock. (Blocks held for later steps keep this: a step's tasks read
-blocks of that step and earlier ones only, which :func:`compile_programs` checks before it
+blocks of that step and earlier ones only, which :func:`~dask_ipar.runtime.compiler.compile_programs` checks before it
 lets any block wait.) A program that fails tells the other workers, whose waiting
 programs then fail with its message instead of waiting; a waiting program also gives up
 after ``timeout_s`` without any new block, and
@@ -58,20 +58,20 @@ written to the network, so no peer can receive a half-updated block.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import time
 from dataclasses import dataclass, field
 
-from dask._task_spec import Task, TaskRef
+from dask._task_spec import Task
 
 from dask_ipar.dashboard.recorder import recorder
-from dask_ipar.nn.graph import StepGraph, span_of_name
-from dask_ipar.errors import IparError
+from dask_ipar.nn.graph import span_of_name
 from dask_ipar.runtime.exchange import plugin_of
 from dask_ipar.runtime.sender import Sender
 
-__all__ = ["Program", "compile_programs", "run_program", "pick", "MUTATES", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Program", "run_program", "pick", "step_of", "MUTATES", "DEFAULT_TIMEOUT_S"]
 
 #: Seconds a program waits without receiving any block before it gives up.
 DEFAULT_TIMEOUT_S = 300.0
@@ -118,157 +118,11 @@ class Program:
     #: sent keys whose readers all belong to later steps -> the key's step: small ones
     #: are held until this program's tasks of that step are done (:class:`Sender`)
     later: dict = field(default_factory=dict)
+    #: keys whose blocks come with the program itself (a replayed template's batch)
+    given: list = field(default_factory=list)
 
 
-def _order(dsk: dict) -> list:
-    """Keys of ``dsk`` with dependencies first, otherwise in insertion order."""
-    index = {k: n for n, k in enumerate(dsk)}
-    if all(index.get(d, -1) < n for k, n in index.items() for d in dsk[k].dependencies):
-        return list(dsk)  # built dependencies first (the engine's graphs are)
-    deps = {k: [d for d in node.dependencies if d in dsk] for k, node in dsk.items()}
-    done, out = set(), []
-    for root in dsk:
-        if root in done:
-            continue
-        stack = [(root, iter(sorted(deps[root], key=index.get)))]
-        while stack:
-            key, it = stack[-1]
-            nxt = next((d for d in it if d not in done), None)
-            if nxt is None:
-                stack.pop()
-                if key not in done:
-                    done.add(key)
-                    out.append(key)
-            else:
-                stack.append((nxt, iter(sorted(deps[nxt], key=index.get))))
-    return out
-
-
-def _ancestors(dsk: dict, keys) -> set:
-    """``keys`` and every key of ``dsk`` they depend on."""
-    out, stack = set(), [k for k in keys if k in dsk]
-    while stack:
-        k = stack.pop()
-        if k not in out:
-            out.add(k)
-            stack.extend(d for d in dsk[k].dependencies if d in dsk)
-    return out
-
-
-def compile_programs(g, outputs, locate, name: str, tag: str,
-                     timeout_s: float = DEFAULT_TIMEOUT_S, first=(), held=None, leave=()):
-    """The step graph ``g`` as program tasks per worker plus one task per output key.
-
-    ``outputs``: keys the caller wants futures of (returned under the same keys);
-    ``locate(key)``: the worker holding an existing key that ``g`` reads but does not
-    compute. With ``first`` (keys of ``g``, e.g. the loss statistics) each worker runs two
-    programs, one task per phase: the tasks that ``first`` depends on, then the others
-    (whose dask task reads what the first left for it on the same worker), so that
-    ``first`` is ready while the rest of the step runs. ``leave``: keys of ``g`` left in
-    their program's result without a task of their own (the model's new weights: a later
-    step's program takes them from there); ``held(key)``: the key of an earlier program
-    whose result holds an existing key, or None (the key is a task's output). Returns
-    ``(HighLevelGraph, program_keys, orphans, left)``: ``orphans`` are programs that no
-    output depends on (they only send; request them too, or dask never runs them),
-    ``left`` maps each key of ``leave`` to the program holding it (request those too).
-    """
-    missing = [k for k in list(outputs) + list(leave) if k not in g.dsk]
-    if missing:
-        raise IparError(f"output keys {missing[:3]} are not computed by the step graph.")
-    order = _order(g.dsk)
-    where = dict(g.place)
-    early = _ancestors(g.dsk, first)
-    phase = {k: 0 if (k in early or not early) else 1 for k in g.dsk}
-    external: dict = {}
-    sends: dict = {}  # (worker, phase) -> {key: [workers]}
-    needs: dict = {}  # (worker, key) -> phases of that worker reading key
-    uses: dict = {}  # (worker, phase) -> {key: readers}
-    reader_step: dict = {}  # sent key -> the earliest step of a task reading it elsewhere
-    step_of = {k: _step_of(k) for k in order}
-    stepped = min(step_of.values(), default=0) >= 0  # every task's key names its step
-    for key in order:
-        w, p, step = where[key], phase[key], step_of[key]
-        for d in g.dsk[key].dependencies:
-            if step_of.get(d, -1) > step:  # not the rule holding for later needs
-                stepped = False
-            if d in g.dsk:
-                src, sp = where[d], phase[d]
-            else:
-                if d not in external:
-                    external[d] = locate(d)
-                src, sp = external[d], 0  # an existing block: the first program holds it
-            needs.setdefault((w, d), set()).add(p)
-            if src != w:
-                dests = sends.setdefault((src, sp), {}).setdefault(d, [])
-                if w not in dests:
-                    dests.append(w)
-                reader_step[d] = min(reader_step.get(d, step), step)
-            # the reader's program has the block: made there, received there, or left
-            # by the first program (a block the first made, received or held)
-            uses.setdefault((w, p), {}).setdefault(d, 0)
-            uses[(w, p)][d] += 1
-    remote: dict = {}  # (worker, phase) -> {key: sender}
-    carry: dict = {}  # worker -> keys the first program leaves for the second
-    for (w, d), phases in needs.items():
-        src = where.get(d, external.get(d))
-        origin = phase.get(d, 0) if src == w else min(phases)
-        if src != w:
-            remote.setdefault((w, origin), {})[d] = src
-        if 1 in phases and origin == 0:
-            carry.setdefault(w, set()).add(d)
-    workers = sorted(set(where.values()) | {w for w, _ in sends})
-    out, prog_keys = StepGraph(), []
-    owner = {}  # output key -> program key
-    for n, w in enumerate(workers):
-        inputs, sources = [], {}  # given as arguments; program key -> keys of its result
-        for d in sorted({d for d, src in external.items() if src == w}, key=str):
-            pk = None if held is None else held(d)
-            if pk is None:
-                inputs.append(d)
-            else:
-                sources.setdefault(pk, []).append(d)
-        prev = None
-        for p in (0, 1):
-            nodes = [(k, g.dsk[k]) for k in order if where[k] == w and phase[k] == p]
-            if p == 1 and not nodes:
-                continue
-            kept = sorted(carry.get(w, ()), key=str) if p == 0 else []
-            prog = Program(
-                tag=tag, worker=w, peers=tuple(workers), nodes=nodes,
-                inputs=inputs if p == 0 else [],
-                sources=list(sources.values()) if p == 0 else [],
-                sends=sends.get((w, p), {}),
-                remote=remote.get((w, p), {}),
-                outputs=[k for k in list(outputs) + list(leave)
-                         if where[k] == w and phase[k] == p] + kept,
-                uses=uses.get((w, p), {}),
-                timeout_s=timeout_s,
-                carried=sorted(carry.get(w, ()), key=str) if p == 1 else [],
-            )
-            if stepped:  # a task reads blocks of its own step and earlier ones only
-                prog.later = {k: s for k in prog.sends
-                              if (s := step_of.get(k, _step_of(k))) >= 0
-                              and reader_step[k] > s}
-            pkey = (f"step.run{p if early else ''}-{tag}", n)
-            prog.key = pkey
-            args = [TaskRef(prev)] if p == 1 else [TaskRef(k) for k in [*inputs, *sources]]
-            out.add(pkey, w, run_program, _pack(prog), *args)
-            prog_keys.append(pkey)
-            for k in prog.outputs:
-                owner[k] = pkey
-            prev = pkey
-    for k in outputs:
-        out.add(k, where[k], pick, TaskRef(owner[k]), k)
-    # a program no output depends on (it only sends) would be culled by dask: the caller
-    # must request it too (``orphans``)
-    left = {k: owner[k] for k in leave}
-    needed = {owner[k] for k in outputs} | set(left.values())
-    needed |= {d for k in list(needed) for d in out.dsk[k].dependencies}
-    orphans = [k for k in prog_keys if k not in needed]
-    return out.to_hlg(name), prog_keys, orphans, left
-
-
-def _step_of(key) -> int:
+def step_of(key) -> int:
     """The step of a key ``("<layer>.<task>-<uid>-s<step>", ...)``; -1 for other keys."""
     if not (isinstance(key, tuple) and key and isinstance(key[0], str)):
         return -1
@@ -276,20 +130,15 @@ def _step_of(key) -> int:
     return int(tail) if sep and tail.isdigit() else -1
 
 
-def _pack(prog: Program) -> bytes:
-    """``prog`` pickled on the client: the scheduler forwards bytes to the worker instead
-    of unpickling and pickling again each of the program's tasks (with several steps per
-    program, the larger part of the scheduler's work per step)."""
-    from distributed.protocol.pickle import dumps
-
-    return dumps(prog, protocol=5)
-
-
 @functools.lru_cache(maxsize=1024)
 def _meter_label(layer_task: str) -> str:
     """The fine performance metrics' label of a task named ``"<layer>.<task>-..."`` (given
     without the step: ``"dense1.act"``): its layer and phase."""
     return " ".join(span_of_name(layer_task)["name"][1:])
+
+
+def _same(x):
+    return x
 
 
 def pick(result: dict, key):
@@ -314,6 +163,13 @@ class _Ready:
             if not lack:
                 self.heap.append(n)  # in order: already a heap
 
+    def copy(self) -> "_Ready":
+        """A fresh copy (a replayed template's runs start from the same state)."""
+        new = _Ready.__new__(_Ready)
+        new.lacking, new.waiters = list(self.lacking), dict(self.waiters)
+        new.heap, new.done = list(self.heap), list(self.done)
+        return new
+
     def pop(self) -> int:
         n = heapq.heappop(self.heap)
         self.done[n] = True
@@ -332,30 +188,45 @@ def run_program(prog: Program, *values):
     """Run ``prog`` on this worker: its tasks in order, blocks pushed and received.
 
     ``values`` are those of ``prog.inputs``, or (a second program) the result of the
-    worker's first. Returns ``{key: value}`` of ``prog.outputs``.
+    worker's first. Returns ``{key: value}`` of ``prog.outputs``. ``prog`` may also be a
+    :class:`~dask_ipar.runtime.replay.Replay`: a template's program, run on its own keys,
+    renamed into the submission's wherever a block leaves or enters it.
     """
     from distributed import get_worker, rejoin, secede
     from distributed.metrics import context_meter
 
-    if isinstance(prog, bytes):  # as compile_programs sends it (:func:`_pack`)
+    opened = rk = None
+    if isinstance(prog, bytes):  # as compile_programs sends it (:func:`~dask_ipar.runtime.compiler.pack_program`)
         from distributed.protocol.pickle import loads
 
         prog = loads(prog)
+    elif not isinstance(prog, Program):  # a replayed template (:mod:`.replay`)
+        replay = prog
+        opened, rk = replay.open()
+        prog = opened.prog
+    R = _same if rk is None else rk.key  # the submission's key of a program's key
+    N = _same if rk is None else rk.name
+    # what the exchange, the peers and dask's task stream see: the submission's tag and keys
+    view = prog if rk is None else dataclasses.replace(
+        prog, tag=replay.tag, key=replay.key, remote={R(k): w for k, w in prog.remote.items()})
     worker = get_worker()
     plugin = plugin_of(worker)
     rec = recorder(worker)  # the dashboard's timeline (None: not installed)
     trace = []  # this program's kernels and waits, for dask's task stream at its end
-    sender = Sender(plugin, worker, rec, tag=prog.tag)
+    sender = Sender(plugin, worker, rec, tag=view.tag)
     if prog.carried:
-        env = {k: values[0][k] for k in prog.carried}
+        env = {k: values[0][R(k)] for k in prog.carried}
     else:
         env = dict(zip(prog.inputs, values))
         for keys, result in zip(prog.sources, values[len(prog.inputs):]):
-            env.update((k, result[k]) for k in keys)  # blocks an earlier program left
+            env.update((k, result[R(k)]) for k in keys)  # blocks an earlier program left
+    if prog.given:
+        env.update(replay.data)
     uses = dict(prog.uses)
     keep = set(prog.outputs)
     seceded = False
-    waiting = set(prog.remote)
+    waiting = set(view.remote)  # the submission's keys, as the mailbox has them
+    back = None if rk is None else {R(k): k for k in prog.remote}
     spent: dict = {}  # fine performance metric label -> seconds, digested at the end
 
     def sent(key):
@@ -364,13 +235,20 @@ def run_program(prog: Program, *values):
             env.pop(key, None)
 
     try:
-        for k in [*prog.inputs, *(k for keys in prog.sources for k in keys)]:
+        for k in [*prog.inputs, *prog.given, *(k for keys in prog.sources for k in keys)]:
             if k in prog.sends:
-                sender.push(k, env[k], prog.sends[k], prog.later.get(k))
+                sender.push(R(k), env[k], prog.sends[k], prog.later.get(k))
                 sent(k)
         todo = prog.nodes
-        ready, head = _Ready(todo, env), 0
-        steps = [_step_of(k) for k, _ in todo] if prog.later else None
+        if opened is None:
+            ready = _Ready(todo, env)
+            steps = [step_of(k) for k, _ in todo] if prog.later else None
+        else:  # the same blocks at hand each run: the state computed once
+            if opened.ready is None:
+                opened.steps = [step_of(k) for k, _ in todo] if prog.later else None
+                opened.ready = _Ready(todo, env)
+            ready, steps = opened.ready.copy(), opened.steps
+        head = 0
         started = last = time.monotonic()
         left = len(todo)
         while left:
@@ -380,25 +258,27 @@ def run_program(prog: Program, *values):
                 sender.release_later(steps[head])  # this program's earlier steps are done
             got = plugin.take_ready(waiting)
             if got:
-                env.update(got)
                 waiting.difference_update(got)
+                if back is not None:
+                    got = {back[k]: v for k, v in got.items()}
+                env.update(got)
                 last = time.monotonic()
                 ready.arrived(got)
             if not ready.heap:
                 if rec is not None:  # what the first task in order waits for, and whom
                     due = next(d for d in todo[head][1].dependencies if d not in env)
-                    rec.now("waiting", due[0], prog.remote.get(due))
+                    rec.now("waiting", N(due[0]), prog.remote.get(due))
                     t0 = time.time()
                 sender.release()  # small blocks held back go before this program idles
                 t1 = time.perf_counter()
                 try:
-                    arrived = plugin.wait(prog, waiting, started, last,
+                    arrived = plugin.wait(view, waiting, started, last,
                                           None if seceded else SECEDE_AFTER_S)
                 finally:  # an abort's or a timeout's wait counts too
                     spent["wait for blocks"] = spent.get("wait for blocks", 0.0) \
                         + time.perf_counter() - t1
                 if rec is not None:
-                    trace.append([due[0], "wait", t0, time.time()])
+                    trace.append([N(due[0]), "wait", t0, time.time()])
                     rec.add(*trace[-1], prog.remote.get(due))
                 if not arrived and not seceded:
                     secede()  # a long wait: free the thread for other tasks
@@ -410,9 +290,9 @@ def run_program(prog: Program, *values):
             deps = node.dependencies
             sender.phase(key[0])
             if isinstance(node, Task) and node.func in MUTATES:
-                sender.flush(deps, prog.tag)
+                sender.flush(deps if rk is None else [R(d) for d in deps], view.tag)
             if rec is not None:
-                rec.now("computing", key[0])
+                rec.now("computing", N(key[0]))
                 t0 = time.time()
             t1 = time.perf_counter()
             try:
@@ -421,26 +301,26 @@ def run_program(prog: Program, *values):
                 label = _meter_label(key[0].split("-", 1)[0])
                 spent[label] = spent.get(label, 0.0) + time.perf_counter() - t1
             if rec is not None:
-                trace.append([key[0], "compute", t0, time.time()])
+                trace.append([N(key[0]), "compute", t0, time.time()])
                 rec.add(*trace[-1])
             ready.arrived((key,))
             if key in prog.sends:
-                sender.push(key, value, prog.sends[key], prog.later.get(key))
+                sender.push(R(key), value, prog.sends[key], prog.later.get(key))
                 sent(key)
             for d in deps:
                 uses[d] -= 1
                 if uses[d] == 0 and d not in keep:
                     env.pop(d, None)
-        sender.flush(tag=prog.tag)
+        sender.flush(tag=view.tag)
         if rec is not None:
             rec.now("idle")
-            rec.program_done(prog.key, trace)
-        return {k: env[k] for k in prog.outputs}
+            rec.program_done(view.key, trace)
+        return {R(k): env[k] for k in prog.outputs}
     except BaseException as exc:
         reason = f"{type(exc).__name__} on {worker.address}: {exc}"
-        sender.abort_peers(prog, reason)
-        plugin.drop([k for k in prog.remote if k in waiting])
-        plugin.abort(tag=prog.tag, reason=reason)  # this worker's other program stops too
+        sender.abort_peers(view, reason)
+        plugin.drop(list(waiting))
+        plugin.abort(tag=view.tag, reason=reason)  # this worker's other program stops too
         if rec is not None:
             rec.now("idle", f"failed: {reason}")
         raise

@@ -113,7 +113,11 @@ def submit_steps(model, batches):
 
 def _build_and_submit(model, batches):
     from dask_ipar.runtime.placement import scatter_each
+    from dask_ipar.runtime.templates import submit_template
 
+    done = submit_template(model, batches, _bundle_stats)
+    if done is not None:  # an earlier submission's programs, replayed
+        return _submitted(model, batches, done.futures, done.left, done.state, done.w, done.v)
     store = model._store
     g = StepGraph()
     w, v = model._w, model._v
@@ -142,7 +146,18 @@ def _build_and_submit(model, batches):
     flat = _bundle_stats(g, model.engine, stats, step) if len(batches) > 1 else stats[0]
     futs, left = model._submit(g, f"step-{model.uid}-s{first}", keys + flat, step=first,
                                first=flat if len(batches) == 1 else (), leave=w_keys)
-    store.opt = (_state_kind(batches[-1][2]), t)  # once submitted (Adam's update count)
+    out = _submitted(model, batches, futs, left, keys, w, v)
+    del data  # the graph holds the batches now
+    return out
+
+
+def _submitted(model, batches, futs, left, keys, w, v):
+    """The model's state after a submission of ``batches``: momentum blocks ``keys`` (the
+    first futures), new weights ``left`` (held in programs, or futures), names ``w`` and
+    ``v``; returns per step its loss statistics (see :func:`submit_steps`)."""
+    store = model._store
+    _, t = store.opt
+    store.opt = (_state_kind(batches[-1][2]), t + len(batches))  # Adam's update count
     store.keep(keys, futs[: len(keys)])
     if model._executor.leaves_in_programs:
         store.hold(left)
@@ -150,7 +165,6 @@ def _build_and_submit(model, batches):
         store.keep(list(left), list(left.values()))
     store.release([n for n in store.w + store.v if n not in v])
     store.w, store.v = w, v
-    del data  # the graph holds the batches now
     if len(batches) == 1:
         return [futs[len(keys):]]
     losses = SubmissionLosses(futs[len(keys):])
