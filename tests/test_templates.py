@@ -1,0 +1,104 @@
+"""Step templates (:mod:`dask_ipar.runtime.templates`): submissions replayed from programs
+compiled once compute the same floats as submissions built afresh, on every grid, and
+are used where they apply (and only there)."""
+
+from __future__ import annotations
+
+import dask
+import numpy as np
+import pytest
+
+from dask_ipar import SGD, Adam, Dense, Sequential
+from dask_ipar.optim import StepLR
+from dask_ipar.runtime import templates as T
+from dask_ipar.runtime.replay import Rekey, template_uid
+
+
+class _Count:
+    """Counts template builds and replays (``T._build``, ``T._replay``) while active."""
+
+    def __init__(self):
+        self.built = self.replayed = self.refused = 0
+
+    def __enter__(self):
+        self._build, self._replay = T._build, T._replay
+
+        def build(*a):
+            self.built += 1
+            return self._build(*a)
+
+        def replay(*a):
+            out = self._replay(*a)
+            if out is None:
+                self.refused += 1
+            else:
+                self.replayed += 1
+            return out
+
+        T._build, T._replay = build, replay
+        return self
+
+    def __exit__(self, *exc):
+        T._build, T._replay = self._build, self._replay
+
+
+def _fit(client, grid, k, optimizer, templates, epochs=3, lineage_steps=None):
+    rng = np.random.default_rng(11)
+    X = rng.standard_normal((6 * 10 + 4, 15))  # 6 steps an epoch, the last one 14 samples
+    y = rng.integers(0, 5, X.shape[0])
+    model = Sequential([Dense(12, "relu"), Dense(9, "tanh"), Dense(5)], input_dim=15,
+                       dtype="float64", seed=4).distribute(client, grid)
+    if lineage_steps is not None:
+        model.lineage_steps = lineage_steps
+    try:
+        with dask.config.set({"dask-ipar.program-templates": templates}), _Count() as n:
+            h = model.fit(X, y, epochs=epochs, batch_size=10, optimizer=optimizer,
+                          steps_per_program=k)
+        return model.get_weights(), [s.loss for s in h.steps], n
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("grid,k,optimizer,cut", [
+    ("2x2", 1, SGD(lr=0.1, momentum=0.9, weight_decay=0.01), None),
+    ("2x2", 3, SGD(lr=0.1, momentum=0.9, schedule=StepLR(9, 0.5)), 5),
+    ("3x1", 2, SGD(lr=0.05, momentum=0.9, nesterov=True, clip_norm=0.5), None),
+    ("1x3", 4, SGD(lr=0.05), None),
+])
+def test_replayed_templates_equal_fresh_graphs_bit_for_bit(client, grid, k, optimizer, cut):
+    w0, loss0, off = _fit(client, grid, k, optimizer, False, lineage_steps=cut)
+    w1, loss1, on = _fit(client, grid, k, optimizer, True, lineage_steps=cut)
+    assert off.built == off.replayed == 0
+    assert on.replayed > on.built >= 1 and on.refused == 0
+    assert loss1 == loss0 and len(loss0) == 3 * 6
+    for (a, b), (c, d) in zip(w0, w1):
+        assert np.array_equal(a, c) and np.array_equal(b, d)
+
+
+def test_templates_are_not_used_for_adam(client):
+    _, _, n = _fit(client, "2x2", 2, Adam(lr=0.01), True, epochs=1)
+    assert n.built == n.replayed == 0
+
+
+def test_templates_are_not_used_for_batches_scattered_to_the_workers(client):
+    rng = np.random.default_rng(1)
+    X, y = rng.standard_normal((40, 15)), rng.integers(0, 5, 40)
+    model = Sequential([Dense(5)], input_dim=15, seed=1).distribute(client, "2x2")
+    model.embed_bytes = 0  # every batch scattered
+    try:
+        with _Count() as n:
+            model.fit(X, y, epochs=2, batch_size=10, optimizer=SGD(lr=0.1),
+                      steps_per_program=2)
+    finally:
+        model.close()
+    assert n.built == n.replayed == 0
+
+
+def test_rekey_renames_template_keys_only():
+    rk = Rekey(template_uid("0a1b"), "0a1b", 40, {"dense0.v-0a1bT-f4": "dense0.v-0a1b-c2"})
+    assert rk.key(("dense1.act-0a1bT-s3", 1, 0)) == ("dense1.act-0a1b-s43", 1, 0)
+    assert rk.key(("dense0.w-0a1bT-s0", 0, 0)) == ("dense0.w-0a1b-s40", 0, 0)
+    assert rk.key(("dense0.v-0a1bT-f4", 0, 1)) == ("dense0.v-0a1b-c2", 0, 1)
+    for same in [("dense0.v-0a1b-s1", 0, 0), ("step.run0-0a1b-s41", 2), "x", 3]:
+        assert rk.key(same) == same
+    assert rk.name("input.x-0a1bT-s12") == "input.x-0a1b-s52"
