@@ -102,3 +102,34 @@ def test_rekey_renames_template_keys_only():
     for same in [("dense0.v-0a1b-s1", 0, 0), ("step.run0-0a1b-s41", 2), "x", 3]:
         assert rk.key(same) == same
     assert rk.name("input.x-0a1bT-s12") == "input.x-0a1b-s52"
+
+
+def test_replayed_programs_show_the_models_keys_in_the_task_stream(client):
+    """The dashboard's bars of a replayed program name the model's uid and the real steps,
+    not the template's."""
+    import time
+
+    from dask.utils import key_split
+    from distributed import get_task_stream
+
+    from dask_ipar.dashboard.timeline import uid_of_name
+
+    rng = np.random.default_rng(2)
+    X, y = rng.standard_normal((80, 15)), rng.integers(0, 5, 80)
+    model = Sequential([Dense(8, "relu"), Dense(5)], input_dim=15, seed=2)
+    model.distribute(client, "2x2")
+    try:
+        with get_task_stream(client) as ts, _Count() as n:
+            model.fit(X, y, epochs=2, batch_size=10, optimizer=SGD(lr=0.1, momentum=0.9),
+                      steps_per_program=2)
+            deadline = time.monotonic() + 10  # the last programs' bars follow their end
+            while any(key_split(e["key"]).startswith("step.run")
+                      for e in client.get_task_stream()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:
+        model.close()
+    assert n.replayed >= 4
+    names = [e["key"] for e in ts.data if isinstance(e["key"], str) and e["key"].startswith("dense")]
+    assert names and {uid_of_name(k.removesuffix("-wait")) for k in names} == {model.uid}
+    steps = {int(k.removesuffix("-wait").rpartition("-s")[2]) for k in names}
+    assert len(steps & set(range(1, 17))) > 8  # the real steps (a template's are 0 to 2)

@@ -60,11 +60,13 @@ class TimelineRecorder(WorkerPlugin):
     def add(self, name, kind, t0, t1, peer=None):
         self.records.append((name, kind, t0, t1, peer))
 
-    def program_done(self, key, trace) -> None:
+    def program_done(self, key, trace, rename=None) -> None:
         """Send what program ``key`` did (its kernels and waits, ``[name, kind, start,
-        stop]``) to the scheduler, which shows it in dask's task stream in place of the
-        program's one bar (:mod:`dask_ipar.dashboard.stream`)."""
-        groups = stream_groups(trace)
+        stop]``; ``rename``: of the names' groups, see
+        :func:`~dask_ipar.dashboard.stream.stream_groups`) to the scheduler, which shows it
+        in dask's task stream in place of the program's one bar
+        (:mod:`dask_ipar.dashboard.stream`)."""
+        groups = stream_groups(trace, rename)
         if groups:
             self.worker.log_event(STREAM_TOPIC, {
                 "program": list(key), "groups": groups,

@@ -23,6 +23,8 @@ table in ``docs/concepts.md``).
 
 from __future__ import annotations
 
+import functools
+
 from dask_ipar.dashboard.timeline import layer_phase, uid_of_name
 
 __all__ = ["STREAM_TOPIC", "MERGE_GAP_S", "stream_groups", "stream_entries", "splice",
@@ -36,10 +38,12 @@ MERGE_GAP_S = 5e-4
 SEARCH_BACK = 512
 
 
-def stream_groups(records) -> list:
+def stream_groups(records, rename=None) -> list:
     """``[[key, action, [[start, stop], ...]], ...]``: one program's ``records``
     (``[name, kind, start, stop]``) grouped by layer, phase and kind, in the order of
     their first interval; kernels of a group closer than :data:`MERGE_GAP_S` merge.
+    ``rename``: applied to each group's ``"<layer>.<phase>-<uid>-s<step>"`` (a replayed
+    template's records name its keys, :class:`~dask_ipar.runtime.replay.Rekey`).
 
     >>> stream_groups([["dense0.act-0a1b2c3d-s3", "compute", 1.0, 2.0],
     ...                ["dense0.act-0a1b2c3d-s3", "compute", 2.0001, 2.5],
@@ -47,17 +51,29 @@ def stream_groups(records) -> list:
     [['dense0.forward-0a1b2c3d-s3', 'compute', [[1.0, 2.5]]], ['dense0.dw_reduce-0a1b2c3d-s3-wait', 'transfer', [[3.0, 3.5]]]]
     """
     groups: dict = {}
-    for name, kind, t0, t1 in sorted(records, key=lambda r: r[2]):
-        layer, phase = layer_phase(name, kind)
-        key = f"{layer}.{phase}-{uid_of_name(name)}-s{name.rpartition('-s')[2]}"
-        wait = kind == "wait"
-        spans = groups.setdefault((key + "-wait" if wait else key,
-                                   "transfer" if wait else "compute"), [])
+    for name, kind, t0, t1 in sorted(records, key=_start):
+        spans = groups.setdefault(_group(name, kind), [])
         if spans and t0 - spans[-1][1] < MERGE_GAP_S:
             spans[-1][1] = max(spans[-1][1], t1)
         else:
             spans.append([t0, t1])
-    return [[key, action, spans] for (key, action), spans in groups.items()]
+    out = []
+    for (key, wait), spans in groups.items():
+        key = key if rename is None else rename(key)
+        out.append([key + "-wait", "transfer", spans] if wait else [key, "compute", spans])
+    return out
+
+
+def _start(record):
+    return record[2]
+
+
+@functools.lru_cache(maxsize=8192)
+def _group(name: str, kind: str) -> tuple:
+    """``("<layer>.<phase>-<uid>-s<step>", is a wait)`` of a record (cached: a program's
+    names repeat every submission)."""
+    layer, phase = layer_phase(name, kind)
+    return f"{layer}.{phase}-{uid_of_name(name)}-s{name.rpartition('-s')[2]}", kind == "wait"
 
 
 def stream_entries(groups, worker: str, thread, delay: float = 0.0) -> list[dict]:

@@ -277,9 +277,9 @@ def run_program(prog: Program, *values):
                 finally:  # an abort's or a timeout's wait counts too
                     spent["wait for blocks"] = spent.get("wait for blocks", 0.0) \
                         + time.perf_counter() - t1
-                if rec is not None:
-                    trace.append([N(due[0]), "wait", t0, time.time()])
-                    rec.add(*trace[-1], prog.remote.get(due))
+                if rec is not None:  # the trace in the program's names (see program_done)
+                    trace.append([due[0], "wait", t0, time.time()])
+                    rec.add(N(due[0]), "wait", t0, trace[-1][3], prog.remote.get(due))
                 if not arrived and not seceded:
                     secede()  # a long wait: free the thread for other tasks
                     seceded = True
@@ -301,8 +301,8 @@ def run_program(prog: Program, *values):
                 label = _meter_label(key[0].split("-", 1)[0])
                 spent[label] = spent.get(label, 0.0) + time.perf_counter() - t1
             if rec is not None:
-                trace.append([N(key[0]), "compute", t0, time.time()])
-                rec.add(*trace[-1])
+                trace.append([key[0], "compute", t0, time.time()])
+                rec.add(N(key[0]), "compute", t0, trace[-1][3])
             ready.arrived((key,))
             if key in prog.sends:
                 sender.push(R(key), value, prog.sends[key], prog.later.get(key))
@@ -314,7 +314,7 @@ def run_program(prog: Program, *values):
         sender.flush(tag=view.tag)
         if rec is not None:
             rec.now("idle")
-            rec.program_done(view.key, trace)
+            rec.program_done(view.key, trace, None if rk is None else rk.name)
         return {R(k): env[k] for k in prog.outputs}
     except BaseException as exc:
         reason = f"{type(exc).__name__} on {worker.address}: {exc}"
