@@ -92,7 +92,7 @@ DEFAULTS: dict = {
     # patience: stop when the validation loss has not improved for this many epochs
     # replicas: every this many steps each grid cell's state is copied to another worker,
     # which rebuilds a lost worker's without a checkpoint (0: off)
-    # steps_per_program: consecutive steps per submission, 1-8 or auto (8 for small models)
+    # steps_per_program: consecutive steps per submission, 1-16 or auto (16 for small models)
     "train": {"epochs": 10, "batch": 64, "seed": 0, "executor": "programs", "patience": None,
               "replicas": 10, "steps_per_program": "auto"},
     "cluster": {
@@ -434,9 +434,9 @@ def validate(cfg: dict) -> dict:
     _need(_is_int(rp) and rp >= 0, "train.replicas", rp,
           "a non-negative integer (steps between replica refreshes; 0: off)")
     sp = t.get("steps_per_program", "auto")
-    # 8: runtime.steps.MAX_STEPS_PER_PROGRAM (not imported: the config stays below runtime)
-    _need(sp == "auto" or (_is_int(sp) and 1 <= sp <= 8), "train.steps_per_program", sp,
-          "a whole number from 1 to 8, or auto")
+    # 16: runtime.steps.MAX_STEPS_PER_PROGRAM (not imported: the config stays below runtime)
+    _need(sp == "auto" or (_is_int(sp) and 1 <= sp <= 16), "train.steps_per_program", sp,
+          "a whole number from 1 to 16, or auto")
 
     c = cfg.get("cluster", {})
     _need(c.get("kind") in CLUSTER_KINDS, "cluster.kind", c.get("kind"),

@@ -322,7 +322,7 @@ class Sequential:
             chunks (default 8; 0: full shuffle; :class:`~dask_ipar.runtime.loop.BatchPlan`)
         progress : True for a tqdm bar on stderr, or a callable given each :class:`StepStats`
         max_inflight : submissions ahead of the one waited for
-        steps_per_program : consecutive steps per submission (1-8, or "auto": 8 for small
+        steps_per_program : consecutive steps per submission (1-16, or "auto": 16 for small
             models, 1 for large); one program per worker runs them, losses come in bursts
         measure : put the per-layer, per-phase predicted-vs-measured bytes in ``history.comm``
             (predicted seconds from ``machine``, a :class:`dask_ipar.cost.Machine`).

@@ -83,8 +83,8 @@ def files(tmp_path_factory):
                                  "add --val-fraction"]),
     (["--val-fraction", "1.5"], ["--val-fraction", "expected a fraction in [0, 1)"]),
     (["--optimizer", "lbfgs"], ["--optimizer", "invalid choice: 'lbfgs'"]),
-    (["--steps-per-program", "9"], ["--steps-per-program", "expected a whole number from 1 "
-                                    "to 8, or auto, got '9'"]),
+    (["--steps-per-program", "17"], ["--steps-per-program", "expected a whole number from 1 "
+                                    "to 16, or auto, got '17'"]),
 ], ids=["batch-too-large", "hidden-empty", "grid-malformed", "scheduler-address",
         "resume-nothing", "schedule-malformed", "early-stopping-without-validation",
         "val-fraction-range", "optimizer-unknown", "steps-per-program-range"])

@@ -95,7 +95,7 @@ def test_overrides_skip_none():
     ({"model": {"dtype": "float16"}}, ["model.dtype", "float64"]),
     ({"train": {"batch": 0}}, ["train.batch", "positive"]),
     ({"train": {"executor": "fused"}}, ["train.executor", "'fused'", "'programs'"]),
-    ({"train": {"steps_per_program": 0}}, ["train.steps_per_program", "1 to 8, or auto"]),
+    ({"train": {"steps_per_program": 0}}, ["train.steps_per_program", "1 to 16, or auto"]),
     ({"checkpoint": {"every": -2}}, ["checkpoint.every"]),
     ({"checkpoint": {"evry": 2}}, ["checkpoint.evry", "every"]),
 ])

@@ -72,12 +72,12 @@ def test_several_steps_per_program_equal_one_at_a_time_bit_for_bit(client, grid,
     assert sync.seen == [(4, 4)]  # every step up to 4 submitted and done, none after
 
 
-@pytest.mark.parametrize("bad", [0, 9, 2.5, True, "4"])
+@pytest.mark.parametrize("bad", [0, 17, 2.5, True, "4"])
 def test_bad_steps_per_program_is_refused(client, bad):
     model = Sequential([Dense(4)], input_dim=3).distribute(client, "1x1")
     try:
         with pytest.raises(IparError, match=r"steps_per_program must be a whole number from 1 "
-                                            r"to 8 or .auto., got"):
+                                            r"to 16 or .auto., got"):
             model.fit(np.zeros((8, 3)), np.zeros(8, dtype=int), batch_size=4,
                       steps_per_program=bad)
     finally:
@@ -85,7 +85,7 @@ def test_bad_steps_per_program_is_refused(client, bad):
 
 
 def test_auto_groups_the_steps_of_small_models_only(client):
-    """``"auto"``: 8 steps per submission for a tiny MLP (microseconds of compute a step),
+    """``"auto"``: 16 steps per submission for a tiny MLP (microseconds of compute a step),
     1 for a model whose step computes for seconds; fit uses what it picks."""
     from dask_ipar.runtime.steps import auto_steps_per_program
 
@@ -97,12 +97,12 @@ def test_auto_groups_the_steps_of_small_models_only(client):
     big = Sequential([Dense(2048, "relu"), Dense(2048, "relu"), Dense(10)],
                      input_dim=2048).distribute(client, "2x1")
     try:
-        assert auto_steps_per_program(small, 32, SGD()) == 8
+        assert auto_steps_per_program(small, 32, SGD()) == 16
         assert auto_steps_per_program(big, 4096, SGD()) == 1
         seen = Seen()
         small.fit(np.zeros((64, 8)), np.zeros(64, dtype=int), batch_size=32,
                   steps_per_program="auto", callbacks=[seen])
-        assert seen.k == 8
+        assert seen.k == 16
     finally:
         small.close()
         big.close()

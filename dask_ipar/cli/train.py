@@ -74,7 +74,7 @@ def add_parser(sub):
                         "task per kernel, every layer and phase in the dashboard's task stream, "
                         "same results, far more scheduler work")
     p.add_argument("--steps-per-program", type=steps_per_program, metavar="N",
-                   help="consecutive steps per submission, 1 to 8, or auto (the default: 8 "
+                   help="consecutive steps per submission, 1 to 16, or auto (the default: 16 "
                         "for models whose step computes in a few ms, 1 for large ones); "
                         "cheaper steps, losses and progress in bursts of N")
     p.add_argument("--data", metavar="PATH",

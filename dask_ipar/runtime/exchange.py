@@ -47,7 +47,7 @@ MERGE_BYTES = 16384
 #: A block still in a mailbox when its model has sent blocks of a step this many graph
 #: submissions newer is dropped: no program will take it (a late duplicate of a retried
 #: send, a block of a program that failed). Steps in flight are at most a few apart.
-KEEP_STEPS = 16
+KEEP_STEPS = 32
 #: How blocks travel: ``socket`` (direct TCP links where the addresses allow, else dask's
 #: comms) or ``dask`` (dask's comms always).
 TRANSPORTS = ("socket", "dask")

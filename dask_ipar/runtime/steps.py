@@ -54,7 +54,7 @@ def check_steps_per_program(k) -> int | str:
 def auto_steps_per_program(model, batch: int, optimizer) -> int:
     """Steps per submission for ``"auto"``: as many as fit in :data:`AUTO_SUBMISSION_S`
     of the step's compute (its task graph simulated at :data:`AUTO_FLOPS_PER_S` per
-    worker, no transfer costs), 1 to :data:`MAX_STEPS_PER_PROGRAM`: 8 for small models,
+    worker, no transfer costs), 1 to :data:`MAX_STEPS_PER_PROGRAM`: 16 for small models,
     1 where a step computes 50 ms or more (there a submission's cost is lost in the step,
     and a stop or a progress update waits for one step only)."""
     from dask_ipar.cost import Machine
