@@ -28,7 +28,7 @@ __all__ = ["Replay", "Rekey", "MARK", "WORKER_TEMPLATES", "template_uid"]
 #: Appended to a model's uid to name its template keys.
 MARK = "T"
 #: Template programs a worker process keeps unpickled (the least recently used go).
-WORKER_TEMPLATES = 64
+WORKER_TEMPLATES = 32
 
 _opened: OrderedDict = OrderedDict()  # template id -> _Opened
 _lock = threading.Lock()
