@@ -122,8 +122,8 @@ def signature(model, batches):
             or model.block_module is not None):
         return None
     w, v = model._w, model._v
-    if w is None or v is None or any(n is None for n in v):
-        return None
+    if w is None or v is None or any(n is None for n in (*w, *v)):
+        return None  # the first submission (it creates the momentum); layers without state
     engine, store = model.engine, model._store
     copies = input_copies(engine)
     specs = []
