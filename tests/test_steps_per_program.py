@@ -140,7 +140,7 @@ def test_a_submissions_losses_come_as_one_block_per_worker(client):
 def test_collector_paused_restores_the_collector_as_it_was():
     import gc
 
-    from dask_ipar.runtime.steps import collector_paused
+    from dask_ipar.runtime.collector import collector_paused
 
     was = gc.isenabled()
     try:
@@ -151,6 +151,11 @@ def test_collector_paused_restores_the_collector_as_it_was():
             assert gc.isenabled() == start
             with pytest.raises(KeyError), collector_paused():
                 raise KeyError("x")
+            assert gc.isenabled() == start
+            with collector_paused():  # nested (a worker's programs overlap)
+                with collector_paused():
+                    assert not gc.isenabled()
+                assert not gc.isenabled()
             assert gc.isenabled() == start
     finally:
         (gc.enable if was else gc.disable)()

@@ -28,6 +28,8 @@ import html
 import json
 from collections import deque
 
+import msgpack
+
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_ipar.dashboard.render import (CSS, curves_html, grid_html, phase_table_html,
@@ -149,6 +151,8 @@ class IparDashboard(SchedulerPlugin):
         if stream is None:
             return
         key = tuple(msg["program"])
+        if isinstance(msg["groups"], bytes):  # packed by the worker (see program_done)
+            msg = {**msg, "groups": msgpack.unpackb(msg["groups"])}
         if not splice(stream, key, msg["groups"], msg.get("delay", 0.0)):
             self._stream_pending[key] = msg
             while len(self._stream_pending) > 4096:  # programs whose end never came

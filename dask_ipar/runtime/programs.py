@@ -68,6 +68,7 @@ from dask._task_spec import Task
 
 from dask_ipar.dashboard.recorder import recorder
 from dask_ipar.nn.graph import span_of_name
+from dask_ipar.runtime.collector import collector_paused
 from dask_ipar.runtime.exchange import plugin_of
 from dask_ipar.runtime.sender import Sender
 
@@ -190,8 +191,14 @@ def run_program(prog: Program, *values):
     ``values`` are those of ``prog.inputs``, or (a second program) the result of the
     worker's first. Returns ``{key: value}`` of ``prog.outputs``. ``prog`` may also be a
     :class:`~dask_ipar.runtime.replay.Replay`: a template's program, run on its own keys,
-    renamed into the submission's wherever a block leaves or enters it.
+    renamed into the submission's wherever a block leaves or enters it. Python's cycle
+    collector is paused while it runs (:mod:`dask_ipar.runtime.collector`).
     """
+    with collector_paused():
+        return _run(prog, *values)
+
+
+def _run(prog, *values):
     from distributed import get_worker, rejoin, secede
     from distributed.metrics import context_meter
 

@@ -11,14 +11,12 @@ once for ``steps_per_program`` steps, and the floats are those of one step at a 
 
 from __future__ import annotations
 
-import contextlib
-import gc
-
 from dask_ipar.errors import IparError
 from dask_ipar.nn.graph import StepGraph
+from dask_ipar.runtime.collector import collector_paused
 from dask_ipar.runtime.exchange import KEEP_STEPS
 
-__all__ = ["submit_steps", "collector_paused", "SubmissionLosses", "StepLosses",
+__all__ = ["submit_steps", "SubmissionLosses", "StepLosses",
            "gather_losses", "check_optimizer", "check_steps_per_program",
            "auto_steps_per_program", "MAX_STEPS_PER_PROGRAM", "AUTO_SUBMISSION_S",
            "AUTO_FLOPS_PER_S"]
@@ -68,23 +66,6 @@ def auto_steps_per_program(model, batch: int, optimizer) -> int:
     return max(1, min(MAX_STEPS_PER_PROGRAM, int(AUTO_SUBMISSION_S / max(step_s, 1e-9))))
 
 
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cycle collector off for the block (as it was after): a submission's graph
-    (a few thousand tasks and keys, freed when submitted) would otherwise outlive two
-    collections, be promoted to the oldest generation and make the collector sweep the
-    whole client process (the in-process scheduler's state too) every few submissions:
-    about 130 ms each, 2 ms a step of the tiny MLP on 2x2. Nothing it allocates is a cycle,
-    so reference counting frees it all."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def submit_steps(model, batches):
     """Submit consecutive SGD steps of ``model``, one ``(Xb, yb, optimizer)`` each (the
     optimizer at that step), as one graph: each step's weights feed the next inside it, so
@@ -99,7 +80,7 @@ def submit_steps(model, batches):
     (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`).
 
     Python's cycle collector is paused while the graph is built, its batches scattered
-    and the graph submitted (:func:`collector_paused`)."""
+    and the graph submitted (:func:`~dask_ipar.runtime.collector.collector_paused`)."""
     model._require()
     for _, _, optimizer in batches:
         check_optimizer(model, optimizer)
