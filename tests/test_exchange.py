@@ -76,3 +76,32 @@ def test_mailbox_drops_blocks_of_stopped_steps_and_old_ones():
     p.abort(tag="u2", reason="closed", model=True, upto=(3, 0))
     p.put(key=["dense0.act-u2-s3", 0, 0], data=6)
     assert ("dense0.act-u2-s3", 0, 0) not in p.box and p.stopped_tag("u2-s3") == "closed"
+
+
+def test_small_blocks_wait_past_short_tasks_and_go_before_others():
+    """``Sender.phase``: small blocks held back go when the program turns to another
+    task, unless that task is known to be short (``hold``); one message per peer then
+    carries the blocks of several tasks."""
+    import types
+
+    import numpy as np
+
+    from dask_ipar.runtime.sender import Sender
+
+    plugin = types.SimpleNamespace(wire=None, direct_bytes=1 << 16)
+    worker = types.SimpleNamespace(loop=types.SimpleNamespace(asyncio_loop=None),
+                                   address="tcp://a")
+    sender = Sender(plugin, worker)
+    sent = []
+    sender._go = lambda dest, items: sent.append((dest, [k for k, _, _ in items]))
+    block = np.zeros(4)
+    sender.phase("dense1.dxp")
+    sender.push(("dense1.dxp-u-s1", 0, 0), block, ["tcp://b"])
+    sender.phase("dense1.dwp", hold=True)  # short last time: the block waits
+    sender.push(("dense1.dwp-u-s1", 0, 0), block, ["tcp://b"])
+    assert sent == []
+    sender.phase("dense0.dxp")  # not known to be short: both go, as one message
+    assert sent == [("tcp://b", [("dense1.dxp-u-s1", 0, 0), ("dense1.dwp-u-s1", 0, 0)])]
+    sender.push(("dense0.dxp-u-s1", 0, 0), block, ["tcp://b"])
+    sender.release()  # what a program does before it waits for blocks
+    assert sent[-1] == ("tcp://b", [("dense0.dxp-u-s1", 0, 0)])

@@ -35,8 +35,9 @@ class Sender:
     ones are held per peer while the program pushes blocks without computing in between
     (the blocks it holds at its start) or runs tasks of the same layer and phase, and go
     together, one message per peer (:meth:`release`), before the program runs a task of
-    another phase (:meth:`phase`), waits for blocks, or flushes: one latency instead of one
-    per block, and never later than the program would otherwise have idled.
+    another phase (:meth:`phase`; not before a task known to be short), waits for blocks,
+    or flushes: one latency instead of one per block, and never later than the program
+    would otherwise have idled.
 
     Small blocks that only tasks of later steps read (a program of several steps: the
     updated weight slices its peers gather for the next step) are held longer, until the
@@ -126,12 +127,14 @@ class Sender:
             else:
                 self._go(d, [(key, value, nbytes)])
 
-    def phase(self, name) -> None:
+    def phase(self, name, hold: bool = False) -> None:
         """The program runs a task named ``name`` next: blocks held back from another layer
-        or phase go now."""
+        or phase go now, unless ``hold`` (the task is known to be short: they go with the
+        next release, before the program waits at the latest)."""
         name = name.split("-", 1)[0] if isinstance(name, str) else name
         if name != self._phase:
-            self.release()
+            if not hold:
+                self.release()
             self._phase = name
 
     def held_before(self, step) -> bool:
