@@ -29,7 +29,7 @@ MAX_STEPS_PER_PROGRAM = KEEP_STEPS // 2
 
 #: ``steps_per_program="auto"`` groups steps so that a submission holds about this much
 #: compute: what a submission costs beyond its steps on a small cluster, about 20-25 ms
-#: (the tiny MLP on 2x2: 31-32 ms a step one at a time, 9-10 ms sixteen at a time;
+#: (the tiny MLP on 2x2: 31-41 ms a step one at a time, 9-13 ms sixteen at a time;
 #: ``benchmarks/tiny_step.py``), is then paid at most once per that much work.
 AUTO_SUBMISSION_S = 0.05
 #: The matmul rate per worker that "auto" assumes: about one core of a current CPU, on the
