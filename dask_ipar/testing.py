@@ -32,7 +32,22 @@ from dask_ipar.runtime.placement import check_batch
 from dask_ipar.runtime.workers import scheduler_workers
 
 __all__ = ["awkward_problem", "compare_mlp", "check_mlp", "compare_cnn", "check_cnn",
-           "awkward_cnn", "rel_err", "fake_binding", "step_graph", "check_layer"]
+           "awkward_cnn", "rel_err", "fake_binding", "step_graph", "check_layer",
+           "wait_for_program_bars"]
+
+
+def wait_for_program_bars(client, timeout_s: float = 10.0) -> None:
+    """Wait (at most ``timeout_s``) until dask's task stream shows no worker program's own
+    bar: each is replaced by its layers' bars once the program's records reach the
+    scheduler, a moment after the program ends (:mod:`dask_ipar.dashboard.stream`)."""
+    import time
+
+    from dask.utils import key_split
+
+    deadline = time.monotonic() + timeout_s
+    while any(key_split(e["key"]).startswith("step.run")
+              for e in client.get_task_stream()) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def rel_err(a, b) -> float:

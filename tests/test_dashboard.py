@@ -19,6 +19,7 @@ from dask_ipar.dashboard.stream import splice, stream_groups
 from dask_ipar.dashboard.svg import nice_ticks
 from dask_ipar.dashboard.timeline import bars_of, phase_summary, step_timelines
 from dask_ipar.runtime.loop import Callback
+from dask_ipar.testing import wait_for_program_bars
 from dask.utils import key_split
 from distributed import get_task_stream
 from distributed.diagnostics.task_stream import TaskStreamPlugin, rectangles
@@ -236,10 +237,7 @@ def test_task_stream_names_each_program_layer_and_phase(client):
     try:
         with get_task_stream(client) as ts:
             model.fit(X, y, epochs=2, batch_size=40)
-            deadline = time.monotonic() + 10  # the last programs' bars follow their end
-            while any(key_split(e["key"]).startswith("step.run")
-                      for e in client.get_task_stream()) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for_program_bars(client)
     finally:
         model.close()
     names = {("transfer-" if ss["action"] == "transfer" else "") + key_split(e["key"])

@@ -107,12 +107,10 @@ def test_rekey_renames_template_keys_only():
 def test_replayed_programs_show_the_models_keys_in_the_task_stream(client):
     """The dashboard's bars of a replayed program name the model's uid and the real steps,
     not the template's."""
-    import time
-
-    from dask.utils import key_split
     from distributed import get_task_stream
 
     from dask_ipar.dashboard.timeline import uid_of_name
+    from dask_ipar.testing import wait_for_program_bars
 
     rng = np.random.default_rng(2)
     X, y = rng.standard_normal((80, 15)), rng.integers(0, 5, 80)
@@ -122,10 +120,7 @@ def test_replayed_programs_show_the_models_keys_in_the_task_stream(client):
         with get_task_stream(client) as ts, _Count() as n:
             model.fit(X, y, epochs=2, batch_size=10, optimizer=SGD(lr=0.1, momentum=0.9),
                       steps_per_program=2)
-            deadline = time.monotonic() + 10  # the last programs' bars follow their end
-            while any(key_split(e["key"]).startswith("step.run")
-                      for e in client.get_task_stream()) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for_program_bars(client)
     finally:
         model.close()
     assert n.replayed >= 4
