@@ -1,6 +1,6 @@
 """The fixed cost of a training step (issue 23): the tiny MLP on 2x2, steps per program.
 
-    python benchmarks/tiny_step.py [--ks 1,2,4,8] [--rounds 3] [--epochs 4] [--json out.json]
+    python benchmarks/tiny_step.py [--ks 1,4,8,16] [--rounds 3] [--epochs 4] [--json out.json]
 
 The tiny MLP (64-64-64-64-10, B=64: compute near zero, so its step is all overhead and
 hop latency) trained with ``fit`` on 2x2 (a LocalCluster of 4 worker processes, 1 thread
@@ -66,7 +66,7 @@ def main(argv=None):
     import benchmarks.common as C
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ks", default="1,2,4,8", help="steps_per_program values to compare")
+    p.add_argument("--ks", default="1,4,8,16", help="steps_per_program values to compare")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--json", default=None, help="write the results here too")
