@@ -128,3 +128,28 @@ def test_replayed_programs_show_the_models_keys_in_the_task_stream(client):
     assert names and {uid_of_name(k.removesuffix("-wait")) for k in names} == {model.uid}
     steps = {int(k.removesuffix("-wait").rpartition("-s")[2]) for k in names}
     assert len(steps & set(range(1, 17))) > 8  # the real steps (a template's are 0 to 2)
+
+
+def test_a_template_whose_state_is_elsewhere_is_not_replayed(client):
+    """``_replay`` submits nothing (and the caller builds the graph) when the model's state
+    is not where the template expects it."""
+    import dataclasses
+
+    rng = np.random.default_rng(3)
+    X, y = rng.standard_normal((40, 15)), rng.integers(0, 5, 40)
+    model = Sequential([Dense(6, "relu"), Dense(5)], input_dim=15, seed=3)
+    model.distribute(client, "2x2")
+    try:
+        model.fit(X, y, epochs=2, batch_size=10, optimizer=SGD(lr=0.1), steps_per_program=2)
+        # one whose programs read the weights from the previous programs' results
+        tpl = next(t for t in model._executor.templates.values()
+                   if any(p.sources for p in t.progs))
+        batches = [(X[:10], y[:10], SGD(lr=0.1))] * tpl.k
+        step, w = model._step, list(model._w)
+        renamed = dataclasses.replace(tpl, w0=[n + "x" for n in tpl.w0])
+        assert T._replay(model, renamed, batches) is None
+        model.get_weights()  # every block gets a task of its own: none is held now
+        assert T._replay(model, tpl, batches) is None
+        assert model._step == step and list(model._w) == w
+    finally:
+        model.close()
