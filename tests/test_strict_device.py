@@ -43,9 +43,11 @@ def test_blocks_really_are_strict(client, strict_device):
     m.distribute(client, "2x1")
     try:
         m.fit(np.ones((8, 6)), np.arange(8) % 4, epochs=1, batch_size=4)
+        mine = f"-{m.uid}-"  # this model's blocks: other models' (an earlier test's, on the
+        # shared cluster) may still be on the workers
         kinds = client.run(lambda dask_worker=None: sorted(
             {type(v).__module__.split(".")[0] for k, v in dask_worker.data.items()
-             if isinstance(k, tuple) and ".w-" in str(k[0])}))
+             if isinstance(k, tuple) and ".w-" in str(k[0]) and mine in str(k[0])}))
         used = [k for k in kinds.values() if k]
         assert used and all(k == ["array_api_strict"] for k in used), kinds
         assert all(isinstance(W, np.ndarray) for W, _ in m.get_weights())
