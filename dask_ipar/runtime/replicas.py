@@ -397,10 +397,10 @@ class Replicas(Callback):
                     "where the run had --checkpoint-dir)") from None
             self.say(f"no replacement worker within {self.wait_timeout_s:.0f} s: going on on "
                      f"grid {new.pr}x{new.pc}, the largest the {have} worker(s) left can hold")
-            with self._faults(model, src):
+            with self._faults(model, src, gen):
                 self._regrid(model, gen, src, old_engine, grid, new)
             return gen.step
-        with self._faults(model, src):
+        with self._faults(model, src, gen):
             bind_for_restore(model, client, grid)
             has_v = any(v is not None for shapes in gen.layout for _, v in shapes.values())
             w_names, v_names = model.reserve_state_keys(has_v)
@@ -427,7 +427,7 @@ class Replicas(Callback):
         return gen.step
 
     @contextlib.contextmanager
-    def _faults(self, model, src):
+    def _faults(self, model, src, gen):
         """A recovery's errors: :class:`WorkerLost` where a worker it uses (the new grid's,
         or one holding a copy it restores from) left meanwhile; its own errors as they are
         (not retried as faults)."""
@@ -443,6 +443,10 @@ class Replicas(Callback):
             alive = set(scheduler_workers(model.client))
             used = set(model.binding.workers if model.binding is not None else ())
             used |= {w for f in src.values() for w in _holders(model.client, f)}
+            # where the copies were made: a dead holder's copy is forgotten by the
+            # scheduler (no holder to ask), its restore cancelled for lost dependencies
+            used |= {gen.where[c][0] if f is gen.own[c] else gen.where[c][1]
+                     for c, f in src.items()}
             gone = sorted(w for w in used if w not in alive)
             if gone:
                 raise WorkerLost(gone, "recovery from replicas") from None
