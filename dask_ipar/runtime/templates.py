@@ -93,10 +93,9 @@ class StepTemplate:
 class Submitted:
     """What :func:`submit_template` submitted, in the submission's keys."""
 
-    futures: list  # of ``keys``
+    futures: list  # of the momentum blocks, then of the loss statistics
     left: dict  # new weight key -> future of the program holding it
-    n_state: int  # the first n of ``futures`` are momentum blocks (their keys: ``state``)
-    state: list
+    state: list  # keys of the momentum blocks: the first ``len(state)`` of ``futures``
     w: list
     v: list
 
@@ -265,7 +264,7 @@ def _replay(model, tpl: StepTemplate, batches):
     left = {rk.key(o): pkeys[i] for o, i in tpl.left.items()}
     futs, held = model._executor.run(out.to_hlg(f"step-{model.uid}-s{shift + 1}"), keys,
                                      [pkeys[i] for i in tpl.orphans], left)
-    return Submitted(futs, held, tpl.n_state, keys[: tpl.n_state],
+    return Submitted(futs, held, keys[: tpl.n_state],
                      [rk.name(n) for n in tpl.w], [rk.name(n) for n in tpl.v])
 
 
