@@ -83,6 +83,51 @@ def test_dense_forward(activation):
     np.testing.assert_allclose(out, ref, rtol=1e-14)
 
 
+@pytest.mark.parametrize("activation", ["linear", "relu"])
+def test_dense_forward_sums_products_instead_of_joining_the_weights(activation):
+    """A tall block row (pure batch, Pc > 1) is contracted range by range: the products
+    over the slices' and pieces' common ranges summed, the same values as the joined
+    matmul; a wide batch joins the pieces instead. Shapes alone decide."""
+    w, x = rng.standard_normal((40, 8)), rng.standard_normal((7, 1))
+    z = w[:, :7] @ x + w[:, 7:8]
+    ref = np.maximum(z, 0) if activation == "relu" else z
+    assert K.forward_segments(WB, XB, 7, 40, 1) == [(0, 2), (2, 3), (3, 7)]
+    out = _same_parts(K.dense_forward, (WB, XB, 7, activation), _cols(w) + _rows(x))
+    np.testing.assert_allclose(out, ref, rtol=1e-13)
+    # one slice, several small pieces: joining the pieces copies less than summing writes
+    out = _same_parts(K.dense_forward, (((0, 8),), XB, 7, activation), [w] + _rows(x))
+    np.testing.assert_allclose(out, ref, rtol=1e-13)
+    # a batch as wide as the weights: joining copies less than summing writes
+    xw = rng.standard_normal((7, 50))
+    assert K.forward_segments(WB, XB, 7, 5, 50) is None
+    zw = w[:5, :7] @ xw + w[:5, 7:8]
+    out = _same_parts(K.dense_forward, (WB, XB, 7, "linear"), _cols(w[:5]) + _rows(xw))
+    np.testing.assert_allclose(out, zw, rtol=1e-13)
+    # nothing to join or sum on one slice and one piece
+    assert K.forward_segments(((0, 8),), ((0, 7),), 7, 40, 1) is None
+
+
+def test_dense_kernels_take_misaligned_blocks():
+    """Blocks at odd addresses (as in a received message's buffer) give the same values."""
+    w = rng.standard_normal((40, 8)).astype(np.float32)
+    x = rng.standard_normal((7, 1)).astype(np.float32)
+    assert K.forward_segments(WB, XB, 7, 40, 1) is not None
+
+    def odd(a):  # a copy of ``a`` one byte into a buffer: not aligned for float32
+        buf = np.empty(a.nbytes + 1, np.uint8)
+        out = np.frombuffer(buf.data[1:], dtype=a.dtype).reshape(a.shape)
+        out[...] = a
+        assert not out.flags.aligned
+        return out
+
+    z = K.dense_forward(WB, XB, 7, "linear", *[odd(c) for c in _cols(w)],
+                        *[odd(r) for r in _rows(x)])
+    np.testing.assert_allclose(z, w[:, :7] @ x + w[:, 7:8], rtol=1e-5)
+    dz = rng.standard_normal((40, 3)).astype(np.float32)
+    np.testing.assert_allclose(K.dx_piece(WB, 1, 6, dz, *[odd(c) for c in _cols(w)]),
+                               w[:, 1:6].T @ dz, rtol=1e-5)
+
+
 def test_concat():
     a, b = rng.standard_normal((2, 3)), rng.standard_normal((4, 3))
     np.testing.assert_array_equal(_same(B.concat_rows, a, b), np.vstack([a, b]))
@@ -117,7 +162,7 @@ def test_backward_pieces_and_reductions():
     dz = rng.standard_normal((5, 4))
     x = rng.standard_normal((7, 4))
     xa = np.vstack([x, np.ones((1, 4))])
-    for c0, c1 in [(2, 6), (0, 2), (3, 7)]:
+    for c0, c1 in [(2, 6), (0, 2), (3, 7), (0, 8), (1, 4)]:  # within a slice or across
         np.testing.assert_allclose(_same_parts(K.dx_piece, (WB, c0, c1), [dz] + _cols(w)),
                                    w[:, c0:c1].T @ dz, rtol=1e-13)
     for c0, c1 in [(0, 3), (3, 8), (7, 8), (1, 8)]:

@@ -16,6 +16,8 @@ bytes are the sum of its items'.
 
 from __future__ import annotations
 
+from dask_ipar.kernels.dense import forward_segments
+
 __all__ = ["KERNEL_COSTS", "Parts", "kernel_cost", "numel"]
 
 
@@ -48,10 +50,13 @@ def _dense_forward(wb, xb, n_in, activation, *blocks):
     w, x = blocks[0], blocks[len(wb)]
     out = (w[0], x[1])
     n_cols = wb[-1][1] - wb[0][0]
-    # the gathers end here: joining slices (pieces) copies them, two passes each
-    copies = (2 * w[0] * n_cols if len(wb) > 1 else 0) + (2 * n_in * x[1] if len(xb) > 1 else 0)
+    segments = forward_segments(wb, xb, n_in, w[0], x[1])
+    if segments is None:  # the gathers end here: joining slices (pieces) copies them
+        extra = (2 * w[0] * n_cols if len(wb) > 1 else 0) + (2 * n_in * x[1] if len(xb) > 1 else 0)
+    else:  # one more product per range, added: write it, read it, read and write the sum
+        extra = 4 * out[0] * out[1] * (len(segments) - 1)
     passes = 1 + (3 if n_cols > n_in else 0) + (2 if activation != "linear" else 0)
-    return out, 2.0 * w[0] * n_in * x[1], passes * out[0] * out[1] + copies
+    return out, 2.0 * w[0] * n_in * x[1], passes * out[0] * out[1] + extra
 
 
 def _logits(parts):  # the logits pieces are joined first

@@ -1,5 +1,5 @@
-"""The dense layers' kernels: forward, loss, the pieces of dX and dW, momentum SGD, and the
-images-to-features joins of the first dense layer of a CNN.
+"""The dense layers' kernels: forward, loss, the pieces of dX and dW, momentum SGD (the
+images-to-features kernels of a CNN's first dense layer: :mod:`dask_ipar.kernels.front`).
 
 Every function here is module level (so it pickles by reference) and written
 against the Python array API standard: it takes the array namespace from its
@@ -20,6 +20,7 @@ from dask_ipar.kernels.blocks import concat_rows, sum_pieces, xp_of
 __all__ = [
     "ACTIVATIONS",
     "span",
+    "forward_segments",
     "dense_forward",
     "activation_grad",
     "times_activation_grad_",
@@ -38,11 +39,6 @@ __all__ = [
     "block_reduce",
     "block_sgd_velocity",
     "block_sgd_weight",
-    "dx_sample_piece",
-    "dz_sample_from_pieces",
-    "flatten_gather",
-    "dx_image_piece",
-    "dz_image_from_pieces",
 ]
 
 ACTIVATIONS = ("linear", "relu", "tanh")
@@ -102,15 +98,50 @@ def span(bounds, lo, hi, axis, *parts):
         if a < b:
             pieces.append(part[a - b0:b - b0, :] if axis == 0 else part[:, a - b0:b - b0])
     if len(pieces) == 1:
-        one = pieces[0]
-        # A block that arrived over the network can sit at an odd address in its message
-        # buffer; BLAS then runs far below its speed on it (measured: a 4 MiB-per-row
-        # dW update 3x slower). An aligned copy (in the block's own memory order: a batch
-        # block arrives as a transposed view) costs one pass.
-        if isinstance(one, np.ndarray) and not one.flags.aligned:
-            return one.copy(order="K")
-        return one
+        return _aligned(pieces[0])
     return xp.concat(pieces, axis=axis)
+
+
+def _aligned(one):
+    """``one``, or an aligned copy of it. A block that arrived over the network can sit at
+    an odd address in its message buffer; BLAS then runs far below its speed on it
+    (measured: a 4 MiB-per-row dW update 3x slower). The copy (in the block's own memory
+    order: a batch block arrives as a transposed view) costs one pass."""
+    if isinstance(one, np.ndarray) and not one.flags.aligned:
+        return one.copy(order="K")
+    return one
+
+
+def forward_segments(wb, xb, n_in, rows: int, cols: int):
+    """How :func:`dense_forward` contracts ``W(i, :n_in) @ X(:n_in, j)`` (``rows`` x
+    ``cols`` out) when ``W``'s block row comes as column slices (``wb``) and ``X`` as row
+    pieces (``xb``): None to join them first (one matmul on the joined copies), else the
+    contraction ranges ``(a, b)`` where both are in one part each, whose products are
+    summed, no copy of either.
+
+    Joining copies the slices of the block row (``rows * n_in``, when there are several)
+    and the input pieces (``n_in * cols``); summing writes and adds one output per extra
+    range (``2 * rows * cols`` each). The cheaper one is taken: summing wherever the
+    weights dominate (pure batch and every grid with Pc > 1, whose block rows are
+    gathered over the grid row), joining where the batch is wide against the weights.
+    Shapes alone decide, so the cost model (:mod:`dask_ipar.kernels.costs`) prices
+    what runs.
+    """
+    cuts = sorted({0, n_in} | {c for r in (*wb, *xb) for c in r if 0 < c < n_in})
+    if len(cuts) <= 2:
+        return None
+    join = (rows * n_in if len(wb) > 1 else 0) + (n_in * cols if len(xb) > 1 else 0)
+    if 2 * rows * cols * (len(cuts) - 2) >= join:
+        return None
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _part(bounds, parts, a, b, axis):
+    """The view ``a:b`` along ``axis`` of the one part in ``parts`` holding it."""
+    for (b0, b1), part in zip(bounds, parts):
+        if b0 <= a and b <= b1:
+            return _aligned(part[a - b0:b - b0, :] if axis == 0 else part[:, a - b0:b - b0])
+    raise ValueError(f"no part holds {a}:{b} (parts {bounds})")
 
 
 def dense_forward(wb, xb, n_in, activation, *blocks):
@@ -123,8 +154,21 @@ def dense_forward(wb, xb, n_in, activation, *blocks):
     """
     nw = len(wb)
     w, x = blocks[:nw], blocks[nw:]
-    xfull = span(xb, 0, n_in, 0, *x)
-    z = span(wb, 0, n_in, 1, *w) @ xfull
+    segments = forward_segments(wb, xb, n_in, w[0].shape[0], x[0].shape[1])
+    if segments is None:
+        z = span(wb, 0, n_in, 1, *w) @ span(xb, 0, n_in, 0, *x)
+    else:  # a sum of products over the contraction ranges: no joined copies
+        m = _ufuncs(w[0])
+        z, tmp = None, None
+        for a, b in segments:
+            wa, xa = _part(wb, w, a, b, 1), _part(xb, x, a, b, 0)
+            if z is None:
+                z = wa @ xa
+            elif m is not None:
+                tmp = m.matmul(wa, xa, out=tmp if tmp is not None else m.empty_like(z))
+                z += tmp
+            else:
+                z = z + wa @ xa
     if wb[-1][1] > n_in:
         z += span(wb, n_in, n_in + 1, 1, *w)
     return _activate(z, activation)
@@ -195,8 +239,19 @@ def stack_stats(*stats):
 
 def dx_piece(wb, c0, c1, dz, *w):
     """``W(i, c0:c1)^T dZ(i, j)``: one piece of the dX reduce-scatter (``w``: the column
-    slices of ``W(i, :)``, ``wb`` their ranges)."""
-    return span(wb, c0, c1, 1, *w).T @ dz
+    slices of ``W(i, :)``, ``wb`` their ranges). Where ``c0:c1`` spans several slices,
+    each slice's rows of the result are its own product (written in place on NumPy and
+    CuPy): the slices are never joined."""
+    cuts = [(max(c0, b0), min(c1, b1)) for b0, b1 in wb if max(c0, b0) < min(c1, b1)]
+    if len(cuts) == 1:
+        return _part(wb, w, c0, c1, 1).T @ dz
+    m = _ufuncs(dz)
+    if m is None:
+        return xp_of(dz).concat([_part(wb, w, a, b, 1).T @ dz for a, b in cuts], axis=0)
+    out = m.empty((c1 - c0, dz.shape[1]), dtype=m.result_type(w[0], dz))
+    for a, b in cuts:
+        m.matmul(_part(wb, w, a, b, 1).T, dz, out=out[a - c0:b - c0])
+    return out
 
 
 def dz_from_pieces(a, activation, wb, c0, c1, dz, *rest):
@@ -417,74 +472,3 @@ def block_sgd_weight(wfull, r0, r1, c0, c1, v, lr):
     out = v * (-lr)
     out += wfull[r0:r1, c0:c1]
     return out
-
-
-# ------------------------------------------- images to features and back (Eq. 6)
-
-
-def _as_images(cols, chw):
-    """``(C*H*W, n)`` features back to NCHW images ``(n, C, H, W)``."""
-    xp = xp_of(cols)
-    return xp.permute_dims(xp.reshape(cols, (*chw, cols.shape[1])), (3, 0, 1, 2))
-
-
-def dx_sample_piece(wrow, dz, chw, s0, s1):
-    """``W(i, :)^T dZ(i, s0:s1)``: the input gradient of samples ``s0:s1`` of the column."""
-    c, h, w = chw
-    return _as_images(wrow[:, :c * h * w].T @ dz[:, s0:s1], chw)
-
-
-def _plus_pieces(own, remote):
-    """``own`` (a strided view of a fresh product) plus the remote pieces, contiguous."""
-    for r in remote:
-        own = own + r
-    return xp_of(own).asarray(own, copy=True)
-
-
-def dz_sample_from_pieces(wrow, dz, chw, s0, s1, *remote):
-    """The owner's input-gradient images: its own piece plus those of the other grid rows."""
-    return _plus_pieces(dx_sample_piece(wrow, dz, chw, s0, s1), remote)
-
-
-def flatten_gather(axis, *blocks):
-    """``(C*H*W, b)`` features, in ``(C, H, W)`` order, from blocks of ``b`` images.
-
-    ``blocks`` are NCHW pieces of consecutive rows (``axis`` 2: height strips) or
-    channels (``axis`` 1): the all-gather of the redistribution in front of the first
-    dense layer.
-    """
-    xp = xp_of(blocks[0])
-    x = xp.concat(list(blocks), axis=axis) if len(blocks) > 1 else blocks[0]
-    n = x.shape[0]
-    return xp.asarray(xp.reshape(x, (n, -1)).T, copy=True)
-
-
-def _cols_of_block(wrow, chw, axis, a, b):
-    """The columns of ``wrow`` that read channels (axis 1) or rows (axis 2) ``a:b``."""
-    c, h, w = chw
-    xp = xp_of(wrow)
-    m = wrow.shape[0]
-    if axis == 1:  # channels are contiguous in (C, H, W) order
-        return wrow[:, a * h * w:b * h * w]
-    block = xp.reshape(wrow[:, :c * h * w], (m, c, h, w))[:, :, a:b, :]
-    return xp.reshape(block, (m, c * (b - a) * w))
-
-
-def _as_block(cols, chw, axis, a, b):
-    """``(features of the block, b)`` back to an NCHW block of images."""
-    c, h, w = chw
-    shape = (b - a, h, w) if axis == 1 else (c, b - a, w)
-    xp = xp_of(cols)
-    return xp.permute_dims(xp.reshape(cols, (*shape, cols.shape[1])), (3, 0, 1, 2))
-
-
-def dx_image_piece(wrow, dz, chw, axis, a, b):
-    """``W(i, block)^T dZ(i, j)``: the input gradient of channels or rows ``a:b``."""
-    return _as_block(_cols_of_block(wrow, chw, axis, a, b).T @ dz, chw, axis, a, b)
-
-
-def dz_image_from_pieces(wrow, dz, chw, axis, a, b, *remote):
-    """The owner's input-gradient block: its own piece plus those of the other grid rows."""
-    return _plus_pieces(dx_image_piece(wrow, dz, chw, axis, a, b), remote)
-
-

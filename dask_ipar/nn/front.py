@@ -36,6 +36,7 @@ from dask._task_spec import TaskRef
 from dask_ipar.errors import IparError
 from dask_ipar.kernels import blocks as B
 from dask_ipar.kernels import dense as K
+from dask_ipar.kernels import front as F
 from dask_ipar.layout.partition import split_bounds
 from dask_ipar.nn import collectives as C
 from dask_ipar.nn import conv as D
@@ -143,7 +144,7 @@ class Front:
         # the redistribution (Eq. 6): the strips (or channel or sample blocks) of the last
         # layer's output all-gathered over the column, as (C*H*W, b_j) features
         xg = C.all_gather(g, self.binding, "pr", x_keys, layer=self.flatten,
-                          phase="redistribute", join=K.flatten_gather, lead=(self.out_axis,),
+                          phase="redistribute", join=F.flatten_gather, lead=(self.out_axis,),
                           name=D._name(self.flatten, "xg", token),
                           rename=D._name(self.flatten, "rd", token), always_join=True,
                           words=self._block_words(self.out_shape, self.out_axis, batch))
@@ -178,7 +179,7 @@ class Front:
             return self._sample_grad(g, wrow, dz, token, lay0, batch)
         pieces = C.reduce_scatter(
             g, self.binding, "pr", D._name(lay0.name, "dxp", token),
-            lambda src, dst: (K.dx_image_piece, wrow[src], TaskRef((dz, *src)), chw, axis,
+            lambda src, dst: (F.dx_image_piece, wrow[src], TaskRef((dz, *src)), chw, axis,
                               *self.out_blocks[dst[0]]),
             layer=lay0.name, phase="dx_reduce",
             words=lambda src, dst, w=self._block_words(chw, axis, batch): w(dst))
@@ -187,7 +188,7 @@ class Front:
         for k in range(grid.pr):
             a, b = self.out_blocks[k]
             for j in range(grid.pc):
-                g.add((name, k, j), self.binding.worker(k, j), K.dz_image_from_pieces,
+                g.add((name, k, j), self.binding.worker(k, j), F.dz_image_from_pieces,
                       wrow[(k, j)], TaskRef((dz, k, j)), chw, axis, a, b, *pieces[(k, j)])
                 out[(k, j)] = (name, k, j)
         return out
@@ -199,14 +200,14 @@ class Front:
         c, h, w = self.out_shape
         pieces = C.reduce_scatter(
             g, self.binding, "pr", D._name(lay0.name, "dxp", token),
-            lambda src, dst: (K.dx_sample_piece, wrow[src], TaskRef((dz, *src)), self.out_shape,
+            lambda src, dst: (F.dx_sample_piece, wrow[src], TaskRef((dz, *src)), self.out_shape,
                               *samples[src[1]][dst[0]]),
             layer=lay0.name, phase="dx_reduce",
             words=lambda src, dst: _width(samples[dst[1]][dst[0]]) * c * h * w)
         name = D._name(self.flatten, "dx", token)
         out = {}
         for k, j in grid.cells():
-            g.add((name, k, j), self.binding.worker(k, j), K.dz_sample_from_pieces,
+            g.add((name, k, j), self.binding.worker(k, j), F.dz_sample_from_pieces,
                   wrow[(k, j)], TaskRef((dz, k, j)), self.out_shape, *samples[j][k],
                   *pieces[(k, j)])
             out[(k, j)] = (name, k, j)
