@@ -263,3 +263,22 @@ def test_sgd_update_rewrites_the_momentum_block(in_place):
                        remote)
     assert out is not ro
     np.testing.assert_allclose(out, w - 0.1 * (0.9 * v + g), rtol=1e-13)
+
+
+def test_dense_forward_cost_prices_the_path_taken():
+    """The cost model charges what the kernel does: the added products where it sums them
+    (a tall block row in two slices), the joined copies where it joins (a wide batch)."""
+    from dask_ipar.kernels.costs import kernel_cost
+
+    def shape(a):
+        return a.shape if isinstance(a, np.ndarray) else None
+
+    wb, xb = ((0, 2048), (2048, 4097)), ((0, 4096),)
+    w = [np.zeros((4096, 2048), np.float32), np.zeros((4096, 2049), np.float32)]
+    passes = 1 + 3 + 2  # written, the bias added, the ReLU
+    for b, extra in [(8, 4 * 4096 * 8), (8192, 2 * 4096 * 4097)]:
+        x = np.zeros((4096, b), np.float32)
+        out, flops, mem = kernel_cost(K.dense_forward, (wb, xb, 4096, "relu", *w, x), shape, 4)
+        assert out == (4096, b) and flops == 2.0 * 4096 * 4096 * b
+        assert mem == 4 * (passes * 4096 * b + extra)
+        assert (K.forward_segments(wb, xb, 4096, 4096, b) is None) == (b == 8192)
