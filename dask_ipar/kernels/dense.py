@@ -158,15 +158,14 @@ def dense_forward(wb, xb, n_in, activation, *blocks):
     if segments is None:
         z = span(wb, 0, n_in, 1, *w) @ span(xb, 0, n_in, 0, *x)
     else:  # a sum of products over the contraction ranges: no joined copies
-        m = _ufuncs(w[0])
-        z, tmp = None, None
-        for a, b in segments:
+        (a, b), rest = segments[0], segments[1:]
+        z = _part(wb, w, a, b, 1) @ _part(xb, x, a, b, 0)
+        m = _ufuncs(z)
+        tmp = m.empty_like(z) if m is not None else None
+        for a, b in rest:
             wa, xa = _part(wb, w, a, b, 1), _part(xb, x, a, b, 0)
-            if z is None:
-                z = wa @ xa
-            elif m is not None:
-                tmp = m.matmul(wa, xa, out=tmp if tmp is not None else m.empty_like(z))
-                z += tmp
+            if m is not None:
+                z += m.matmul(wa, xa, out=tmp)
             else:
                 z = z + wa @ xa
     if wb[-1][1] > n_in:
