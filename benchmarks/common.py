@@ -576,11 +576,12 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
 # -------------------------------------------------------------- timed dask steps
 def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 1,
                    memory: bool = False, pids=None, profile: bool = True,
-                   executor: str = "graph", layers=None) -> dict:
+                   executor: str = "graph", layers=None, more: bool = True) -> dict:
     """Median step time of dask-ipar on ``grid`` (train_step + gather), with the
     per-step overhead profile and (optionally) peak RSS per worker. ``executor``:
     ``Sequential.executor`` of the steps; ``layers``: the model's layers (a CNN's with the
-    planner's conv schemes), else ``cfg``'s."""
+    planner's conv schemes), else ``cfg``'s; ``more``: every step but the last says
+    another follows (``train_step(more=True)``, as ``fit`` within an epoch)."""
     from distributed import wait
 
     from dask_ipar import SGD
@@ -596,7 +597,7 @@ def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 
         model.executor = executor
         for k in range(warmup):
             Xb, yb = batches[k % 2]
-            r0 = client.gather(model.train_step(Xb, yb, opt))
+            r0 = client.gather(model.train_step(Xb, yb, opt, more=more))
             if k == 0:
                 out["first_loss"] = float(np.sum(r0, axis=0)[0]) / cfg.batch
         # the warm-up's backward and update run on after its loss statistics came back:
@@ -607,13 +608,13 @@ def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 
             client.run(_worker_reset_peak)
         # one more step, untimed: a timed interval then always holds the rest of the step
         # before it (see the method notes), as in steady state
-        client.gather(model.train_step(*batches[warmup % 2], opt))
+        client.gather(model.train_step(*batches[warmup % 2], opt, more=more))
         ts, submit, sched = [], [], []
         for k in range(steps):
             Xb, yb = batches[k % 2]
             c0 = client.run_on_scheduler(_sched_cpu)
             t0 = time.perf_counter()
-            futs = model.train_step(Xb, yb, opt)
+            futs = model.train_step(Xb, yb, opt, more=more and k < steps - 1)
             t1 = time.perf_counter()
             res = client.gather(futs)
             t2 = time.perf_counter()

@@ -257,9 +257,10 @@ class Sequential:
         name = f"{self.uid}-s{self._next_step()}" if self.block_module else ""
         return self._store.fetch(keys, futures, name)
 
-    def _submit(self, graph, name, keys, step=None, first=(), leave=()):
+    def _submit(self, graph, name, keys, step=None, first=(), leave=(), ahead=None):
         """Submit ``graph`` with the model's executor (:meth:`GraphExecutor.submit`); a
-        training step (``step``) may run as worker programs, reading the blocks held in them."""
+        training step (``step``) may run as worker programs, reading the blocks held in them
+        (``ahead``: :meth:`dask_ipar.runtime.executors.ProgramExecutor.submit`)."""
         ex = self._executor
         if step is not None and (ex is None or ex.name != self.executor or
                                  ex.client is not self.client):
@@ -275,11 +276,14 @@ class Sequential:
         ex.program_timeout_s = self.program_timeout_s
         if step is None or not ex.leaves_in_programs:
             self._store.materialize()  # other graphs read the blocks' own tasks
-        return ex.submit(graph, name, keys, step, first, self._store.held_key, leave)
+        return ex.submit(graph, name, keys, step, first, self._store.held_key, leave,
+                         ahead=ahead, sent=self._store.sent_to)
 
     def abort_programs(self, reason: str) -> None:
         """Make this model's worker programs that are waiting for blocks fail now with
         ``reason`` (called when a grid worker has left; nothing when none ever ran)."""
+        if self._store is not None:
+            self._store.forget_sent()  # the mailboxes drop the blocks pushed ahead
         if self._programs_on is not None:
             abort_programs(self._programs_on, self.uid, reason, upto=(self._step, self._cuts))
 
@@ -294,9 +298,11 @@ class Sequential:
     def _check_batch(self, batch_size, n):
         return check_batch(self.engine, self.binding.grid, batch_size, n)
 
-    def train_step(self, Xb, yb, optimizer: SGD):
-        """Submit one SGD step on a prepared batch; returns the loss-statistics futures."""
-        return submit_step(self, Xb, yb, optimizer)
+    def train_step(self, Xb, yb, optimizer: SGD, *, more: bool = False):
+        """Submit one SGD step on a prepared batch; returns the loss-statistics futures.
+        ``more=True``: another step follows, its weights go ahead to their readers
+        (:func:`dask_ipar.runtime.steps.submit_steps`; not on a loop's last step)."""
+        return submit_step(self, Xb, yb, optimizer, more=more)
 
     def fit(self, X, y, *, epochs: int = 1, batch_size: int = 32, optimizer: SGD | None = None,
             shuffle: bool = True, seed: int | None = None, progress=False, max_inflight: int = 2,
@@ -348,15 +354,13 @@ class Sequential:
     def _require_bound(self):
         """Raise a clear error unless the model is on a cluster with its state intact."""
         if self._closed:
-            raise IparError(
-                "this model was closed (model.close()): its weights and momentum were released "
-                "from the cluster and are gone. Save a checkpoint or call get_weights() before "
-                "closing; to go on, build a new model and load a checkpoint into it."
-            )
+            raise IparError("this model was closed (model.close()): its weights and momentum were "
+                            "released from the cluster and are gone. Save a checkpoint or call "
+                            "get_weights() before closing; to go on, build a new model and load "
+                            "a checkpoint into it.")
         if self.binding is None:
-            raise IparError(
-                "the model is not on a cluster yet: call model.distribute(client, grid) first."
-            )
+            raise IparError("the model is not on a cluster yet: call "
+                            "model.distribute(client, grid) first.")
         self._store.require_intact()
 
     # ----------------------------------------------------------- inference
@@ -376,10 +380,8 @@ class Sequential:
         return inference.evaluate(self, X, y, batch_size)
 
     def gradients(self, X, y):
-        """Loss, accuracy and gradients ``[(dW, db), ...]`` of the mean loss over all of ``X``.
-
-        Computed on the grid exactly as a training step does, without the update.
-        """
+        """Loss, accuracy and gradients ``[(dW, db), ...]`` of the mean loss over all of ``X``,
+        computed on the grid exactly as a training step does, without the update."""
         return inference.gradients(self, X, y)
 
     # -------------------------------------------------------------- weights
@@ -388,11 +390,8 @@ class Sequential:
 
     def weight_arrays(self):
         """The master weights as dask arrays (``d_out x (d_in + bias)``), block (i, j) on
-        cell (i, j).
-
-        Computing one gathers it to the client. The next training step rewrites the
-        weight blocks in place: compute (or copy) the arrays before submitting it.
-        """
+        cell (i, j). Computing one gathers it to the client. The next training step rewrites
+        the weight blocks in place: compute (or copy) the arrays before submitting it."""
         self._require()
         return weight_arrays(self.engine, self._w, self._futures, self.dtype, self.block_module)
 

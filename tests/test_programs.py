@@ -70,7 +70,7 @@ def test_compiled_graph_has_one_task_per_worker_and_output(client):
         g, new_w, _, stats = model.engine.train_step(x, y, 8, model._w, model._v, 99, 0.1,
                                                      0.9, 0.0, g=g)
         outputs = [(n, i, j) for n in new_w for i, j in model.grid.cells()] + stats
-        hlg, progs, orphans, _ = compile_programs(g, outputs, model._locate, "t", "x-s99")
+        hlg, progs, orphans, _, _ = compile_programs(g, outputs, model._locate, "t", "x-s99")
         assert orphans == []
         dsk = dict(hlg)
         assert len(progs) == 4
@@ -81,7 +81,7 @@ def test_compiled_graph_has_one_task_per_worker_and_output(client):
             for d in dsk[p].dependencies:
                 assert model._locate(d) == place[p]
         # one program per worker and phase: the loss statistics come from the first
-        hlg, progs, _, _ = compile_programs(g, outputs, model._locate, "t", "x-s99", first=stats)
+        hlg, progs, _, _, _ = compile_programs(g, outputs, model._locate, "t", "x-s99", first=stats)
         dsk = dict(hlg)
         assert sorted(k[0].split("-")[0] for k in progs) == ["step.run0"] * 4 + ["step.run1"] * 4
         assert len(dsk) == 8 + len(outputs)

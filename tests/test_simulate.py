@@ -228,3 +228,45 @@ def test_rank_grids_picks_conv_schemes_the_engine_runs():
         if c.grid.pr == 4:
             assert conv.parallel != "model"
     assert all(a.seconds <= b.seconds for a, b in zip(ranked, ranked[1:]))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("grid,overlaps", [("1x2", True), ("1x4", True), ("2x2", False)])
+def test_a_step_within_a_run_overlaps_the_next_all_gather_with_the_backward(grid, overlaps):
+    """Worker programs push each new weight block to its readers as soon as it exists
+    (``train_step(more=True)``, ``fit`` within an epoch), so a step within a run, what the
+    programs' step model returns (two steps' makespan less one's), is no shorter than its
+    busiest link's sends or its cores' work, and on pure batch, where the all-gather and
+    the reduce-scatter are of the whole weights, shorter than a step alone (its links idle
+    while it computes); two steps move twice one step's bytes."""
+    from dask_ipar import Dense, Sequential
+    from dask_ipar.cost import simulate_programs
+    from dask_ipar.runtime.stepmodel import simulate_engine, step_tasks
+    from dask_ipar.testing import fake_binding
+
+    model = Sequential([Dense(512, "relu"), Dense(512, "relu"), Dense(10)], input_dim=512)
+    engine = model._make_engine(fake_binding(grid))
+    names = [f"w{k}" for k in range(len(engine.param_layouts))]
+    # links and cores about equally busy: the overlap is worth most
+    m = Machine(alpha_s=1e-3, bandwidth_Bps=5e8, word_bytes=4, flops_per_s=2e10,
+                message_s=1e-4)
+    kw = dict(flops_per_s=m.flops_per_s, mem_Bps=5e9, bandwidth_Bps=m.bandwidth_Bps,
+              latency_s=m.message_s)
+    runs = {}
+    for steps in (1, 2):
+        tasks, available = step_tasks(engine, names, 32, (512,), "float32", SGD(0.1, 0.9),
+                                      steps=steps)
+        runs[steps] = (simulate_programs(tasks, available=available, **kw), tasks)
+    (one, tasks1), (two, _) = runs[1], runs[2]
+    assert two.transfer_bytes == 2 * one.transfer_bytes > 0
+    step = simulate_engine(engine, names, 32, (512,), "float32", m, None, SGD(0.1, 0.9),
+                           "programs").seconds
+    assert step == pytest.approx(two.seconds - one.seconds)
+    workers = {t.worker for t in tasks1}
+    sent = one.transfer_bytes / len(workers)  # every worker sends alike on these grids
+    compute = max(one.compute_s.values())
+    assert step >= max(sent / m.bandwidth_Bps, compute) * 0.999, (step, sent, compute)
+    if overlaps:
+        assert step < 0.97 * one.seconds, (step, one.seconds)
+    else:
+        assert step <= 1.05 * one.seconds, (step, one.seconds)

@@ -11,7 +11,7 @@ program's result. What the programs do and why is the module docstring of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dask._task_spec import TaskRef
 
@@ -19,7 +19,7 @@ from dask_ipar.errors import IparError
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.programs import DEFAULT_TIMEOUT_S, Program, pick, run_program, step_of
 
-__all__ = ["Plan", "compile_programs", "plan_programs", "pack_program"]
+__all__ = ["Plan", "compile_programs", "plan_programs", "pack_program", "ahead_pairs"]
 
 
 def _order(dsk: dict) -> list:
@@ -58,7 +58,8 @@ def _ancestors(dsk: dict, keys) -> set:
 
 
 def compile_programs(g, outputs, locate, name: str, tag: str,
-                     timeout_s: float = DEFAULT_TIMEOUT_S, first=(), held=None, leave=()):
+                     timeout_s: float = DEFAULT_TIMEOUT_S, first=(), held=None, leave=(),
+                     ahead=None, sent=None):
     """The step graph ``g`` as program tasks per worker plus one task per output key.
 
     ``outputs``: keys the caller wants futures of (returned under the same keys);
@@ -69,12 +70,18 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
     ``first`` is ready while the rest of the step runs. ``leave``: keys of ``g`` left in
     their program's result without a task of their own (the model's new weights: a later
     step's program takes them from there); ``held(key)``: the key of an earlier program
-    whose result holds an existing key, or None (the key is a task's output). Returns
-    ``(HighLevelGraph, program_keys, orphans, left)``: ``orphans`` are programs that no
-    output depends on (they only send; request them too, or dask never runs them),
-    ``left`` maps each key of ``leave`` to the program holding it (request those too).
+    whose result holds an existing key, or None (the key is a task's output). ``ahead``
+    (``{key of leave: key of g}``): push each such key, as soon as it exists, to the workers
+    that read the other key in ``g`` (the new weights to the workers that read the old ones:
+    the next step's all-gather starts as each new slice exists); ``sent(key)``: the workers
+    an existing key was pushed to ahead by an earlier program (not sent again). Returns
+    ``(HighLevelGraph, program_keys, orphans, left, pushed)``: ``orphans`` are programs
+    that no output depends on (they only send; request them too, or dask never runs them),
+    ``left`` maps each key of ``leave`` to the program holding it (request those too),
+    ``pushed`` each key of ``ahead`` to the workers it goes to.
     """
-    plan = plan_programs(g, outputs, locate, tag, timeout_s, first, held, leave)
+    plan = plan_programs(g, outputs, locate, tag, timeout_s, first, held, leave,
+                         ahead=ahead, sent=sent)
     out = StepGraph()
     for prog, holders in zip(plan.programs, plan.holders):
         if prog.key in plan.prev:  # a second phase: the first's result
@@ -84,7 +91,7 @@ def compile_programs(g, outputs, locate, name: str, tag: str,
         out.add(prog.key, prog.worker, run_program, pack_program(prog), *args)
     for k in outputs:
         out.add(k, g.place[k], pick, TaskRef(plan.owner[k]), k)
-    return out.to_hlg(name), [p.key for p in plan.programs], plan.orphans, plan.left
+    return out.to_hlg(name), [p.key for p in plan.programs], plan.orphans, plan.left, plan.ahead
 
 
 @dataclass
@@ -93,8 +100,8 @@ class Plan:
     their dask keys), per program the keys of the earlier programs holding its ``sources``
     (one per group), which program makes each output, which program a second-phase
     program continues (``prev``: its key -> index of the first), the programs no output
-    depends on (``orphans``), and the program holding each key left in results
-    (``left``)."""
+    depends on (``orphans``), the program holding each key left in results
+    (``left``), and the workers each key of ``ahead`` is pushed to (``ahead``)."""
 
     programs: list
     holders: list
@@ -102,10 +109,11 @@ class Plan:
     prev: dict
     orphans: list
     left: dict
+    ahead: dict = field(default_factory=dict)
 
 
 def plan_programs(g, outputs, locate, tag: str, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  first=(), held=None, leave=(), given=()) -> Plan:
+                  first=(), held=None, leave=(), given=(), ahead=None, sent=None) -> Plan:
     """The programs of :func:`compile_programs` before they become dask tasks. ``given``:
     keys that ``g`` reads but that come with the program itself (a replayed template's
     batch blocks, :mod:`dask_ipar.runtime.templates`): not dask arguments."""
@@ -122,6 +130,7 @@ def plan_programs(g, outputs, locate, tag: str, timeout_s: float = DEFAULT_TIMEO
     needs: dict = {}  # (worker, key) -> phases of that worker reading key
     uses: dict = {}  # (worker, phase) -> {key: readers}
     reader_step: dict = {}  # sent key -> the earliest step of a task reading it elsewhere
+    readers: dict = {}  # key -> workers with a task reading it
     steps = {k: step_of(k) for k in order}
     stepped = min(steps.values(), default=0) >= 0  # every task's key names its step
     for key in order:
@@ -136,7 +145,8 @@ def plan_programs(g, outputs, locate, tag: str, timeout_s: float = DEFAULT_TIMEO
                     external[d] = locate(d)
                 src, sp = external[d], 0  # an existing block: the first program holds it
             needs.setdefault((w, d), set()).add(p)
-            if src != w:
+            readers.setdefault(d, set()).add(w)
+            if src != w and (sent is None or d in g.dsk or w not in sent(d)):
                 dests = sends.setdefault((src, sp), {}).setdefault(d, [])
                 if w not in dests:
                     dests.append(w)
@@ -145,6 +155,14 @@ def plan_programs(g, outputs, locate, tag: str, timeout_s: float = DEFAULT_TIMEO
             # by the first program (a block the first made, received or held)
             uses.setdefault((w, p), {}).setdefault(d, 0)
             uses[(w, p)][d] += 1
+    pushed: dict = {}  # key of ``ahead`` -> the workers it goes to (for a later step)
+    for new, old in (ahead or {}).items():
+        src = where[new]
+        dests = sorted(readers.get(old, set()) - {src})
+        if dests:
+            sends.setdefault((src, phase[new]), {})[new] = dests
+            reader_step[new] = steps[new] + 1  # read by the next submission's step
+            pushed[new] = tuple(dests)
     remote: dict = {}  # (worker, phase) -> {key: sender}
     carry: dict = {}  # worker -> keys the first program leaves for the second
     for (w, d), phases in needs.items():
@@ -155,7 +173,7 @@ def plan_programs(g, outputs, locate, tag: str, timeout_s: float = DEFAULT_TIMEO
         if 1 in phases and origin == 0:
             carry.setdefault(w, set()).add(d)
     workers = sorted(set(where.values()) | {w for w, _ in sends})
-    plan = Plan([], [], {}, {}, [], {})
+    plan = Plan([], [], {}, {}, [], {}, pushed)
     for n, w in enumerate(workers):
         inputs, gift, sources = [], [], {}  # program key -> keys of its result
         for d in sorted({d for d, src in external.items() if src == w}, key=str):
@@ -213,3 +231,11 @@ def pack_program(prog: Program) -> bytes:
     from distributed.protocol.pickle import dumps
 
     return dumps(prog, protocol=5)
+
+
+def ahead_pairs(w_last, w_new, cells) -> dict:
+    """``{new weight block: the block it replaces}`` of a submission's last step (names
+    ``w_last`` before it, ``w_new`` after, per layer): the new blocks go to the workers
+    that read the old ones (:func:`dask_ipar.runtime.steps.submit_steps` ``ahead``)."""
+    return {(new, i, j): (old, i, j) for old, new in zip(w_last, w_new)
+            if old is not None and new is not None for i, j in cells}

@@ -42,16 +42,21 @@ class GraphExecutor:
         self.program_timeout_s = program_timeout_s
         self._roots: deque = deque(maxlen=4)
 
-    def submit(self, graph, name: str, keys, step=None, first=(), held=None, leave=()):
+    def submit(self, graph, name: str, keys, step=None, first=(), held=None, leave=(),
+               ahead=None, sent=None):
         """Submit ``graph``; futures of ``keys``. The graph's roots (prefetch tasks) are
         computed too, their futures held until four submissions later. With ``leave``
-        (keys the caller keeps as state): ``(futures of keys, {key: its future})``."""
+        (keys the caller keeps as state): ``(futures of keys, {key: its future})``.
+        ``ahead`` and ``sent`` are the programs' (:class:`ProgramExecutor`): nothing is
+        pushed here, dask's workers fetch what their tasks read."""
         leave = list(leave)
         futs = self.client.get(graph.to_hlg(name), list(keys) + leave + graph.roots,
                                sync=False)
         n, m = len(keys), len(keys) + len(leave)
         if graph.roots:
             self._roots.append(futs[m:])
+        if ahead is not None:
+            return futs[:n], dict(zip(leave, futs[n:m])), {}
         return (futs[:n], dict(zip(leave, futs[n:m]))) if leave else futs[:n]
 
     def clear(self) -> None:
@@ -72,22 +77,29 @@ class ProgramExecutor(GraphExecutor):
         #: step templates by signature (:mod:`dask_ipar.runtime.templates`), newest last
         self.templates: OrderedDict = OrderedDict()
 
-    def submit(self, graph, name: str, keys, step=None, first=(), held=None, leave=()):
+    def submit(self, graph, name: str, keys, step=None, first=(), held=None, leave=(),
+               ahead=None, sent=None):
         """With ``step``: per worker one program for what ``first`` needs (the forward pass
         and the loss statistics) and one for the rest of the step (the prefetches happen
         inside them); ``leave`` keys stay in their program's result (no task of their own:
         ``(futures of keys, {key: future of the program holding it})``), and blocks
-        ``held(key)`` names a program for are taken from that program's result
-        (:func:`~dask_ipar.runtime.compiler.compile_programs`); otherwise as
+        ``held(key)`` names a program for are taken from that program's result; keys of
+        ``ahead`` are pushed for the next step as soon as they exist, existing keys already
+        pushed (``sent``) are not sent again
+        (:func:`~dask_ipar.runtime.compiler.compile_programs`; with ``ahead``, the workers
+        each key went to come third: ``(futures, by key, pushed)``); otherwise as
         :meth:`GraphExecutor.submit`."""
         if step is None:
             return super().submit(graph, name, keys, leave=leave)
         from dask_ipar.runtime.compiler import compile_programs
 
-        hlg, _, orphans, left = compile_programs(
+        hlg, _, orphans, left, pushed = compile_programs(
             graph, list(keys), self.locate, name, f"{self.uid}-s{step}",
-            self.program_timeout_s, first, held=held, leave=list(leave))
+            self.program_timeout_s, first, held=held, leave=list(leave), ahead=ahead,
+            sent=sent)
         futs, by_key = self.run(hlg, keys, orphans, left)
+        if ahead is not None:
+            return futs, by_key, pushed
         return (futs, by_key) if leave else futs
 
     def run(self, hlg, keys, orphans, left):

@@ -357,7 +357,10 @@ class TrainLoop:
             first = self._submitted
             s = self._chunk_end(first)  # the submission's last step, 1-based
             batches = [(*self.batch(k), self.optimizer.at_step(k)) for k in range(first, s)]
-            for k, futs in enumerate(submit_steps(self.model, batches)):
+            # the next submission reads the new weights where they were pushed ahead:
+            # within the epoch (an epoch's end may stop the run) and the run
+            more = s < self.total_steps and s % spe != 0
+            for k, futs in enumerate(submit_steps(self.model, batches, ahead=more)):
                 self._pending.append((first + k + 1, batches[k][0].shape[0], futs,
                                       batches[k][2].lr))
             self._sizes.append(len(batches))

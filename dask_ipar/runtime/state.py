@@ -58,6 +58,9 @@ class BlockStore:
         self.abort = abort
         self._futures: dict = {}  # (name, i, j) -> future of the block
         self._held: dict = {}  # (name, i, j) -> future of the program whose result holds it
+        #: (name, i, j) -> the workers its program pushed it to for the next step's programs
+        #: (in their mailboxes: not sent again, :meth:`sent_to`)
+        self._sent: dict = {}
         self.w: list[str] | None = None
         self.v: list[str | None] | None = None
         self._liveness_s = liveness_s
@@ -91,15 +94,30 @@ class BlockStore:
         for k, f in zip(keys, futures):
             self._futures[k] = f
             self._held.pop(k, None)
+            self._sent.pop(k, None)
 
-    def hold(self, programs: dict):
+    def hold(self, programs: dict, sent=None):
         """Keep blocks ``{(name, i, j): future of the program holding it in its result}``
         without a task of their own: a later training step's programs read them there
         (:meth:`held_key`), anything else gets their tasks first (:meth:`materialize`).
-        Saves the scheduler one task per block and step."""
+        Saves the scheduler one task per block and step. ``sent``: ``{(name, i, j):
+        workers}`` the programs push those blocks to for the next step (:meth:`sent_to`)."""
         for k, f in programs.items():
             self._held[k] = f
             self._futures.pop(k, None)
+            self._sent.pop(k, None)
+        self._sent.update(sent or {})
+
+    def sent_to(self, key) -> tuple:
+        """The workers whose mailboxes block ``key`` was pushed to ahead, for the next
+        step's programs (:func:`~dask_ipar.runtime.compiler.compile_programs` ``ahead``):
+        they read it there; empty when none."""
+        return self._sent.get(key, ())
+
+    def forget_sent(self) -> None:
+        """The blocks pushed ahead are gone (an abort of the model's programs empties its
+        mailboxes): the next programs send them again."""
+        self._sent.clear()
 
     def held_key(self, key):
         """The key of the program whose result holds block ``key``, or None."""
@@ -126,7 +144,7 @@ class BlockStore:
         if not names:
             return
         names = set(n for n in names if n is not None)
-        for store in (self._futures, self._held):
+        for store in (self._futures, self._held, self._sent):
             for k in [k for k in store if k[0] in names]:
                 del store[k]
 
@@ -146,6 +164,7 @@ class BlockStore:
     def clear(self):
         self._futures.clear()
         self._held.clear()
+        self._sent.clear()
         self.w = self.v = None
 
     # ------------------------------------------------------------- placing

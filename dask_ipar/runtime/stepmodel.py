@@ -30,9 +30,10 @@ __all__ = ["predict_step_s", "step_tasks", "simulate_engine", "ELEMENTWISE_BPS"]
 ELEMENTWISE_BPS = 5e9
 
 
-def step_tasks(engine, w_names, batch: int, input_shape, dtype, optimizer):
-    """The tasks of one training step of ``engine`` as the simulator takes them:
-    ``(tasks, available)`` (:func:`dask_ipar.nn.graph.sim_tasks`).
+def step_tasks(engine, w_names, batch: int, input_shape, dtype, optimizer, steps: int = 1):
+    """The tasks of ``steps`` consecutive training steps of ``engine`` (each step's new
+    weights feeding the next) as the simulator takes them: ``(tasks, available)``
+    (:func:`dask_ipar.nn.graph.sim_tasks`).
 
     ``w_names``: the model's weight names (one per layer with weights, convs first);
     ``input_shape``: ``(C, H, W)`` of a CNN's images or ``(features,)``.
@@ -47,17 +48,19 @@ def step_tasks(engine, w_names, batch: int, input_shape, dtype, optimizer):
     # image strips); zeros: only their shapes matter
     blocks, _ = placement_blocks(engine, np.zeros((batch, *input_shape), dtype), "sim.x",
                                  bounds)
-    x_keys, y_keys = {}, {}
-    for i, j in grid.cells():
-        b = bounds[j][1] - bounds[j][0]
-        w = engine.binding.worker(i, j)
-        x_keys[(i, j)] = g.add_data(("sim.x", i, j), w, blocks[("sim.x", i, j)])
-        y_keys[(i, j)] = g.add_data(("sim.y", i, j), w, np.zeros(b, np.int64))
     v_names = [f"sim.v{k}" for k in range(len(w_names))]
     opt = optimizer
-    g, _, _, _ = engine.train_step(x_keys, y_keys, batch, list(w_names), v_names, 0, opt.lr,
-                                   getattr(opt, "momentum", 0.0), opt.weight_decay, g=g,
-                                   optimizer=opt, t=2)
+    w, v = list(w_names), v_names
+    for step in range(steps):
+        x_keys, y_keys = {}, {}
+        for i, j in grid.cells():
+            b = bounds[j][1] - bounds[j][0]
+            at = engine.binding.worker(i, j)
+            x_keys[(i, j)] = g.add_data((f"sim.x{step}", i, j), at, blocks[("sim.x", i, j)])
+            y_keys[(i, j)] = g.add_data((f"sim.y{step}", i, j), at, np.zeros(b, np.int64))
+        g, w, v, _ = engine.train_step(x_keys, y_keys, batch, w, v, step, opt.lr,
+                                       getattr(opt, "momentum", 0.0), opt.weight_decay, g=g,
+                                       optimizer=opt, t=2 + step)
     lead = (2,) if opt.name in ("adam", "adamw") else ()  # Adam's state: two moments
     external = {}
     for lay, wn, vn in zip(engine.param_layouts, w_names, v_names):
@@ -108,11 +111,25 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         shared = 1.0
         if machine.cluster_flops_per_s and busy > 1:
             shared = min(1.0, machine.cluster_flops_per_s / (busy * machine.flops_per_s))
-        r = simulate_programs(tasks, flops_per_s=machine.flops_per_s, mem_Bps=ELEMENTWISE_BPS,
-                              bandwidth_Bps=machine.bandwidth_Bps,
-                              latency_s=(machine.message_s if machine.message_s is not None
-                                         else machine.alpha_s),
-                              cores=cores, available=available, shared=shared)
+
+        def run(tasks, available):
+            return simulate_programs(
+                tasks, flops_per_s=machine.flops_per_s, mem_Bps=ELEMENTWISE_BPS,
+                bandwidth_Bps=machine.bandwidth_Bps,
+                latency_s=(machine.message_s if machine.message_s is not None
+                           else machine.alpha_s),
+                cores=cores, available=available, shared=shared)
+
+        one = run(tasks, available)
+        # a step within a run: its weights went to their readers as each new slice of the
+        # step before existed (``train_step(more=True)``, ``fit`` within an epoch, several
+        # steps per program), so its all-gather overlaps that step's backward: two steps'
+        # makespan less one step's
+        two = run(*step_tasks(engine, w_names, batch, input_shape, dtype, optimizer, steps=2))
+        r = dataclasses.replace(
+            two, seconds=two.seconds - one.seconds, latency_s=two.seconds - one.seconds,
+            transfer_bytes=two.transfer_bytes - one.transfer_bytes,
+            compute_s={w: s - one.compute_s.get(w, 0.0) for w, s in two.compute_s.items()})
         # the step's submission and results: one round trip outside the programs
         return dataclasses.replace(r, seconds=r.seconds + (machine.round_s or 0.0))
     return simulate_step(tasks, flops_per_s=machine.flops_per_s,

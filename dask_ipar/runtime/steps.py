@@ -14,6 +14,7 @@ from __future__ import annotations
 from dask_ipar.errors import IparError
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.collector import collector_paused
+from dask_ipar.runtime.compiler import ahead_pairs
 from dask_ipar.runtime.exchange import KEEP_STEPS
 
 __all__ = ["submit_steps", "SubmissionLosses", "StepLosses",
@@ -66,7 +67,7 @@ def auto_steps_per_program(model, batch: int, optimizer) -> int:
     return max(1, min(MAX_STEPS_PER_PROGRAM, int(AUTO_SUBMISSION_S / max(step_s, 1e-9))))
 
 
-def submit_steps(model, batches):
+def submit_steps(model, batches, ahead: bool = False):
     """Submit consecutive SGD steps of ``model``, one ``(Xb, yb, optimizer)`` each (the
     optimizer at that step), as one graph: each step's weights feed the next inside it, so
     the executor runs them all in one submission (with ``"programs"``: one program per
@@ -79,6 +80,14 @@ def submit_steps(model, batches):
     state's task history is cut first
     (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`).
 
+    ``ahead``: another training step follows this submission (the caller knows), so with
+    worker programs each new weight block goes to the workers that read its layer as soon
+    as it exists, and the next step's all-gather overlaps this step's backward instead of
+    starting with the next program (:func:`~dask_ipar.runtime.compiler.compile_programs`
+    ``ahead``; not before a lineage cut, which renames the blocks). A block pushed ahead
+    that no step reads is moved for nothing: the bytes stay those of the cost model only
+    when a step does follow.
+
     Python's cycle collector is paused while the graph is built, its batches scattered
     and the graph submitted (:func:`~dask_ipar.runtime.collector.collector_paused`)."""
     model._require()
@@ -88,25 +97,30 @@ def submit_steps(model, batches):
         model._since_cut = 0
         model._store.cut_lineage(model._step)
     model._since_cut += len(batches)
+    if model.lineage_steps is not None and model._since_cut >= model.lineage_steps:
+        ahead = False  # the next submission renames the blocks first
     with collector_paused():
-        return _build_and_submit(model, batches)
+        return _build_and_submit(model, batches, ahead)
 
 
-def _build_and_submit(model, batches):
+def _build_and_submit(model, batches, ahead=False):
     from dask_ipar.runtime.placement import scatter_each
     from dask_ipar.runtime.templates import submit_template
 
-    done = submit_template(model, batches, _bundle_stats)
+    done = submit_template(model, batches, _bundle_stats, ahead)
     if done is not None:  # an earlier submission's programs, replayed
-        return _submitted(model, batches, done.futures, done.left, done.state, done.w, done.v)
+        return _submitted(model, batches, done.futures, done.left, done.state, done.w, done.v,
+                          done.pushed)
     store = model._store
     g = StepGraph()
     w, v = model._w, model._v
     _, t = store.opt
     first = model._step + 1
     stats, pending = [], {}
+    w_last = w
     for Xb, yb, optimizer in batches:
         step = model._next_step()
+        w_last = w  # the weights the last step reads
         x_keys, y_keys, _ = model._place_batch(Xb, yb, step, g, pending)
         g, w_new, v_new, st = model.engine.train_step(
             x_keys, y_keys, Xb.shape[0], w, v, step, optimizer.lr,
@@ -125,23 +139,26 @@ def _build_and_submit(model, batches):
     keys = [(n, i, j) for n in fresh_v for i, j in cells]
     data = scatter_each(model.client, pending) if pending else {}  # held until submitted
     flat = _bundle_stats(g, model.engine, stats, step) if len(batches) > 1 else stats[0]
-    futs, left = model._submit(g, f"step-{model.uid}-s{first}", keys + flat, step=first,
-                               first=flat if len(batches) == 1 else (), leave=w_keys)
-    out = _submitted(model, batches, futs, left, keys, w, v)
+    pairs = ahead_pairs(w_last, fresh_w, cells) if ahead else None
+    futs, left, pushed = model._submit(g, f"step-{model.uid}-s{first}", keys + flat,
+                                       step=first, first=flat if len(batches) == 1 else (),
+                                       leave=w_keys, ahead=pairs or {})
+    out = _submitted(model, batches, futs, left, keys, w, v, pushed)
     del data  # the graph holds the batches now
     return out
 
 
-def _submitted(model, batches, futs, left, keys, w, v):
+def _submitted(model, batches, futs, left, keys, w, v, pushed=None):
     """The model's state after a submission of ``batches``: momentum blocks ``keys`` (the
-    first futures), new weights ``left`` (held in programs, or futures), names ``w`` and
-    ``v``; returns per step its loss statistics (see :func:`submit_steps`)."""
+    first futures), new weights ``left`` (held in programs, or futures; ``pushed``: the
+    workers each was pushed to ahead), names ``w`` and ``v``; returns per step its loss
+    statistics (see :func:`submit_steps`)."""
     store = model._store
     _, t = store.opt
     store.opt = (_state_kind(batches[-1][2]), t + len(batches))  # Adam's update count
     store.keep(keys, futs[: len(keys)])
     if model._executor.leaves_in_programs:
-        store.hold(left)
+        store.hold(left, pushed)
     else:
         store.keep(list(left), list(left.values()))
     store.release([n for n in store.w + store.v if n not in v])

@@ -39,7 +39,7 @@ from dask._task_spec import TaskRef
 from dask_ipar.layout.partition import split_bounds
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.placement import add_sent_bytes, input_copies, placement_blocks
-from dask_ipar.runtime.compiler import pack_program, plan_programs
+from dask_ipar.runtime.compiler import ahead_pairs, pack_program, plan_programs
 from dask_ipar.runtime.programs import pick, run_program
 from dask_ipar.runtime.replay import Rekey, Replay, template_uid
 
@@ -87,6 +87,7 @@ class StepTemplate:
     owner: dict  # output key -> index of the program making it
     left: dict  # new weight key -> index of the program holding it
     orphans: list  # indices of programs no output depends on
+    pushed: dict  # new weight key -> the workers it is pushed to ahead (``ahead``)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Submitted:
     state: list  # keys of the momentum blocks: the first ``len(state)`` of ``futures``
     w: list
     v: list
+    pushed: dict  # new weight key -> the workers it is pushed to ahead
 
 
 def _relative(name, uid: str, prev: int):
@@ -110,7 +112,7 @@ def _relative(name, uid: str, prev: int):
     return ("fixed", name.split("-", 1)[0])
 
 
-def signature(model, batches):
+def signature(model, batches, ahead=False):
     """What a submission's template depends on beyond its steps' numbers, or None where
     templates do not apply (see the module)."""
     from dask_ipar.optim import SGD
@@ -137,9 +139,10 @@ def signature(model, batches):
     cells = model.binding.grid.cells()
     names = tuple(_relative(n, model.uid, prev) for n in (*w, *v))
     held = tuple(store.held_key((n, i, j)) is not None for n in (*w, *v) for i, j in cells)
+    sent = tuple(store.sent_to((n, i, j)) for n in w for i, j in cells)
     workers = tuple(model.binding.worker(i, j) for i, j in cells)
-    return (engine, tuple(specs), names, held, workers, str(model.dtype), model.embed_bytes,
-            ex.program_timeout_s)
+    return (engine, tuple(specs), names, held, sent, bool(ahead), workers, str(model.dtype),
+            model.embed_bytes, ex.program_timeout_s)
 
 
 def _batch_blocks(engine, Xb, yb, step: int, tuid: str) -> dict:
@@ -157,7 +160,7 @@ def _batch_blocks(engine, Xb, yb, step: int, tuid: str) -> dict:
     return blocks
 
 
-def _build(model, batches, bundle) -> StepTemplate:
+def _build(model, batches, bundle, ahead=False) -> StepTemplate:
     """The template of a submission of ``batches`` (built, compiled, pickled)."""
     engine, store = model.engine, model._store
     tuid = template_uid(model.uid)
@@ -180,7 +183,9 @@ def _build(model, batches, bundle) -> StepTemplate:
     cells = model.binding.grid.cells()
     g, w, v, stats, given = StepGraph(), w0, v0, [], []
     fresh_w, fresh_v = w0, []
+    w_last = w
     for r, (Xb, yb, opt) in enumerate(batches, 1):
+        w_last = w
         xname, yname = f"input.x-{tuid}-s{r}", f"input.y-{tuid}-s{r}"
         given += [(xname, i, j) for i, j in cells]
         x_keys = {(i, j): TaskRef((xname, i, j)) for i, j in cells}
@@ -202,7 +207,9 @@ def _build(model, batches, bundle) -> StepTemplate:
     ex = model._executor
     plan = plan_programs(g, keys + flat, store.locate, f"{tuid}-s1", ex.program_timeout_s,
                          first=flat if k == 1 else (), held=lambda d: store.held_key(now.key(d)),
-                         leave=w_keys, given=given)
+                         leave=w_keys, given=given,
+                         ahead=ahead_pairs(w_last, fresh_w, cells) if ahead else None,
+                         sent=lambda d: store.sent_to(now.key(d)))
     index = {p.key: n for n, p in enumerate(plan.programs)}
     progs = [_Prog(p.key[0].split("-", 1)[0], p.key[1], p.worker, pack_program(p), list(p.inputs),
                    [list(s) for s in p.sources], list(p.given), plan.prev.get(p.key))
@@ -212,7 +219,7 @@ def _build(model, batches, bundle) -> StepTemplate:
         keys=keys + list(flat), n_state=len(keys),
         owner={o: index[plan.owner[o]] for o in [*keys, *flat]},
         left={o: index[pk] for o, pk in plan.left.items()},
-        orphans=[index[pk] for pk in plan.orphans])
+        orphans=[index[pk] for pk in plan.orphans], pushed=dict(plan.ahead))
 
 
 def _fixed(names, state) -> dict:
@@ -265,22 +272,24 @@ def _replay(model, tpl: StepTemplate, batches):
     futs, held = model._executor.run(out.to_hlg(f"step-{model.uid}-s{shift + 1}"), keys,
                                      [pkeys[i] for i in tpl.orphans], left)
     return Submitted(futs, held, keys[: tpl.n_state],
-                     [rk.name(n) for n in tpl.w], [rk.name(n) for n in tpl.v])
+                     [rk.name(n) for n in tpl.w], [rk.name(n) for n in tpl.v],
+                     {rk.key(o): dests for o, dests in tpl.pushed.items()})
 
 
-def submit_template(model, batches, bundle) -> Submitted | None:
+def submit_template(model, batches, bundle, ahead=False) -> Submitted | None:
     """Submit ``batches`` (``(Xb, yb, optimizer)`` per step) from the template of their
     :func:`signature`, built now when the model's executor has none; None where templates
     do not apply or the model's state does not match (the caller builds the graph then).
     ``bundle(g, engine, stats, last)``: the loss statistics of several steps as one block
-    per worker (:func:`dask_ipar.runtime.steps._bundle_stats`)."""
-    sig = signature(model, batches)
+    per worker (:func:`dask_ipar.runtime.steps._bundle_stats`); ``ahead``: push the new
+    weights ahead (:func:`dask_ipar.runtime.steps.submit_steps`)."""
+    sig = signature(model, batches, ahead)
     if sig is None:
         return None
     cache = model._executor.templates
     tpl = cache.get(sig)
     if tpl is None:
-        tpl = cache[sig] = _build(model, batches, bundle)
+        tpl = cache[sig] = _build(model, batches, bundle, ahead)
         while len(cache) > MAX_TEMPLATES:
             cache.popitem(last=False)
     else:

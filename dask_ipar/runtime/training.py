@@ -12,10 +12,11 @@ __all__ = ["fit", "prepare", "submit_step"]
 
 
 
-def submit_step(model, Xb, yb, optimizer):
+def submit_step(model, Xb, yb, optimizer, more: bool = False):
     """Submit one SGD step of ``model`` on a prepared batch; returns the loss-statistics
-    futures (:func:`submit_steps` of one step)."""
-    return submit_steps(model, [(Xb, yb, optimizer)])[0]
+    futures (:func:`submit_steps` of one step; ``more``: another step follows, its
+    ``ahead``)."""
+    return submit_steps(model, [(Xb, yb, optimizer)], ahead=more)[0]
 
 
 def prepare(model, X, y, batch_size):
