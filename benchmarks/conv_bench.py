@@ -1,7 +1,9 @@
 """Local conv kernel (forward + backward) against PyTorch CPU conv2d, same shapes and threads.
 
-python benchmarks/conv_bench.py [--threads 1] [--batch 8]   (needs torch for the comparison)
-Prints a markdown table; the issue's target is at most 2x PyTorch.
+python benchmarks/conv_bench.py [--threads 1] [--batch 8] [--shapes alexnet|cnn]
+(needs torch for the comparison). Prints a markdown table; the issue's target is at most 2x
+PyTorch. ``--shapes cnn``: the convs of the peer sweep's CNN (``common.CNN``: 3x64x64, 3x3
+convs 32-32-64-64, each after a 2x2 max pooling of the one before).
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ SHAPES = [  # name, C, H, W, O, k, stride, pad, groups (AlexNet's conv layers)
     ("conv3", 256, 13, 13, 384, 3, 1, 1, 1),
     ("conv4", 384, 13, 13, 384, 3, 1, 1, 2),
 ]
+CNN_SHAPES = [  # the peer sweep's CNN (benchmarks/common.py: CNN), 'same' 3x3 convs
+    ("conv0", 3, 64, 64, 32, 3, 1, 1, 1),
+    ("conv1", 32, 32, 32, 32, 3, 1, 1, 1),
+    ("conv2", 32, 16, 16, 64, 3, 1, 1, 1),
+    ("conv3", 64, 8, 8, 64, 3, 1, 1, 1),
+]
 
 
 def main():
@@ -25,7 +33,9 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--shapes", choices=("alexnet", "cnn"), default="alexnet")
     args = ap.parse_args()
+    shapes = SHAPES if args.shapes == "alexnet" else CNN_SHAPES
     from threadpoolctl import threadpool_limits
 
     try:
@@ -38,7 +48,7 @@ def main():
     print("| layer | shape | dask-ipar fwd+bwd (s) | PyTorch fwd+bwd (s) | ratio |")
     print("|---|---|---|---|---|")
     with threadpool_limits(args.threads):
-        for name, c, h, w, o, k, s, p, g in SHAPES:
+        for name, c, h, w, o, k, s, p, g in shapes:
             x = rng.standard_normal((args.batch, c, h, w)).astype(np.float32)
             wt = rng.standard_normal((o, c // g, k, k)).astype(np.float32)
             b = np.zeros(o, np.float32)

@@ -87,11 +87,13 @@ def cleanup_all(prefix=PREFIX):
 
 
 class _Cluster:
-    def __init__(self, n_workers, rate, client_rate, threads, port, tag, peers=0):
+    def __init__(self, n_workers, rate, client_rate, threads, port, tag, peers=0,
+                 reuse_memory=True):
         self.n, self.rate, self.client_rate = n_workers, rate, client_rate
         self.peers = peers
         self.peer_ns: list = []  # (namespace, address) of each PyTorch rank's host
         self.threads, self.port = threads, port
+        self.reuse_memory = reuse_memory
         self.tag = tag
         self.ns = []
         self.procs = []
@@ -142,12 +144,18 @@ class _Cluster:
         _sh("ip", "-n", hub, "link", "set", "br0", "up")
         s_ns, s_ip = self._add_node("s", 1, self.rate)
         c_ns, _ = self._add_node("c", 2, self.client_rate)
-        t = str(self.threads)
-        env = {"OMP_NUM_THREADS": t, "OPENBLAS_NUM_THREADS": t, "MKL_NUM_THREADS": t,
-               "MALLOC_TRIM_THRESHOLD_": "65536",
-               "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
-               "DASK_OPTIMIZATION__FUSE__ACTIVE": "False",
-               "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+        import common as C
+
+        # the workers' malloc settings are those of dask-ipar's own clusters
+        # (``REUSE_MEMORY_ENV``, as every loopback benchmark's), or dask's default
+        env = {**C.blas_env(self.threads)} if self.reuse_memory else {
+            "OMP_NUM_THREADS": str(self.threads), "OPENBLAS_NUM_THREADS": str(self.threads),
+            "MKL_NUM_THREADS": str(self.threads), "MALLOC_TRIM_THRESHOLD_": "65536"}
+        env.update({
+            "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
+            "DASK_OPTIMIZATION__FUSE__ACTIVE": "False",
+            "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE),
+                                           os.environ.get("PYTHONPATH", "")])})
         self.address = f"tcp://{s_ip}:{self.port}"
         dask_bin = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
         self._spawn(s_ns, [*dask_bin, "--host", s_ip, "--port", str(self.port),
@@ -241,18 +249,19 @@ def run_peer(cl, mode: str, mesh: str, spec: dict, batch: int, steps: int, threa
 @contextlib.contextmanager
 def emulated_cluster(n_workers: int, rate: str = "1gbit", *, client_rate: str | None = None,
                      threads: int = 1, port: int = 8786, wait_s: float = 60.0,
-                     peers: int = 0, handle: list | None = None):
+                     peers: int = 0, handle: list | None = None, reuse_memory: bool = True):
     """Build the emulated cluster, yield the scheduler address, tear everything down.
 
     While inside the ``with``, the calling thread (and threads it starts, e.g. the
     dask Client's event loop) lives in the client namespace. ``peers`` adds that many hosts
     for PyTorch ranks on links of the same rate (:func:`run_peer`); ``handle`` (a list)
-    gets the cluster object appended, for :func:`run_peer`.
+    gets the cluster object appended, for :func:`run_peer`. ``reuse_memory``: the workers get
+    the malloc settings of dask-ipar's own clusters (``REUSE_MEMORY_ENV``), else dask's default.
     """
     if os.geteuid() != 0:
         raise PermissionError("emulated_cluster needs root (network namespaces, tc)")
     cl = _Cluster(n_workers, rate, client_rate, threads, port, f"{os.getpid() % 100000}",
-                  peers)
+                  peers, reuse_memory)
     if handle is not None:
         handle.append(cl)
     atexit.register(cl.stop)

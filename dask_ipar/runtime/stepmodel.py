@@ -8,7 +8,8 @@ batch's blocks shaped as the run places them. Two executors, two simulations: a 
 graph (:func:`dask_ipar.cost.simulate_step`: a scheduler hop per task, the latency and
 throughput views) and worker programs (:func:`dask_ipar.cost.simulate_programs`: each
 worker's tasks in the step's order, blocks pushed as they exist, processor sharing on
-the cores).
+the cores; a step within a run, two steps' makespan less one's, since the programs push
+a step's new weights to their readers as they exist when another step follows).
 """
 
 from __future__ import annotations
