@@ -13,7 +13,8 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     m = calibrate(client, sizes_mib=(1, 2), hops=8, matmul_n=256, tasks=40, block_mib=2,
                   log=lines.append)
     for name in ("alpha_s", "bandwidth_Bps", "flops_per_s", "cluster_flops_per_s", "task_s",
-                 "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s"):
+                 "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
+                 "transfer_cpu_s_per_B"):
         v = getattr(m, name)
         assert v is not None and math.isfinite(v) and v > 0, (name, v)
     assert 1e-5 < m.alpha_s < 1.0 and 1e-5 < m.task_s < 1.0  # seconds, not ms or us

@@ -175,6 +175,31 @@ def test_programs_run_the_first_task_whose_blocks_are_in_and_share_the_cores():
     assert r.seconds == pytest.approx(0.1) and r.transfer_bytes == 10
 
 
+@pytest.mark.fast
+def test_programs_charge_a_transfer_to_the_shared_cores_at_both_ends():
+    from dask_ipar.cost import simulate_programs
+
+    # a (1 s on A) makes a 1 MB block that b (1 s on B) reads; the link takes 1 s, and
+    # moving it costs each end 1 s of CPU (1e-6 s per byte)
+    tasks = [SimTask("a", "A", (), flops=1e9, out_bytes=1e6),
+             SimTask("b", "B", ("a",), flops=1e9)]
+    kw = dict(flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e6, latency_s=0.0,
+              transfer_cpu_s_per_B=1e-6)
+    # a core per worker (cores not given): the transport is not charged; a 0-1, link
+    # 1-2, b 2-3
+    assert simulate_programs(tasks, **kw).seconds == pytest.approx(3.0)
+    # one shared core: A's send work (1-2) beside the link, then B's receive work and b
+    # share the core from 2: both done at 4
+    assert simulate_programs(tasks, **kw, cores=1).seconds == pytest.approx(4.0)
+    # two cores: the receive work runs beside b
+    assert simulate_programs(tasks, **kw, cores=2).seconds == pytest.approx(3.0)
+    # a send's work that outlasts the link delays the step's end, even with nothing to
+    # compute after it
+    one = [SimTask("a", "A", (), flops=1e9, out_bytes=1e6), SimTask("b", "B", ("a",))]
+    assert simulate_programs(one, **{**kw, "transfer_cpu_s_per_B": 3e-6},
+                             cores=1).seconds == pytest.approx(1 + 3 + 3)
+
+
 def test_simulated_grids_without_a_cluster_match_the_distributed_model(client):
     """simulate_layers (placeholder workers) predicts what a distributed model's
     predict_step_s does, for both executors; rank_grids orders every grid by it."""

@@ -139,6 +139,10 @@ class Machine:
     round_s : float, optional
         A graph of one small task per worker submitted and its results gathered: the
         fixed cost a step run as worker programs pays outside them.
+    transfer_cpu_s_per_B : float, optional
+        CPU seconds a worker spends per byte it sends or receives (the transport's copies
+        and system calls, measured while every worker transfers at once): what moving a
+        block takes from the computing when worker processes share a machine's cores.
     """
 
     alpha_s: float = 2e-6
@@ -152,6 +156,7 @@ class Machine:
     cluster_bandwidth_Bps: float | None = None
     message_s: float | None = None
     round_s: float | None = None
+    transfer_cpu_s_per_B: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -164,7 +169,8 @@ class Machine:
         if isinstance(self.word_bytes, bool) or not isinstance(self.word_bytes, int) or self.word_bytes < 1:
             raise ValueError(f"word_bytes: got {self.word_bytes!r}; expected a positive integer such as 4 (float32)")
         for field in ("compute_s_per_iter", "flops_per_s", "cluster_flops_per_s", "task_s",
-                      "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s"):
+                      "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
+                      "transfer_cpu_s_per_B"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -211,7 +217,7 @@ calibrate`` measures the real ones."""
 
 _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compute_s_per_iter",
                  "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps",
-                 "message_s", "round_s")
+                 "message_s", "round_s", "transfer_cpu_s_per_B")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -220,7 +226,7 @@ def load_machine(path: str | Path) -> Machine:
     Keys: ``alpha_s``, ``bandwidth_Bps`` (a number or a string such as
     ``"6GiB"``), ``word_bytes``, ``flops_per_s``, ``compute_s_per_iter``,
     ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
-    ``message_s``, ``round_s``.
+    ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``.
     Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files

@@ -194,7 +194,8 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
 
 
 def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, cores=None,
-                      available=None, task_s=0.0, shared=1.0) -> SimResult:
+                      available=None, task_s=0.0, shared=1.0,
+                      transfer_cpu_s_per_B=0.0) -> SimResult:
     """Simulate one step run as worker programs (``Model.executor = "programs"``).
 
     No scheduler between tasks: each worker runs its own tasks, at each point the first
@@ -207,6 +208,13 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     more than one runs: what the cores lose to each other, the cluster rate of
     ``dask-ipar calibrate`` over the cores times the one-worker rate); a task alone takes
     ``task_s + flops / flops_per_s + mem_bytes / mem_Bps``.
+
+    With ``cores`` given (workers that share a machine's cores), moving a block also costs
+    the cores: ``transfer_cpu_s_per_B`` seconds per byte on the sender when it leaves and
+    on the receiver when it arrives (the transport's copies and system calls, measured by
+    ``dask-ipar calibrate``). Each worker's transfer work is one more runner in the
+    processor sharing, beside its task, until it is done; the step ends when every task
+    and every transfer's work is done.
 
     Returns a :class:`SimResult` whose ``seconds`` is the step's makespan.
     """
@@ -226,6 +234,8 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     transfer = 0.0
     events: list = []  # heap of (arrival time, seq, (receiving worker, key))
     seq = 0
+    per_byte = transfer_cpu_s_per_B if cores is not None else 0.0
+    comm = {}  # worker -> seconds of transfer work left (at full speed)
 
     def send(key, src, nbytes, at):
         nonlocal seq, transfer
@@ -233,7 +243,9 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             start = max(at, link_free.get(src, 0.0))
             link_free[src] = start + nbytes / bandwidth_Bps
             transfer += nbytes
-            heapq.heappush(events, (link_free[src] + latency_s, seq, (dst, key)))
+            if per_byte:
+                comm[src] = comm.get(src, 0.0) + nbytes * per_byte
+            heapq.heappush(events, (link_free[src] + latency_s, seq, (dst, key, nbytes)))
             seq += 1
 
     for key, (src, nbytes) in available.items():  # inputs in place at time 0
@@ -252,7 +264,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                 return key
         return None
 
-    while any(pending.values()) or running:
+    while any(pending.values()) or running or comm:
         for w in workers:
             if w not in running and pending[w]:
                 key = startable(w)
@@ -262,19 +274,27 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                     work = task_s + t.flops / flops_per_s + t.mem_bytes / mem_Bps
                     running[w] = [key, work]
                     busy[w] += work
-        if not running and not events:
+        if not running and not events and not comm:
             raise ValueError("the programs wait for a block that never comes")
-        speed = 1.0 if cores is None else min(1.0, cores / max(len(running), 1))
-        speed *= shared if len(running) > 1 else 1.0
+        n = len(running) + len(comm)
+        speed = 1.0 if cores is None else min(1.0, cores / max(n, 1))
+        speed *= shared if n > 1 else 1.0
         t_done = min((now + r[1] / speed for r in running.values()), default=float("inf"))
+        t_done = min([t_done, *(now + c / speed for c in comm.values())])
         t_next = events[0][0] if events else float("inf")
         step_to = min(t_done, t_next)
         for r in running.values():
             r[1] -= (step_to - now) * speed
+        for w in list(comm):
+            comm[w] -= (step_to - now) * speed
+            if comm[w] <= 1e-12:
+                del comm[w]
         now = step_to
         while events and events[0][0] <= now:
-            _, _, (dst, key) = heapq.heappop(events)
+            _, _, (dst, key, nbytes) = heapq.heappop(events)
             here[dst][key] = now
+            if per_byte:
+                comm[dst] = comm.get(dst, 0.0) + nbytes * per_byte
         for w in [w for w, r in running.items() if r[1] <= 1e-9]:
             key = running.pop(w)[0]
             here[w][key] = now

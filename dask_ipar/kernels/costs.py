@@ -108,9 +108,10 @@ def _sgd_update(w, v, lr, momentum, weight_decay, n_decay, in_place, n_after, dz
                 n_in, *rest):
     """sgd_velocity in place, then the weights (in place or new)."""
     nrem = len(rest) - len(xb) - n_after
-    if in_place:  # fused in place: dW written and read, v and w read and written once,
-        # the remote pieces and the decayed weights read (v stays in cache meanwhile)
-        passes = 6 + nrem + (1 if weight_decay and n_decay else 0)
+    if in_place:  # fused in place, a cache-sized slice at a time: v and w read and
+        # written once from memory, the remote pieces and the decayed weights read; the
+        # local dW slice and the slice of v in between stay in cache
+        passes = 4 + nrem + (1 if weight_decay and n_decay else 0)
     else:
         passes = 3 + 3 * nrem + (3 if weight_decay and n_decay else 0) + 5
     return w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1], passes * w[0] * w[1]

@@ -20,6 +20,10 @@ What the engine pays, measured the way the engine pays it:
   no scheduler): what a remote input costs a step run as programs.
 * ``round_s``: a graph of one small task per worker submitted and its results
   gathered: what a step run as programs pays once outside them.
+* ``transfer_cpu_s_per_B``: CPU seconds a worker process spends per byte it sends or
+  receives, measured while every worker program pushes a large block to every other one
+  at once over the programs' transport (the process's CPU time, all of its threads):
+  what moving blocks takes from the computing where workers share a machine's cores.
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -202,6 +206,55 @@ def _pingpong(peer: str, reps: int, uid: str, serve: bool, direct: bool = True):
     return float(np.median(rtt[1:])) if rtt else None
 
 
+def _exchange_cpu(peers: list, nbytes: int, uid: str):
+    """Run as a task on every worker of ``peers``: push an ``nbytes`` block to every other
+    one and take theirs, over what a program uses (its sender, the mailbox); returns
+    ``(process id, CPU seconds of this process, bytes sent and received)`` over the
+    exchange."""
+    import os
+    import resource
+
+    from distributed import get_worker
+
+    from dask_ipar.runtime.exchange import plugin_of
+    from dask_ipar.runtime.sender import Sender
+
+    worker = get_worker()
+    plugin = plugin_of(worker)
+    sender = Sender(plugin, worker)
+    me = worker.address
+    others = [p for p in peers if p != me]
+    block = np.ones(max(1, nbytes // 4), dtype=np.float32)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    sender.push((f"calibrate.xfer-{uid}", peers.index(me)), block, others)
+    got = 0
+    for p in others:
+        got += plugin.receive((f"calibrate.xfer-{uid}", peers.index(p)), timeout=300.0).nbytes
+    sender.flush()
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return os.getpid(), cpu, got + block.nbytes * len(others)
+
+
+def transfer_cpu(client, workers, nbytes: int) -> float:
+    """CPU seconds per byte sent or received, every worker of ``workers`` pushing an
+    ``nbytes`` block to every other one at once (:func:`_exchange_cpu`): the workers' CPU
+    time over the bytes that crossed their transports, both ends counted (workers in one
+    process: its CPU time once)."""
+    from dask_ipar.runtime.exchange import install_exchange
+
+    install_exchange(client)
+    uid = f"{time.time_ns():x}"
+    futs = [client.submit(_exchange_cpu, list(workers), nbytes, uid, workers=[w], pure=False,
+                          allow_other_workers=False, key=f"calibrate.exchange-{uid}-{k}")
+            for k, w in enumerate(workers)]
+    out = client.gather(futs)
+    cpu: dict = {}
+    for pid, c, _ in out:
+        cpu[pid] = max(cpu.get(pid, 0.0), c)
+    return sum(cpu.values()) / sum(b for _, _, b in out)
+
+
 def program_hop(client, src: str, dst: str, reps: int = 50, direct: bool = True) -> float:
     """Seconds of one hop of a 4-byte block from one worker program to another, ``src``
     to ``dst``: half the median round trip of a ping-pong between a task on each (the
@@ -296,7 +349,12 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     round_s = float(np.median([_round_time(client, everyone, f"{tag}r{r}") for r in range(9)]))
     log(f"round trip (a graph of one small task per worker, submitted and gathered): "
         f"{round_s * 1e3:.2f} ms")
+    transfer_cpu(client, everyone, 2**20)  # warm the links
+    cpu_B = float(np.median([transfer_cpu(client, everyone, block_mib * 2**20)
+                             for _ in range(3)]))
+    log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once): "
+        f"{cpu_B * 1e9:.2f} ns per byte sent or received")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
                    mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,
-                   round_s=round_s)
+                   round_s=round_s, transfer_cpu_s_per_B=cpu_B)

@@ -119,7 +119,8 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
                 bandwidth_Bps=machine.bandwidth_Bps,
                 latency_s=(machine.message_s if machine.message_s is not None
                            else machine.alpha_s),
-                cores=cores, available=available, shared=shared)
+                cores=cores, available=available, shared=shared,
+                transfer_cpu_s_per_B=machine.transfer_cpu_s_per_B or 0.0)
 
         one = run(tasks, available)
         # a step within a run: its weights went to their readers as each new slice of the
