@@ -43,3 +43,46 @@ def test_stride_one_same_conv_moves_floor_k_over_2_rows_per_neighbour():
 def test_too_many_grid_rows_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than Pr = 8"):
         halo_plan(13, 8, 11, 4)
+
+
+@pytest.mark.parametrize("h,pr,k,s,pad", [
+    (13, 2, 3, 1, (1, 1)), (13, 3, 5, 1, (2, 2)), (27, 2, 11, 4, (0, 0)), (10, 4, 5, 2, (2, 1)),
+    (9, 3, 7, 1, (3, 3)), (11, 2, 3, 2, (1, 1)), (32, 4, 3, 1, (1, 1)), (20, 2, 4, 3, (3, 0)),
+    (16, 2, 5, 1, (6, 6)),  # padding wider than the window: rows over padding only
+])
+def test_interior_rows_first_then_the_rims_equal_the_whole_conv(h, pr, k, s, pad):
+    """Interior first (dask_ipar.nn.conv): the output rows a cell's own rows give, computed
+    from its own block alone (reading no halo row), then the rims from the assembled rows,
+    equal the whole-image conv's rows of that cell."""
+    from dask_ipar.layout.partition import split_bounds
+    from dask_ipar.nn.conv import interior_rows
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, h, 9))
+    w = rng.standard_normal((4, 3, k, k))
+    b = rng.standard_normal(4)
+    wmat = np.concatenate([w.reshape(4, -1), b[:, None]], axis=1)
+    full = np.tanh(C.conv2d_forward(x, w, b, s, (pad[0], pad[1], 1, 2)))
+    owners = split_bounds(h, pr)
+    cut_somewhere = False
+    for need in halo_plan(h, pr, k, s, pad):
+        q0, q1 = owners[need.cell]
+        rows = np.concatenate([x[:, :, a:c] for _, a, c in need.pieces], axis=2)
+        cut = interior_rows(need, (q0, q1), h, k, s, pad[0])
+        want = full[:, :, need.out[0]:need.out[1]]
+        if cut is None:
+            continue
+        cut_somewhere = True
+        (a0, a1), (r0, r1), (top, bottom) = cut
+        assert need.out[0] <= a0 < a1 <= need.out[1] and (a0, a1) != need.out
+        assert 0 <= r0 <= r1 <= q1 - q0  # its own rows only
+        own = x[:, :, q0:q1]
+        inner = C.conv_rows(own, r0, r1, wmat, w.shape, s, (top, bottom, 1, 2), 1, "tanh")
+        np.testing.assert_allclose(inner, full[:, :, a0:a1], rtol=0, atol=1e-12)
+        y = C.conv_rim(rows, inner, wmat, w.shape, s, (need.pad[0], need.pad[1], 1, 2), 1,
+                       "tanh", a0 - need.out[0], need.out[1] - a1)
+        np.testing.assert_allclose(y, want, rtol=0, atol=1e-12)
+        with pytest.raises(ValueError, match="output rows"):
+            C.conv_rim(rows, inner, wmat, w.shape, s, (need.pad[0], need.pad[1], 1, 2), 1,
+                       "tanh", a0 - need.out[0] + 1, need.out[1] - a1)
+    assert cut_somewhere or h // pr <= k  # blocks thicker than a window have an interior

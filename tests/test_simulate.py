@@ -295,3 +295,45 @@ def test_a_step_within_a_run_overlaps_the_next_all_gather_with_the_backward(grid
         assert step < 0.97 * one.seconds, (step, one.seconds)
     else:
         assert step <= 1.05 * one.seconds, (step, one.seconds)
+
+
+@pytest.mark.fast
+def test_a_domain_conv_computes_its_interior_while_its_halo_rows_travel(monkeypatch):
+    """Interior first (dask_ipar.nn.conv): in the programs' step model a conv's halo
+    latency is hidden behind the rows a cell's own block gives, up to their compute; the
+    same graph without the interior tasks pays it in full."""
+    import numpy as np
+
+    import dask_ipar.nn.conv as NC
+    from dask_ipar.cost import simulate_programs
+    from dask_ipar.layout.grid import GridBinding, parse_grid
+    from dask_ipar.nn.graph import StepGraph, sim_tasks
+
+    def graph():
+        g = StepGraph()
+        binding = GridBinding.placeholder(parse_grid("2x1"))
+        x = {(i, 0): g.add_data(("x", i, 0), binding.worker(i, 0),
+                                np.zeros((8, 16, 32, 64), np.float32)).key for i in range(2)}
+        w = {(i, 0): g.add_data(("w", i, 0), binding.worker(i, 0),
+                                np.zeros((16, 16 * 9 + 1), np.float32)).key for i in range(2)}
+        NC.conv_forward_graph(g, binding, "conv0", "t", x, w, 64, (16, 16, 3, 3), 1,
+                              (1, 1, 1, 1), activation="relu")
+        return g
+
+    def step(g, latency):
+        tasks, available = sim_tasks(g, {}, 4)
+        return simulate_programs(tasks, flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e12,
+                                 latency_s=latency, available=available).seconds
+
+    g = graph()
+    names = {k[0].split("-")[0] for k in g.dsk if isinstance(k, tuple)}
+    assert "conv0.inner" in names  # 32-row strips, a 3x3 window: an interior to compute
+    lone = step(g, 0.0)
+    hidden = step(g, 0.02)  # well under the interior's compute (about 0.1 s here)
+    monkeypatch.setattr(NC, "interior_rows", lambda *a, **k: None)
+    g0 = graph()
+    assert not any(k[0].startswith("conv0.inner") for k in g0.dsk if isinstance(k, tuple))
+    old, old_late = step(g0, 0.0), step(g0, 0.02)
+    assert old_late == pytest.approx(old + 0.02)  # the halo's latency, paid in full
+    assert hidden == pytest.approx(lone, abs=1e-9)  # hidden
+    assert old <= lone < 1.1 * old  # the rims computed apart cost a little more

@@ -26,6 +26,8 @@ __all__ = [
     "pool2d_forward",
     "pool2d_backward",
     "conv_block",
+    "conv_rows",
+    "conv_rim",
     "conv_block_backward",
     "pool_block",
     "pool_block_backward",
@@ -190,6 +192,43 @@ def conv_block(x, wmat, wshape, stride, pad, groups, activation):
     w, b = _split_weights(wmat, wshape)
     return K._activate(conv2d_forward(x, w, b, stride, pad, groups), activation)
 
+
+
+def conv_rows(x, r0, r1, wmat, wshape, stride, pad, groups, activation):
+    """:func:`conv_block` of rows ``r0:r1`` of ``x``, padded by ``pad``: the output rows a
+    cell computes from its own rows while its halo rows travel."""
+    return conv_block(x[:, :, r0:r1], wmat, wshape, stride, pad, groups, activation)
+
+
+def _padded_rows(x, top, bottom, start, stop):
+    """Rows ``start:stop`` of ``x`` padded by ``top`` and ``bottom`` zero rows, as ``(rows
+    of x, their top padding, their bottom padding)``."""
+    h = x.shape[2]
+    a, b = min(max(start - top, 0), h), max(min(stop - top, h), 0)
+    return x[:, :, a:max(a, b)], max(0, top - start), max(0, stop - max(top + h, start))
+
+
+def conv_rim(x, inner, wmat, wshape, stride, pad, groups, activation, n_top, n_bottom):
+    """A cell's whole output: its first ``n_top`` and last ``n_bottom`` rows computed from
+    its assembled rows ``x`` (its own and the halo rows, padded by ``pad``), the rows in
+    between taken from ``inner`` (:func:`conv_rows` of its own rows, computed before the
+    halo rows arrived). Equal to :func:`conv_block` of ``x``."""
+    xp = xp_of(x)
+    kh = wshape[2]
+    n_out = conv_out_size(x.shape[2], kh, stride, pad[0], pad[1])
+    if n_top + inner.shape[2] + n_bottom != n_out:
+        raise ValueError(f"conv_rim: {n_top} + {inner.shape[2]} + {n_bottom} rows given for "
+                         f"a block of {n_out} output rows")
+    parts = []
+    for o0, o1, keep in ((0, n_top, True), (n_out - n_bottom, n_out, False)):
+        if not keep:
+            parts.append(inner)
+        if o1 > o0:
+            rows, top, bottom = _padded_rows(x, pad[0], pad[1], o0 * stride,
+                                             (o1 - 1) * stride + kh)
+            parts.append(conv_block(rows, wmat, wshape, stride, (top, bottom, pad[2], pad[3]),
+                                    groups, activation))
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
 
 
 def conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups, activation, need_dx):

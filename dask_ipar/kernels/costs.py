@@ -190,6 +190,25 @@ def _conv_block(x, wmat, wshape, stride, pad, groups, activation):
     return out, flops, 2 * xpad + 2 * cols + y + bias + _act_passes(activation) * y
 
 
+def _conv_rows(x, r0, r1, wmat, wshape, stride, pad, groups, activation):
+    return _conv_block((x[0], x[1], r1 - r0, x[3]), wmat, wshape, stride, pad, groups,
+                       activation)
+
+
+def _conv_rim(x, inner, wmat, wshape, stride, pad, groups, activation, n_top, n_bottom):
+    n, c, h, w = x
+    kh = wshape[2]
+    n_out = _conv_out(h, kh, stride, pad[0], pad[1])
+    flops = mem = 0.0
+    for rows in (n_top, n_bottom):  # each rim's padded input rows, its conv
+        if rows:
+            out, f, m = _conv_block((n, c, (rows - 1) * stride + kh, w), wmat, wshape, stride,
+                                    (0, 0, pad[2], pad[3]), groups, activation)
+            flops, mem = flops + f, mem + m
+    out = (n, wshape[0], n_out, inner[3])
+    return out, flops, mem + 2 * numel(out)  # the rims and the interior joined
+
+
 def _conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups, activation, need_dx):
     out, flops, xpad, cols = _conv_geometry(x, wshape, stride, pad)
     y = numel(out)
@@ -387,6 +406,8 @@ KERNEL_COSTS = {
     "to_device": _copy,
     "to_host": _copy,
     "conv_block": _conv_block,
+    "conv_rows": _conv_rows,
+    "conv_rim": _conv_rim,
     "conv_block_backward": _conv_block_backward,
     "pool_block": _pool_block,
     "pool_block_backward": _pool_block_backward,

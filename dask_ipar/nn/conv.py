@@ -5,7 +5,9 @@ with the halo geometry of :mod:`dask_ipar.layout.halo`:
 
 * forward: a halo exchange (:func:`dask_ipar.nn.collectives.halo_exchange`: only the halo
   rows travel, as ``<layer>.xhalo`` pieces; each cell assembles its rows in one local key,
-  ``<layer>.xin``, read by forward and backward), then the local kernel (``<layer>.act``);
+  ``<layer>.xin``, read by forward and backward), then the local kernel, interior first:
+  the output rows the cell's own rows give (``<layer>.inner``, :func:`interior_rows`) while
+  the halo rows travel, the rims next to the halos when they are in (``<layer>.act``);
 * backward: the local kernel on the rows each cell read, then its adjoint, the ghost-row
   accumulate (:func:`dask_ipar.nn.collectives.ghost_accumulate`: rows owned by a neighbour
   go home as ``<layer>.dxhalo`` pieces and are added there, ``<layer>.dx``);
@@ -34,6 +36,7 @@ __all__ = [
     "conv_backward_graph",
     "pool_forward_graph",
     "pool_backward_graph",
+    "interior_rows",
 ]
 
 
@@ -73,10 +76,60 @@ def conv_forward_graph(g: StepGraph, binding, layer, token, x_keys, w_keys, h_in
     """
     plan, owners = _plan(h_in, binding.grid.pr, wshape[2], stride, pad)
     xin = C.halo_exchange(g, binding, layer, token, plan, owners, x_keys, row_words=row_words)
-    out = _each_cell(g, binding, layer, token, plan, "act", CK.conv_block, lambda cell, p: (
-        TaskRef(xin[cell]), TaskRef(w_keys[cell]), wshape, stride,
-        (p[0], p[1], pad[2], pad[3]), groups, activation))
+    # interior first: the output rows a cell's own rows give are computed while its halo
+    # rows travel (``<layer>.inner``), the rows next to the halos when they are in
+    inner = {}
+    for need in plan:
+        cut = interior_rows(need, owners[need.cell], h_in, wshape[2], stride, pad[0])
+        if cut is None:
+            continue
+        (a0, a1), (r0, r1), (top, bottom) = cut
+        for j in range(binding.grid.pc):
+            cell = (need.cell, j)
+            key = (_name(layer, "inner", token), *cell)
+            g.add(key, binding.worker(*cell), CK.conv_rows, TaskRef(x_keys[cell]), r0, r1,
+                  TaskRef(w_keys[cell]), wshape, stride, (top, bottom, pad[2], pad[3]),
+                  groups, activation)
+            inner[cell] = (key, a0 - need.out[0], need.out[1] - a1)
+
+    def args(cell, p):
+        lr = (p[0], p[1], pad[2], pad[3])
+        if cell not in inner:
+            return (TaskRef(xin[cell]), TaskRef(w_keys[cell]), wshape, stride, lr, groups,
+                    activation)
+        key, n_top, n_bottom = inner[cell]
+        return (TaskRef(xin[cell]), TaskRef(key), TaskRef(w_keys[cell]), wshape, stride, lr,
+                groups, activation, n_top, n_bottom)
+
+    out = {}
+    for need in plan:  # as _each_cell, the kernel per cell
+        for j in range(binding.grid.pc):
+            cell = (need.cell, j)
+            key = (_name(layer, "act", token), *cell)
+            g.add(key, binding.worker(*cell), CK.conv_rim if cell in inner else CK.conv_block,
+                  *args(cell, need.pad))
+            out[cell] = key
     return plan, out
+
+
+def interior_rows(need, own, h_in, k, stride, pad_top):
+    """The output rows of ``need`` (a :class:`~dask_ipar.layout.halo.RowNeed`) whose
+    windows read only the cell's ``own`` input rows (and the image's padding):
+    ``((a0, a1), (r0, r1), (top, bottom))``, the output rows, the rows of the cell's own
+    block they read and the zero rows around those, or None where the cell reads no halo
+    row or no output row is interior (nothing to compute before the halos arrive)."""
+    if need.halo_rows == 0:
+        return None
+    q0, q1 = own
+    inside = [o for o in range(*need.out)
+              if max(o * stride - pad_top, 0) >= q0 and min(o * stride - pad_top + k, h_in) <= q1
+              and o * stride - pad_top < h_in and o * stride - pad_top + k > 0]
+    if not inside or (inside[0], inside[-1] + 1) == tuple(need.out):
+        return None
+    a0, a1 = inside[0], inside[-1] + 1
+    lo, hi = a0 * stride - pad_top, (a1 - 1) * stride - pad_top + k
+    g0, g1 = max(lo, 0), min(hi, h_in)
+    return (a0, a1), (g0 - q0, g1 - q0), (g0 - lo, hi - g1)
 
 
 def conv_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, w_keys, a_keys,

@@ -82,6 +82,7 @@ TASK_SPAN = {
     "cw": "w_gather",
     "xhalo": "halo_fwd",
     "xin": "halo_fwd",
+    "inner": "forward",
     "bwd": "backward",
     "dxhalo": "halo_bwd",
     "dx": "halo_bwd",
