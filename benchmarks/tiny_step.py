@@ -1,10 +1,12 @@
 """The fixed cost of a training step (issue 23): the tiny MLP on 2x2, steps per program.
 
-    python benchmarks/tiny_step.py [--ks 1,4,8,16] [--rounds 3] [--epochs 4] [--json out.json]
+    python benchmarks/tiny_step.py [--ks 1,4,8,16] [--rounds 3] [--epochs 4]
+        [--optimizer sgd|adam] [--json out.json]
 
 The tiny MLP (64-64-64-64-10, B=64: compute near zero, so its step is all overhead and
 hop latency) trained with ``fit`` on 2x2 (a LocalCluster of 4 worker processes, 1 thread
-each), ``steps_per_program`` k side by side, interleaved over ``--rounds`` rounds; an
+each; momentum SGD, or Adam with ``--optimizer adam``), ``steps_per_program`` k side by
+side, interleaved over ``--rounds`` rounds; an
 epoch is 64 steps. The step time is the wall time from the end of the first epoch to the
 end of the last, divided by the steps between (a run's steady rate, epoch ends and their
 drains included). Beside it, PyTorch on the same model and batch: DDP with 4 ranks (gloo,
@@ -26,8 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS_PER_EPOCH = 64
 
 
-def _dask_step(client, cfg, k: int, epochs: int) -> float:
-    from dask_ipar import SGD
+def _optimizer(name: str):
+    from dask_ipar import SGD, Adam
+
+    return Adam(lr=0.001) if name == "adam" else SGD(lr=0.01, momentum=0.9)
+
+
+def _dask_step(client, cfg, k: int, epochs: int, optimizer: str = "sgd") -> float:
     from dask_ipar.runtime.loop import Callback
 
     class Ends(Callback):
@@ -41,7 +48,7 @@ def _dask_step(client, cfg, k: int, epochs: int) -> float:
     model = cfg.build_model().distribute(client, "2x2")
     ends = Ends()
     try:
-        model.fit(X, y, epochs=epochs, batch_size=cfg.batch, optimizer=SGD(lr=0.01, momentum=0.9),
+        model.fit(X, y, epochs=epochs, batch_size=cfg.batch, optimizer=_optimizer(optimizer),
                   steps_per_program=k, callbacks=[ends])
     finally:
         model.close()
@@ -69,6 +76,7 @@ def main(argv=None):
     p.add_argument("--ks", default="1,4,8,16", help="steps_per_program values to compare")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--json", default=None, help="write the results here too")
     a = p.parse_args(argv)
     ks = [int(k) for k in a.ks.split(",")]
@@ -80,7 +88,7 @@ def main(argv=None):
         _dask_step(client, cfg, 1, 2)  # warm-up: imports, the exchange plugin, the links
         for r in range(a.rounds):
             for k in ks:
-                times[k].append(_dask_step(client, cfg, k, a.epochs))
+                times[k].append(_dask_step(client, cfg, k, a.epochs, a.optimizer))
                 print(f"round {r + 1}: steps_per_program {k}: "
                       f"{times[k][-1] * 1e3:.1f} ms per step", file=sys.stderr)
     finally:
@@ -89,17 +97,20 @@ def main(argv=None):
     ddp = _torch_step(cfg, 4)
     single = _torch_step(cfg, 1)
     res = {"model": cfg.describe(), "grid": "2x2", "cores": cores, "rounds": a.rounds,
+           "optimizer": a.optimizer,
            "epochs": a.epochs, "steps_per_epoch": STEPS_PER_EPOCH,
            "dask_step_s": {k: statistics.median(v) for k, v in times.items()},
            "dask_steps_s": times, "ddp4_step_s": ddp, "torch1_step_s": single}
-    print(f"tiny MLP {cfg.describe()} on 2x2 ({cores} cores), median of {a.rounds} rounds:")
+    print(f"tiny MLP {cfg.describe()} on 2x2 ({cores} cores), {a.optimizer}, median of "
+          f"{a.rounds} rounds:")
     print("| steps per program | step (ms) | vs DDP 4 ranks | limit 10 ms |")
     print("|---|---|---|---|")
     for k in ks:
         s = res["dask_step_s"][k]
         vs = f"{s / ddp:.2f}" if ddp else "-"
         print(f"| {k} | {s * 1e3:.1f} | {vs} | {'PASS' if s <= 0.010 else 'MISS'} |")
-    for name, s in (("PyTorch DDP, 4 ranks (gloo)", ddp), ("PyTorch, one process", single)):
+    for name, s in (("PyTorch DDP, 4 ranks (gloo; momentum SGD)", ddp),
+                    ("PyTorch, one process (momentum SGD)", single)):
         print(f"{name}: " + (f"{s * 1e3:.2f} ms per step" if s else "not measured"))
     if a.json:
         with open(a.json, "w") as f:

@@ -188,13 +188,14 @@ def test_programs_charge_a_transfer_to_the_shared_cores_at_both_ends():
     # a core per worker (cores not given): the transport is not charged; a 0-1, link
     # 1-2, b 2-3
     assert simulate_programs(tasks, **kw).seconds == pytest.approx(3.0)
-    # one shared core: A's send work (1-2) beside the link, then B's receive work and b
-    # share the core from 2: both done at 4
+    # one shared core: both ends' transport work (1 s each) from when the block starts on
+    # the link at 1, at half speed each until it arrives at 2; then b and the rest share
+    # the core (a third each) until the transport work is done at 3.5, b alone to 4
     assert simulate_programs(tasks, **kw, cores=1).seconds == pytest.approx(4.0)
-    # two cores: the receive work runs beside b
+    # two cores: the transport work runs beside the link, and b alone after it
     assert simulate_programs(tasks, **kw, cores=2).seconds == pytest.approx(3.0)
-    # a send's work that outlasts the link delays the step's end, even with nothing to
-    # compute after it
+    # transport work that outlasts the link delays the step's end, even with nothing to
+    # compute after it: 3 s at each end from 1, sharing one core
     one = [SimTask("a", "A", (), flops=1e9, out_bytes=1e6), SimTask("b", "B", ("a",))]
     assert simulate_programs(one, **{**kw, "transfer_cpu_s_per_B": 3e-6},
                              cores=1).seconds == pytest.approx(1 + 3 + 3)

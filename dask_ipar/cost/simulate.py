@@ -210,9 +210,9 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     ``task_s + flops / flops_per_s + mem_bytes / mem_Bps``.
 
     With ``cores`` given (workers that share a machine's cores), moving a block also costs
-    the cores: ``transfer_cpu_s_per_B`` seconds per byte on the sender when it leaves and
-    on the receiver when it arrives (the transport's copies and system calls, measured by
-    ``dask-ipar calibrate``). Each worker's transfer work is one more runner in the
+    the cores: ``transfer_cpu_s_per_B`` seconds per byte on the sender and on the receiver,
+    from when it starts on the link (the transport's copies and system calls, which run as
+    the bytes go; measured by ``dask-ipar calibrate``). Each worker's transfer work is one more runner in the
     processor sharing, beside its task, until it is done; the step ends when every task
     and every transfer's work is done.
 
@@ -232,7 +232,9 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                 readers.setdefault(d, set()).add(t.worker)
     link_free = {}
     transfer = 0.0
-    events: list = []  # heap of (arrival time, seq, (receiving worker, key))
+    # heap of (time, seq, (receiving worker, key)): a block arrives; or (time, seq,
+    # (sender, receiver, bytes)): its transfer starts on the link (the transport's work)
+    events: list = []
     seq = 0
     per_byte = transfer_cpu_s_per_B if cores is not None else 0.0
     comm = {}  # worker -> seconds of transfer work left (at full speed)
@@ -244,8 +246,9 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             link_free[src] = start + nbytes / bandwidth_Bps
             transfer += nbytes
             if per_byte:
-                comm[src] = comm.get(src, 0.0) + nbytes * per_byte
-            heapq.heappush(events, (link_free[src] + latency_s, seq, (dst, key, nbytes)))
+                heapq.heappush(events, (start, seq, (src, dst, nbytes)))
+                seq += 1
+            heapq.heappush(events, (link_free[src] + latency_s, seq, (dst, key)))
             seq += 1
 
     for key, (src, nbytes) in available.items():  # inputs in place at time 0
@@ -291,10 +294,13 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                 del comm[w]
         now = step_to
         while events and events[0][0] <= now:
-            _, _, (dst, key, nbytes) = heapq.heappop(events)
-            here[dst][key] = now
-            if per_byte:
-                comm[dst] = comm.get(dst, 0.0) + nbytes * per_byte
+            _, _, ev = heapq.heappop(events)
+            if len(ev) == 3:  # a transfer starts: both ends' transport work
+                src, dst, nbytes = ev
+                for w in (src, dst):
+                    comm[w] = comm.get(w, 0.0) + nbytes * per_byte
+            else:
+                here[ev[0]][ev[1]] = now
         for w in [w for w, r in running.items() if r[1] <= 1e-9]:
             key = running.pop(w)[0]
             here[w][key] = now

@@ -35,16 +35,21 @@ __all__ = ["Rule", "slice_update", "block_update", "clipped_updates"]
 class Rule:
     """One step's update: ``kind`` is ``sgd``, ``nesterov`` or ``adam`` (AdamW: ``hp``'s
     decoupled flag); ``t`` the 1-based update count of the state (Adam's bias
-    correction)."""
+    correction), or a function of the worker giving the kernels' argument for it (a step
+    template's count: a block that comes with each replay, :mod:`dask_ipar.runtime.templates`)."""
 
     kind: str
     lr: float
     momentum: float = 0.0
     weight_decay: float = 0.0
     hp: tuple | None = None
-    t: int = 1
+    t: object = 1
     #: gradient clipping by global norm: the largest norm, or None
     clip: float | None = None
+
+    def count(self, worker):
+        """The kernels' argument for ``t`` on ``worker``."""
+        return self.t(worker) if callable(self.t) else self.t
 
     @classmethod
     def of(cls, lr, momentum, weight_decay, optimizer=None, t=1) -> "Rule":
@@ -70,10 +75,10 @@ def slice_update(g, worker, rule: Rule, n_decay, w_old, w_key, v_key, first, dw,
         if first:
             g.add(v_key, worker, KA.adam_state, w_old, rule.hp, n_decay, None, *dw)
             g.add(w_key, worker, KA.adam_weight, w_old, TaskRef(v_key), rule.hp, n_decay, lr,
-                  rule.t)
+                  rule.count(worker))
         else:
             g.add(w_key, worker, KA.adam_update, w_old, TaskRef(v_key), rule.hp, n_decay, lr,
-                  rule.t, in_place, n_after, *dw, *after)
+                  rule.count(worker), in_place, n_after, *dw, *after)
     elif first:
         g.add(v_key, worker, K.sgd_velocity, w_old, m, wd, n_decay, None, *dw)
         # Nesterov's first direction g + momentum * v, with v = g
@@ -96,7 +101,7 @@ def block_update(g, worker, rule: Rule, wfull, r0, r1, c0, c1, n_decay, old_v, g
         g.add(v_key, worker, KA.block_adam_state, wfull, r0, r1, c0, c1, rule.hp, n_decay,
               old_v, grad, *pieces)
         g.add(w_key, worker, KA.block_adam_weight, wfull, r0, r1, c0, c1, TaskRef(v_key),
-              rule.hp, n_decay, rule.lr, rule.t)
+              rule.hp, n_decay, rule.lr, rule.count(worker))
         return
     g.add(v_key, worker, K.block_sgd_velocity, wfull, r0, r1, c0, c1, rule.momentum,
           rule.weight_decay, n_decay, old_v, grad, *pieces)

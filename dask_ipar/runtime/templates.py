@@ -19,8 +19,9 @@ afresh: the same kernels, with the same arguments (the learning rate is part of 
 signature), in the same order per worker, on the same blocks; the floats are equal bit for
 bit (``tests/test_templates.py``).
 
-Templates are used for the ``programs`` executor with SGD (Adam's update count is an
-argument of its kernels, different every step), batches small enough to travel inside
+Templates are used for the ``programs`` executor with SGD, Adam and AdamW (Adam's update
+count, different every step, is a block per worker and step that comes with each replay,
+as the batch does: ``optim.t-<tuid>-s<r>``), batches small enough to travel inside
 the programs (``Model.embed_bytes``; larger ones are scattered to the workers), NumPy
 blocks, and after the first submission (which creates the momentum). The dask config key
 ``dask-ipar.program-templates`` (default True) turns them off.
@@ -115,7 +116,7 @@ def _relative(name, uid: str, prev: int):
 def signature(model, batches, ahead=False):
     """What a submission's template depends on beyond its steps' numbers, or None where
     templates do not apply (see the module)."""
-    from dask_ipar.optim import SGD
+    from dask_ipar.optim import SGD, Adam, AdamW
 
     ex = model._executor
     if (not templates_enabled() or ex is None or not ex.leaves_in_programs
@@ -129,7 +130,7 @@ def signature(model, batches, ahead=False):
     copies = input_copies(engine)
     specs = []
     for Xb, yb, opt in batches:
-        if (type(opt) is not SGD or type(Xb) is not np.ndarray
+        if (type(opt) not in (SGD, Adam, AdamW) or type(Xb) is not np.ndarray
                 or (yb is not None and type(yb) is not np.ndarray)
                 or Xb.nbytes * copies > model.embed_bytes):
             return None
@@ -143,6 +144,17 @@ def signature(model, batches, ahead=False):
     workers = tuple(model.binding.worker(i, j) for i, j in cells)
     return (engine, tuple(specs), names, held, sent, bool(ahead), workers, str(model.dtype),
             model.embed_bytes, ex.program_timeout_s)
+
+
+def _counts(engine, batches, t0: int, tuid: str) -> dict:
+    """The update count of each Adam step of ``batches`` per cell, under template keys: the
+    state's count ``t0`` before the submission plus the step's."""
+    out = {}
+    for r, (_, _, opt) in enumerate(batches, 1):
+        if opt.name in ("adam", "adamw"):
+            for i, j in engine.grid.cells():
+                out[(f"optim.t-{tuid}-s{r}", i, j)] = np.int64(t0 + r)
+    return out
 
 
 def _batch_blocks(engine, Xb, yb, step: int, tuid: str) -> dict:
@@ -181,6 +193,7 @@ def _build(model, batches, bundle, ahead=False) -> StepTemplate:
     names = [tname(n, pos) for pos, n in enumerate(state)]
     w0, v0 = names[: len(model._w)], names[len(model._w):]
     cells = model.binding.grid.cells()
+    cell_of = {model.binding.worker(i, j): (i, j) for i, j in cells}
     g, w, v, stats, given = StepGraph(), w0, v0, [], []
     fresh_w, fresh_v = w0, []
     w_last = w
@@ -193,9 +206,13 @@ def _build(model, batches, bundle, ahead=False) -> StepTemplate:
         if yb is not None:
             given += [(yname, i, j) for i, j in cells]
             y_keys = {(i, j): TaskRef((yname, i, j)) for i, j in cells}
+        t = r
+        if opt.name in ("adam", "adamw"):  # the count comes with each replay
+            given += [(f"optim.t-{tuid}-s{r}", i, j) for i, j in cells]
+            t = (lambda r: lambda worker: TaskRef((f"optim.t-{tuid}-s{r}", *cell_of[worker])))(r)
         g, w_new, v_new, st = teng.train_step(
-            x_keys, y_keys, Xb.shape[0], w, v, r, opt.lr, opt.momentum, opt.weight_decay,
-            g=g, optimizer=opt, t=r)
+            x_keys, y_keys, Xb.shape[0], w, v, r, opt.lr, getattr(opt, "momentum", 0.0),
+            opt.weight_decay, g=g, optimizer=opt, t=t)
         stats.append(st)
         fresh_w, fresh_v = w_new, [n for n in v_new if n not in v0]
         w, v = w_new, v_new
@@ -252,6 +269,7 @@ def _replay(model, tpl: StepTemplate, batches):
     for r, (Xb, yb, _) in enumerate(batches, 1):
         blocks.update(_batch_blocks(engine, Xb, yb, r, tpl.tuid))
     add_sent_bytes(model.uid, sum(b.nbytes for b in blocks.values()))
+    blocks.update(_counts(engine, batches, store.opt[1], tpl.tuid))
     for _ in batches:
         model._next_step()
     tag = f"{model.uid}-s{shift + 1}"
