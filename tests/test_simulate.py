@@ -130,7 +130,7 @@ def test_simulated_step_moves_what_the_comm_table_predicts(net, opt):
             assert r.transfer_bytes == meter, (net, grid)
             if specs is not None:
                 conv = sum(t.flops for t in tasks if "conv" in str(t.key[0]).split(".")[0]
-                           and (".act-" in t.key[0] or ".bwd-" in t.key[0]))
+                           and any(f".{task}-" in t.key[0] for task in ("act", "inner", "bwd")))
                 macs = [s.macs * batch for s in specs if type(s).__name__ == "Conv2d"]
                 # forward 2 flops per MAC, backward dW 2 and dx 2 (none for the first conv)
                 assert conv == pytest.approx(6 * sum(macs) - 2 * macs[0]), (net, grid)

@@ -153,7 +153,7 @@ def _counts(engine, batches, t0: int, tuid: str) -> dict:
     for r, (_, _, opt) in enumerate(batches, 1):
         if opt.name in ("adam", "adamw"):
             for i, j in engine.grid.cells():
-                out[(f"optim.t-{tuid}-s{r}", i, j)] = np.int64(t0 + r)
+                out[(f"optim.t-{tuid}-s{r}", i, j)] = int(t0 + r)  # as a fresh graph passes it
     return out
 
 
