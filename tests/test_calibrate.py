@@ -19,6 +19,7 @@ def test_calibrate_measures_every_figure(client, tmp_path):
         assert v is not None and math.isfinite(v) and v > 0, (name, v)
     assert 1e-5 < m.alpha_s < 1.0 and 1e-5 < m.task_s < 1.0  # seconds, not ms or us
     assert 1e-6 < m.message_s < m.alpha_s  # a program's message skips the scheduler
+    assert 1e-12 < m.transfer_cpu_s_per_B < 1e-6  # seconds per byte: 1 TB/s to 1 MB/s
     assert m.word_bytes == 4
     assert any("per task" in line for line in lines)
     path = tmp_path / "machine.yaml"

@@ -49,6 +49,7 @@ def test_too_many_grid_rows_is_a_clear_error():
     (13, 2, 3, 1, (1, 1)), (13, 3, 5, 1, (2, 2)), (27, 2, 11, 4, (0, 0)), (10, 4, 5, 2, (2, 1)),
     (9, 3, 7, 1, (3, 3)), (11, 2, 3, 2, (1, 1)), (32, 4, 3, 1, (1, 1)), (20, 2, 4, 3, (3, 0)),
     (16, 2, 5, 1, (6, 6)),  # padding wider than the window: rows over padding only
+    (10, 2, 3, 2, (4, 4)),  # ... with stride 2, the rim's first window inside the padding
 ])
 def test_interior_rows_first_then_the_rims_equal_the_whole_conv(h, pr, k, s, pad):
     """Interior first (dask_ipar.nn.conv): the output rows a cell's own rows give, computed

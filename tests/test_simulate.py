@@ -199,6 +199,17 @@ def test_programs_charge_a_transfer_to_the_shared_cores_at_both_ends():
     one = [SimTask("a", "A", (), flops=1e9, out_bytes=1e6), SimTask("b", "B", ("a",))]
     assert simulate_programs(one, **{**kw, "transfer_cpu_s_per_B": 3e-6},
                              cores=1).seconds == pytest.approx(1 + 3 + 3)
+    # two blocks in place on A queue on its link (0-1, 1-2): each end's work for the
+    # second starts with it at 1; on one core all 4 s of transport work end at 4
+    two = [SimTask("b", "B", ("x", "y"))]
+    r = simulate_programs(two, **kw, cores=1, available={"x": ("A", 1e6), "y": ("A", 1e6)})
+    assert r.seconds == pytest.approx(4.0) and r.transfer_bytes == 2e6
+    # what the cores lose to each other (shared) applies to transport work beside a task
+    # as to tasks: a 1 s task on A beside a block in place leaving it (1 s of work at each
+    # end, the link 1 s) on 3 cores that run at a quarter speed while more than one runs
+    r = simulate_programs([SimTask("z", "A", (), flops=1e9), SimTask("b", "B", ("x",))],
+                          **kw, cores=3, shared=0.25, available={"x": ("A", 1e6)})
+    assert r.seconds == pytest.approx(4.0)
 
 
 def test_simulated_grids_without_a_cluster_match_the_distributed_model(client):

@@ -64,7 +64,7 @@ def _fit(client, grid, k, optimizer, templates, epochs=3, lineage_steps=None):
     ("2x2", 3, SGD(lr=0.1, momentum=0.9, schedule=StepLR(9, 0.5)), 5),
     ("3x1", 2, SGD(lr=0.05, momentum=0.9, nesterov=True, clip_norm=0.5), None),
     ("1x3", 4, SGD(lr=0.05), None),
-    # Adam's update count comes with each replay (a block per worker and step)
+    # Adam's update count comes with each replay (a block per cell and step)
     ("2x2", 2, Adam(lr=0.01), None),
     ("3x1", 3, AdamW(lr=0.01, weight_decay=0.05, clip_norm=0.5), 5),
     ("1x3", 1, Adam(lr=0.02), None),

@@ -213,8 +213,8 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     the cores: ``transfer_cpu_s_per_B`` seconds per byte on the sender and on the receiver,
     from when it starts on the link (the transport's copies and system calls, which run as
     the bytes go; measured by ``dask-ipar calibrate``). Each worker's transfer work is one more runner in the
-    processor sharing, beside its task, until it is done; the step ends when every task
-    and every transfer's work is done.
+    processor sharing, beside its task, until it is done (``shared`` applies to it as to
+    tasks); the step ends when every task and every transfer's work is done.
 
     Returns a :class:`SimResult` whose ``seconds`` is the step's makespan.
     """
@@ -281,16 +281,19 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             raise ValueError("the programs wait for a block that never comes")
         n = len(running) + len(comm)
         speed = 1.0 if cores is None else min(1.0, cores / max(n, 1))
+        # what the cores lose to each other while more than one runs (the transports'
+        # copies contend for the memory system too; the emulated sweeps fit better so)
         speed *= shared if n > 1 else 1.0
         t_done = min((now + r[1] / speed for r in running.values()), default=float("inf"))
-        t_done = min([t_done, *(now + c / speed for c in comm.values())])
+        ends = {w: now + c / speed for w, c in comm.items()}
+        t_done = min([t_done, *ends.values()])
         t_next = events[0][0] if events else float("inf")
         step_to = min(t_done, t_next)
         for r in running.values():
             r[1] -= (step_to - now) * speed
-        for w in list(comm):
+        for w, end in ends.items():
             comm[w] -= (step_to - now) * speed
-            if comm[w] <= 1e-12:
+            if end <= step_to:  # done (not left to a rounding remainder)
                 del comm[w]
         now = step_to
         while events and events[0][0] <= now:

@@ -205,7 +205,8 @@ def _padded_rows(x, top, bottom, start, stop):
     of x, their top padding, their bottom padding)``."""
     h = x.shape[2]
     a, b = min(max(start - top, 0), h), max(min(stop - top, h), 0)
-    return x[:, :, a:max(a, b)], max(0, top - start), max(0, stop - max(top + h, start))
+    return (x[:, :, a:max(a, b)], max(0, min(stop, top) - start),
+            max(0, stop - max(top + h, start)))
 
 
 def conv_rim(x, inner, wmat, wshape, stride, pad, groups, activation, n_top, n_bottom):

@@ -226,7 +226,13 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str):
     others = [p for p in peers if p != me]
     block = np.ones(max(1, nbytes // 4), dtype=np.float32)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
+    # a barrier: no large block leaves before every worker's window is open
+    sender.push((f"calibrate.ready-{uid}", peers.index(me)), np.zeros(1, np.float32), others)
+    sender.release()
+    for p in others:
+        plugin.receive((f"calibrate.ready-{uid}", peers.index(p)), timeout=300.0)
     sender.push((f"calibrate.xfer-{uid}", peers.index(me)), block, others)
+    sender.release()  # a block below the merge size would wait for the flush otherwise
     got = 0
     for p in others:
         got += plugin.receive((f"calibrate.xfer-{uid}", peers.index(p)), timeout=300.0).nbytes
@@ -241,8 +247,12 @@ def transfer_cpu(client, workers, nbytes: int) -> float:
     ``nbytes`` block to every other one at once (:func:`_exchange_cpu`): the workers' CPU
     time over the bytes that crossed their transports, both ends counted (workers in one
     process: its CPU time once)."""
+    from dask_ipar.errors import IparError
     from dask_ipar.runtime.exchange import install_exchange
 
+    workers = list(workers)
+    if len(workers) < 2:
+        raise IparError(f"the transfer CPU needs at least 2 workers; got {len(workers)}.")
     install_exchange(client)
     uid = f"{time.time_ns():x}"
     futs = [client.submit(_exchange_cpu, list(workers), nbytes, uid, workers=[w], pure=False,

@@ -1,6 +1,6 @@
 """Step templates: a submission's worker programs compiled once, replayed with new keys.
 
-Its one job: :func:`submit_template` submits k SGD steps of a model as worker programs
+Its one job: :func:`submit_template` submits k steps of a model as worker programs
 without building, compiling or pickling their graph again when an earlier submission
 had the same shape. Building the step graph, turning it into programs and pickling them
 was half of the client's CPU per step on a tiny MLP (``docs/benchmarks.md``, "Step
@@ -20,8 +20,8 @@ signature), in the same order per worker, on the same blocks; the floats are equ
 bit (``tests/test_templates.py``).
 
 Templates are used for the ``programs`` executor with SGD, Adam and AdamW (Adam's update
-count, different every step, is a block per worker and step that comes with each replay,
-as the batch does: ``optim.t-<tuid>-s<r>``), batches small enough to travel inside
+count, different every step, is a block per cell and step that comes with each replay,
+as the batch does: ``(optim.t-<tuid>-s<r>, i, j)``), batches small enough to travel inside
 the programs (``Model.embed_bytes``; larger ones are scattered to the workers), NumPy
 blocks, and after the first submission (which creates the momentum). The dask config key
 ``dask-ipar.program-templates`` (default True) turns them off.
