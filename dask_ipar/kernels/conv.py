@@ -197,7 +197,7 @@ def conv_block(x, wmat, wshape, stride, pad, groups, activation):
 def conv_rows(x, r0, r1, wmat, wshape, stride, pad, groups, activation):
     """:func:`conv_block` of rows ``r0:r1`` of ``x``, padded by ``pad``: the output rows a
     cell computes from its own rows while its halo rows travel."""
-    return conv_block(x[:, :, r0:r1], wmat, wshape, stride, pad, groups, activation)
+    return conv_block(x[:, :, r0:r1, :], wmat, wshape, stride, pad, groups, activation)
 
 
 def _padded_rows(x, top, bottom, start, stop):
@@ -205,7 +205,7 @@ def _padded_rows(x, top, bottom, start, stop):
     of x, their top padding, their bottom padding)``."""
     h = x.shape[2]
     a, b = min(max(start - top, 0), h), max(min(stop - top, h), 0)
-    return (x[:, :, a:max(a, b)], max(0, min(stop, top) - start),
+    return (x[:, :, a:max(a, b), :], max(0, min(stop, top) - start),
             max(0, stop - max(top + h, start)))
 
 
