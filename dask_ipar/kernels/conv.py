@@ -220,15 +220,14 @@ def conv_rim(x, inner, wmat, wshape, stride, pad, groups, activation, n_top, n_b
     if n_top + inner.shape[2] + n_bottom != n_out:
         raise ValueError(f"conv_rim: {n_top} + {inner.shape[2]} + {n_bottom} rows given for "
                          f"a block of {n_out} output rows")
-    parts = []
-    for o0, o1, keep in ((0, n_top, True), (n_out - n_bottom, n_out, False)):
-        if not keep:
-            parts.append(inner)
-        if o1 > o0:
-            rows, top, bottom = _padded_rows(x, pad[0], pad[1], o0 * stride,
-                                             (o1 - 1) * stride + kh)
-            parts.append(conv_block(rows, wmat, wshape, stride, (top, bottom, pad[2], pad[3]),
-                                    groups, activation))
+
+    def rim(o0, o1):  # output rows o0:o1 from the padded rows their windows read
+        rows, top, bottom = _padded_rows(x, pad[0], pad[1], o0 * stride, (o1 - 1) * stride + kh)
+        return conv_block(rows, wmat, wshape, stride, (top, bottom, pad[2], pad[3]), groups,
+                          activation)
+
+    parts = ([rim(0, n_top)] if n_top else []) + [inner] \
+        + ([rim(n_out - n_bottom, n_out)] if n_bottom else [])
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
 
 
