@@ -212,9 +212,10 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     With ``cores`` given (workers that share a machine's cores), moving a block also costs
     the cores: ``transfer_cpu_s_per_B`` seconds per byte on the sender and on the receiver,
     from when it starts on the link (the transport's copies and system calls, which run as
-    the bytes go; measured by ``dask-ipar calibrate``). Each worker's transfer work is one more runner in the
-    processor sharing, beside its task, until it is done (``shared`` applies to it as to
-    tasks); the step ends when every task and every transfer's work is done.
+    the bytes go; measured by ``dask-ipar calibrate``). Each worker's transfer work is one
+    more runner in the processor sharing, beside its task, until it is done (``shared``
+    applies to it as to tasks); the step ends when every task and every transfer's work is
+    done.
 
     Returns a :class:`SimResult` whose ``seconds`` is the step's makespan.
     """

@@ -8,8 +8,9 @@ batch's blocks shaped as the run places them. Two executors, two simulations: a 
 graph (:func:`dask_ipar.cost.simulate_step`: a scheduler hop per task, the latency and
 throughput views) and worker programs (:func:`dask_ipar.cost.simulate_programs`: each
 worker's tasks in the step's order, blocks pushed as they exist, processor sharing on
-the cores, the transports' CPU on shared cores; a step within a run, two steps' makespan less one's, since the programs push
-a step's new weights to their readers as they exist when another step follows).
+the cores, the transports' CPU on shared cores; a step within a run, two steps' makespan
+less one's, since the programs push a step's new weights to their readers as they exist
+when another step follows).
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def predict_step_s(model, batch: int, machine, *, cores: int | None = None, opti
     (``alpha_s`` = seconds per dependent hop, ``message_s`` = one way between worker
     programs, ``bandwidth_Bps``, ``flops_per_s``, ``cluster_flops_per_s``,
     ``transfer_cpu_s_per_B``: the transports' CPU per byte, charged where ``cores`` is
-    given); ``cores`` shared by the workers (default: one per worker); ``executor``: ``"programs"`` or
-    ``"graph"`` (default: the model's). Returns a :class:`dask_ipar.cost.SimResult`.
+    given); ``cores`` shared by the workers (default: one per worker); ``executor``:
+    ``"programs"`` or ``"graph"`` (default: the model's). Returns a
+    :class:`dask_ipar.cost.SimResult`.
     """
     shape = model.input_shape if model.engine.front is not None else (model.input_dim,)
     r = simulate_engine(model.engine, model._w, batch, shape, model.dtype, machine, cores,
