@@ -1,16 +1,18 @@
 """A/B of the worker programs' transports on one emulated cluster, interleaved.
 
     sudo python benchmarks/ab_transport.py [--workers 4] [--rate 1gbit] [--models cnn,weight]
-        [--grid 4x1] [--rounds 2] [--steps 3]
+        [--grid 4x1] [--rounds 2] [--steps 3] [--limits default,inf,0]
 
-The same model and grid timed with the programs' small messages over their direct links
-(the default), all of them, and none (dask's comms; set on every worker between the runs),
-alternating ``--rounds`` times, so that the machine's drift shows in all alike.
+The same model and grid timed with the programs' messages up to each of ``--limits`` bytes
+over their direct links (default: up to ``DIRECT_MAX_BYTES``, all of them, and none, i.e.
+dask's comms; set on every worker between the runs), alternating ``--rounds`` times, so
+that the machine's drift shows in all alike. A CNN's convs are batch-parallel.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -26,6 +28,15 @@ def _switch(limit, dask_worker=None):
     plugin.direct_bytes = float("inf") if limit is None else limit
 
 
+def _mode_name(limit, default) -> str:
+    if limit is None:
+        return "direct links, all messages"
+    if limit == 0:
+        return "dask comms"
+    return (f"direct links, messages up to {limit // 1024} KiB"
+            + (" (the default)" if limit == default else ""))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,12 +46,24 @@ def main(argv=None):
     ap.add_argument("--grid", default=None, help="default: Px1")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--limits", default="default,inf,0",
+                    help="the direct links' message limits to compare, in bytes: a comma list "
+                         "of numbers, 'default' (DIRECT_MAX_BYTES), 'inf' (all messages), 0 "
+                         "(none: dask's comms)")
     a = ap.parse_args(argv)
+    from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
+
+    try:
+        limits = [DIRECT_MAX_BYTES if x == "default" else None if x == "inf" else int(x)
+                  for x in a.limits.split(",")]
+    except ValueError:
+        ap.error(f"--limits {a.limits}: give numbers of bytes, 'default' or 'inf'")
     from distributed import Client
 
     import common as C
     import netcluster as N
-    from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES, install_exchange
+    from dask_ipar.nn.layers import Conv2d
+    from dask_ipar.runtime.exchange import install_exchange
 
     models = {m.key: m for m in C.configs(False) + [C.CNN]}
     grid = a.grid or f"{a.workers}x1"
@@ -50,14 +73,19 @@ def main(argv=None):
             install_exchange(client)
             for key in a.models.split(","):
                 cfg = models[key]
-                modes = {"direct links, small messages (the default)": DIRECT_MAX_BYTES,
-                         "direct links, all messages": None, "dask comms": 0}
+                # a CNN's convs batch-parallel (the planner's scheme on every grid of the
+                # peer sweeps; the layers' default, domain-parallel, needs Pr <= 4 here)
+                layers = [dataclasses.replace(lay, parallel="batch")
+                          if isinstance(lay, Conv2d) else lay
+                          for lay in cfg.layers()] if key == "cnn" else None
+                modes = {_mode_name(x, DIRECT_MAX_BYTES): x for x in limits}
                 got = {name: [] for name in modes}
                 for _ in range(a.rounds):
                     for name, limit in modes.items():
                         client.run(_switch, limit)
                         r = C.time_dask_grid(client, cfg, grid, a.steps, warmup=1,
-                                             executor="programs", profile=False)
+                                             executor="programs", profile=False,
+                                             layers=layers)
                         got[name].append(r["step_s"])
                         print(f"{cfg.label} {grid} {name}: {r['step_s']:.3f} s", flush=True)
                 print(f"{cfg.label} {grid}: " + ", ".join(

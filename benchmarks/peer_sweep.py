@@ -1,14 +1,16 @@
 """dask-ipar beside its PyTorch peers on emulated multi-host clusters, in one run.
 
     sudo python benchmarks/peer_sweep.py [--runs 4x1gbit,4x10gbit,2x1gbit] [--steps 3]
-        [--peers ddp,fsdp,tp] [--only weight,compute] [--quick] [--md docs/benchmarks.md]
+        [--peers ddp,fsdp,tp] [--only weight,compute] [--quick] [--pairs N]
+        [--md docs/benchmarks.md]
 
 For each ``PxRATE`` of ``--runs``: an emulated cluster of P dask workers and P PyTorch
 hosts, each in a network namespace of its own behind a ``tc tbf`` link of RATE
 (:mod:`netcluster`); the link checked by a 64 MiB transfer (dask and gloo); the 4-byte hop
 of the worker programs' transport beside gloo's; then per MLP, side by side: DDP,
 dask-ipar on every grid, FSDP, tensor + data parallel on every mesh, DDP again
-(:func:`netcluster.run_benchmark`). Writes ``benchmarks/results/peers-<time>.json`` and,
+(:func:`netcluster.run_benchmark`); with ``--pairs N``, N more rounds of the planner's
+grid and the best peer back to back, their ratio from the medians over all runs. Writes ``benchmarks/results/peers-<time>.json`` and,
 with ``--md``, the section between ``<!-- peers:begin -->`` and ``<!-- peers:end -->`` of
 that file (the other benchmark scripts keep it).
 """
@@ -92,7 +94,7 @@ def render(res: dict) -> str:
             w("| who | grid / mesh | step (s) | predicted step (s) | timed steps, "
               "fastest-slowest (s) | dask-ipar planner grid / it | first loss - one process's |")
             w("|---|---|---|---|---|---|---|")
-            best = v["by_grid"][v["planner_grid"]]["step_s"]
+            best = v.get("planner_step_s") or v["by_grid"][v["planner_grid"]]["step_s"]
             for g in v["order_measured"]:
                 r = v["by_grid"][g]
                 mark = " (planner's)" if g == v["planner_grid"] else ""
@@ -109,6 +111,16 @@ def render(res: dict) -> str:
                 w(f"| torch {mode} | {mesh} | {_f(p['step_s'])} | - | "
                   f"{_f(min(steps))}-{_f(max(steps))} | {best / p['step_s']:.2f} | {chk} |")
             w("")
+            if "pairs" in v:
+                pr = v["pairs"]
+                w(f"Then {pr['rounds']} more rounds of the planner's grid and the best peer, "
+                  f"back to back: {v['planner_grid']} "
+                  + ", ".join(_f(x) for x in pr["dask_s"]) + f" s (the first from the grid "
+                  f"sweep; median {_f(v['planner_step_s'])}), {v['best_peer']} "
+                  + ", ".join(_f(x) for x in pr["peer_s"]) + f" s (median "
+                  f"{_f(v['peers'][v['best_peer']]['step_s'])}); the ratios below and the "
+                  "last column are from these medians.")
+                w("")
             if "best_peer" in v:
                 w(f"Planner's grid {v['planner_grid']} / best peer ({v['best_peer']}): "
                   f"**{v['ratio_vs_best_peer']:.2f}x**"
@@ -139,6 +151,9 @@ def main(argv=None):
     ap.add_argument("--only", default=None,
                     help="comma list of models: compute,weight (the MLPs), cnn")
     ap.add_argument("--quick", action="store_true", help="the small MLPs")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="per model, this many more rounds of the planner's grid and the "
+                         "best peer back to back (their ratio: medians over all runs)")
     ap.add_argument("--from-json", default=None,
                     help="render saved sweeps again (a comma list: one section)")
     a = ap.parse_args(argv)
@@ -176,7 +191,8 @@ def main(argv=None):
             print(f"=== P = {p}, {rate}", flush=True)
             threads = max(1, (os.cpu_count() or 1) // p)
             out = N.run_benchmark(p, rate, a.quick, a.steps, None, threads, None, "programs",
-                                  [m for m in a.peers.split(",") if m], configs=models)
+                                  [m for m in a.peers.split(",") if m], configs=models,
+                                  pairs=a.pairs)
             res["results"].append(out)
             with open(path, "w") as fh:  # after every run: a killed sweep keeps what it has
                 json.dump(res, fh, indent=1, default=str)

@@ -1,0 +1,124 @@
+"""dask-ipar on one worker (grid 1x1) against PyTorch and NumPy in one process (issue 23).
+
+    python benchmarks/one_process.py [--mlps compute,weight] [--rounds 3] [--steps 5]
+        [--json out.json]
+
+The issue's target: the compute-bound MLP's 1x1 step at most 1.05x the faster of PyTorch
+(one process) and the NumPy reference, in the same run. Each round runs, back to back, the
+NumPy reference (``common.NumpyMLP``: one process, preallocated buffers, every matmul one
+sgemm), dask-ipar on 1x1 (a LocalCluster of one worker process with all the machine's BLAS
+threads; the programs executor, momentum SGD; ``common.time_dask_grid``) and PyTorch in one
+process (``torch_ddp.py --procs 1``, all cores); each figure the median of ``--steps``
+steps after a warm-up. The verdict compares the medians over the rounds, so that a phase
+of this shared machine's speed moves all three alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+LIMIT = 1.05  # dask-ipar 1x1 / the faster of PyTorch and NumPy
+
+
+def measure(cfg, client, rounds: int, steps: int, cores: int, log=print) -> dict:
+    """Interleaved rounds of NumPy, dask-ipar 1x1 and PyTorch on ``cfg``; step seconds."""
+    import common as C
+
+    out: dict = {"numpy": [], "dask": [], "torch": []}
+    for r in range(rounds):
+        out["numpy"].append(C.time_numpy(cfg, steps)["step_s"])
+        out["dask"].append(C.time_dask_grid(client, cfg, "1x1", steps, warmup=1,
+                                            profile=False, executor="programs")["step_s"])
+        t = C.time_torch(cfg, 1, cores, steps)
+        out["torch"].append(t.get("step_s"))
+        if "error" in t:
+            log(f"PyTorch failed: {t['error']}")
+        log(f"{cfg.label}, round {r + 1}: " + ", ".join(
+            f"{k} {v[-1]:.3f} s" if v[-1] is not None else f"{k} -" for k, v in out.items()))
+    return out
+
+
+def summarize(times: dict) -> dict:
+    med = {k: statistics.median(v) for k, v in times.items() if v and None not in v}
+    peers = [med[k] for k in ("numpy", "torch") if k in med]
+    ratio = med["dask"] / min(peers) if "dask" in med and peers else None
+    return {"median_s": med, "ratio": ratio,
+            "ok": None if ratio is None else ratio <= LIMIT}
+
+
+def _cell(times: list, median: float | None) -> str:
+    if not times or None in times or median is None:
+        return "-"
+    return f"{median:.3f} ({', '.join(f'{x:.3f}' for x in times)})"
+
+
+def render(res: dict) -> str:
+    head = (f"`python benchmarks/one_process.py --rounds {res['rounds']} --steps "
+            f"{res['steps']}` on {res['when']} ({res['cores']} cores; raw numbers in "
+            f"`benchmarks/results/{res['json_name']}`): step seconds, per round NumPy / "
+            "dask-ipar 1x1 / PyTorch, back to back; the verdict from the medians over the "
+            "rounds.")
+    cols = ("| MLP | NumPy (s) | dask-ipar 1x1 (s) | PyTorch, one process (s) | 1x1 / faster "
+            "peer | limit | verdict |")
+    L = [head, "", cols, "|---|---|---|---|---|---|---|"]
+    for key, r in res["mlps"].items():
+        t, s = r["steps_s"], r["summary"]
+        cells = [_cell(t[k], s["median_s"].get(k)) for k in ("numpy", "dask", "torch")]
+        ratio = s["ratio"]
+        if key != "compute":  # the issue sets its limit on the compute-bound MLP only
+            limit, verdict = "-", "not a target"
+        else:
+            limit = f"<= {LIMIT:.2f}"
+            verdict = "-" if ratio is None else ("PASS" if s["ok"] else "MISS")
+        L.append(f"| {r['label']} | {' | '.join(cells)} | "
+                 f"{'-' if ratio is None else f'{ratio:.2f}'} | {limit} | {verdict} |")
+    return "\n".join(L)
+
+
+def main(argv=None):
+    import common as C
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mlps", default="compute", help="comma-separated: compute, weight")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", default=None, help="where to write the raw numbers (default: "
+                   "benchmarks/results/one-<time>.json)")
+    a = p.parse_args(argv)
+    cfgs = {c.key: c for c in C.configs(False)}
+    keys = [k.strip() for k in a.mlps.split(",") if k.strip()]
+    bad = [k for k in keys if k not in cfgs]
+    if bad:
+        p.error(f"--mlps: unknown {', '.join(bad)}; choose from {', '.join(cfgs)}")
+    if a.rounds < 1 or a.steps < 1:
+        p.error("--rounds and --steps must be at least 1")
+    cores = os.cpu_count() or 1
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    path = a.json or os.path.join(HERE, "results", f"one-{stamp}.json")
+    res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cores": cores, "rounds": a.rounds,
+           "steps": a.steps, "json_name": os.path.basename(path), "mlps": {}}
+    cluster, client, _ = C.local_cluster(1, cores)
+    try:
+        for k in keys:
+            t = measure(cfgs[k], client, a.rounds, a.steps, cores,
+                        log=lambda m: print(m, file=sys.stderr, flush=True))
+            res["mlps"][k] = {"label": cfgs[k].label, "describe": cfgs[k].describe(),
+                              "steps_s": t, "summary": summarize(t)}
+    finally:
+        client.close()
+        cluster.close()
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(render(res))
+
+
+if __name__ == "__main__":
+    main()
