@@ -35,10 +35,6 @@ class MLPConfig:
     batch: int
 
     @property
-    def layers(self) -> int:
-        return len(self.widths) - 1
-
-    @property
     def flops(self) -> float:
         """FLOPs of one SGD step: 6 * B * sum(d_in * d_out) (forward, dX, dW)."""
         return 6.0 * self.batch * sum(a * b for a, b in zip(self.widths[:-1], self.widths[1:]))

@@ -178,7 +178,7 @@ def main():
     res["cnn"]["numpy_cpu_step_s"] = median_time(numpy_cnn_step(np.float32), 1, 2)
     try:
         res["cnn"]["torch_cuda_step_s"] = median_time(torch_cnn_step(), 2, 5)
-    except Exception as exc:  # torch absent or without CUDA
+    except Exception:  # torch absent or without CUDA
         res["cnn"]["torch_cuda_step_s"] = None
     try:
         res["torch_cuda_step_s"] = median_time(torch_step(widths, args.batch), 2, 5)

@@ -160,6 +160,48 @@ def test_local_workers_keep_freed_memory(reuse):
         assert got["MALLOC_MMAP_THRESHOLD_"] is None and got["MALLOC_TRIM_THRESHOLD_"] == "65536"
 
 
+@pytest.mark.fast
+def test_malloc_advice_only_where_the_adaptive_mmap_threshold_is_off():
+    from dask_ipar.runtime.worker_env import REUSE_MEMORY_ENV, malloc_advice
+
+    nanny = {"MALLOC_MMAP_THRESHOLD_": None, "MALLOC_TRIM_THRESHOLD_": "65536",
+             "MALLOC_TOP_PAD_": None}
+    unset = dict.fromkeys(REUSE_MEMORY_ENV)
+    advice = malloc_advice({"w0": nanny, "w1": dict(REUSE_MEMORY_ENV), "w2": nanny})
+    assert advice.startswith("2 of 3 workers run with MALLOC_TRIM_THRESHOLD_=65536")
+    for k, v in REUSE_MEMORY_ENV.items():  # the fix, in the user's terms
+        assert f"{k}={v}" in advice
+    assert "docs/hpc.md" in advice
+    # dask-ipar's settings, glibc's own adaptive defaults, no glibc: nothing to say
+    assert malloc_advice({"w0": dict(REUSE_MEMORY_ENV), "w1": unset, "w2": None}) is None
+    assert malloc_advice({}) is None
+
+
+def test_workers_that_hand_memory_back_at_once_get_advice_once():
+    """A cluster dask-ipar did not start (a nanny's defaults): the first grid bound on it
+    logs the advice, later ones do not; dask-ipar's own clusters get none."""
+    from distributed import Client, LocalCluster
+
+    from dask_ipar.runtime.worker_env import check_malloc
+    from dask_ipar.runtime.workers import bind_grid
+
+    said = []
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        (w,) = client.scheduler_info()["workers"]
+        with pytest.MonkeyPatch.context() as mp:  # bind_grid's advice goes to this log
+            mp.setattr(logging.getLogger("dask_ipar"), "warning", said.append)
+            bind_grid("1x1", client)
+            bind_grid("1x1", client)
+        assert len(said) == 1 and "1 of 1 workers run with MALLOC_TRIM_THRESHOLD_=65536" \
+            in said[0]
+        assert check_malloc(client, [w]) is None  # once per scheduler
+    with make_cluster(_cfg(dashboard=False), 1) as client:
+        (w,) = client.scheduler_info()["workers"]
+        assert check_malloc(client, [w], log=said.append) is None
+    assert len(said) == 1
+
+
 def test_shutdown_heartbeat_errors_muted_and_nothing_else():
     """The filter dask-ipar installs on its workers before shutting a cluster down drops
     the heartbeat-race error record only."""

@@ -257,7 +257,7 @@ def test_a_link_stalled_mid_message_holds_no_reader_and_garbage_ends_only_its_li
     server, wire, _, box, cv = _pair()
     try:
         stalled = socket.create_connection(("127.0.0.1", server.port))
-        head, rest = pack([(("s-u-s1", 0), np.arange(5.0))]), None
+        head = pack([(("s-u-s1", 0), np.arange(5.0))])
         views = [memoryview(f).cast("B") for f in head]
         raw = (struct.pack(f"!{len(views) + 1}Q", len(views), *(v.nbytes for v in views))
                + b"".join(bytes(v) for v in views))

@@ -41,6 +41,7 @@ from dask_ipar.runtime.worker_env import (
     check_n,
     cluster_section,
     config_environ,
+    malloc_checked,
     worker_environment,
 )
 from dask_ipar.runtime.workers import wait_for_workers
@@ -228,6 +229,7 @@ def make_cluster(cfg: dict, n_workers: int, *, device: str = "cpu", log=None):
             if kind != "local":
                 cluster.scale(n=n_workers)
             client = Client(cluster, security=security)
+            malloc_checked(client)  # its workers have what cluster.reuse_memory says
             if kind == "local":
                 client.register_plugin(IgnoreStopSignals(), name=IgnoreStopSignals.name)
             try:

@@ -7,6 +7,7 @@ Shared by the local clusters (:mod:`.cluster`) and the batch-system ones (:mod:`
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 from dask_ipar.config import DEFAULTS
@@ -15,7 +16,7 @@ from dask_ipar.errors import IparError
 __all__ = ["config_seconds", "QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEMORY_ENV", "BLAS_THREAD_VARS",
            "blas_environ",
            "config_environ", "config_exports", "worker_environment", "cluster_section",
-           "check_n"]
+           "check_n", "worker_malloc_env", "malloc_advice", "check_malloc", "malloc_checked"]
 
 #: dask settings of the clusters dask-ipar starts: the event-loop housekeeping of the
 #: scheduler, nannies and workers runs less often than dask's defaults (a tick every 20 ms,
@@ -141,3 +142,71 @@ def worker_environment(reuse_memory: bool = True):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+#: Schedulers whose workers' malloc settings need no (more) advice: checked once, or
+#: started by dask-ipar with the user's ``cluster.reuse_memory`` (:func:`malloc_checked`).
+_MALLOC_CHECKED: set = set()
+
+
+def worker_malloc_env() -> dict | None:
+    """On a worker: its values of the :data:`REUSE_MEMORY_ENV` variables (None where
+    unset), or None where the process does not run on glibc (they mean nothing there)."""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    return {k: os.environ.get(k) for k in REUSE_MEMORY_ENV}
+
+
+def malloc_advice(envs: dict) -> str | None:
+    """What to tell a user whose workers hand freed memory back to the OS at once, or None.
+
+    ``envs``: worker address -> :func:`worker_malloc_env`. A worker started with
+    ``MALLOC_TRIM_THRESHOLD_`` and without ``MALLOC_MMAP_THRESHOLD_`` (what a dask nanny
+    gives the workers it starts) has glibc's adaptive mmap threshold off: every array over
+    128 KiB is a fresh mapping whose pages fault in again, every step.
+    """
+    slow = sorted(w for w, e in envs.items()
+                  if e and e.get("MALLOC_TRIM_THRESHOLD_") is not None
+                  and e.get("MALLOC_MMAP_THRESHOLD_") is None)
+    if not slow:
+        return None
+    trim = envs[slow[0]]["MALLOC_TRIM_THRESHOLD_"]
+    exports = " ".join(f"{k}={v}" for k, v in REUSE_MEMORY_ENV.items())
+    return (f"{len(slow)} of {len(envs)} workers run with MALLOC_TRIM_THRESHOLD_={trim} and "
+            "without MALLOC_MMAP_THRESHOLD_ (a dask nanny's default): glibc then maps every "
+            "array over 128 KiB afresh and its pages fault in again at every step (training "
+            "steps measured 1.05-1.3x longer; docs/hpc.md, 'Worker memory reuse'). Start "
+            f"the workers with {exports} in their environment, as the clusters dask-ipar "
+            "starts have them (dask-ipar train --workers N, "
+            "dask_ipar.runtime.cluster.open_client); or leave them where the memory they "
+            "keep (up to 64 MiB per worker) is scarcer than time.")
+
+
+def malloc_checked(client) -> None:
+    """No malloc advice for ``client``'s cluster (one dask-ipar started as configured)."""
+    addr = getattr(getattr(client, "scheduler", None), "address", None)
+    if addr:
+        _MALLOC_CHECKED.add(addr)
+
+
+def check_malloc(client, workers, log=None) -> str | None:
+    """Ask ``workers`` for their malloc settings, once per scheduler, and log
+    :func:`malloc_advice` (a warning of the ``dask_ipar`` logger, or ``log``) where they
+    hand freed memory back at once; returns the advice (None: none, or already given)."""
+    addr = getattr(getattr(client, "scheduler", None), "address", None)
+    if not addr or addr in _MALLOC_CHECKED:
+        return None
+    _MALLOC_CHECKED.add(addr)
+    try:
+        envs = client.run(worker_malloc_env, workers=list(workers))
+    except Exception:  # advice only: a worker that cannot answer is no error here
+        return None
+    if not isinstance(envs, dict):  # an asynchronous client's coroutine: no advice
+        getattr(envs, "close", lambda: None)()
+        return None
+    advice = malloc_advice(envs)
+    if advice:
+        (log or logging.getLogger("dask_ipar").warning)(f"dask-ipar: {advice}")
+    return advice

@@ -224,6 +224,10 @@ def bind_grid(grid: Grid, client, workers: list[str] | None = None) -> GridBindi
     ------
     IparError
         If the cluster has fewer workers than grid cells.
+
+    The first binding on a cluster dask-ipar did not start checks the workers' malloc
+    settings and logs advice where they slow every step
+    (:func:`dask_ipar.runtime.worker_env.check_malloc`).
     """
     grid = parse_grid(grid)
     if workers is None:
@@ -234,4 +238,7 @@ def bind_grid(grid: Grid, client, workers: list[str] | None = None) -> GridBindi
             f"Start the cluster with at least {grid.size} workers (--workers {grid.size}) "
             f"or choose a smaller grid whose Pr*Pc <= {len(workers)}."
         )
+    from dask_ipar.runtime.worker_env import check_malloc
+
+    check_malloc(client, workers[: grid.size])  # once per cluster: advice, never an error
     return GridBinding(grid, tuple(workers[: grid.size]))
