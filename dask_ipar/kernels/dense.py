@@ -150,10 +150,11 @@ def dense_forward(wb, xb, n_in, activation, *blocks):
     ``blocks`` are the column slices of the block row ``W(i, :)`` (``wb`` their column
     ranges; the column ``n_in``, if present, is the bias), then the row pieces of the input
     column ``X(:, j)`` (``xb`` their row ranges): the all-gathers over the grid row and
-    column end here, inside the task that uses them.
+    column end here, inside the task that uses them. Blocks after those are not read (the
+    task's order-only dependencies).
     """
     nw = len(wb)
-    w, x = blocks[:nw], blocks[nw:]
+    w, x = blocks[:nw], blocks[nw:nw + len(xb)]
     segments = forward_segments(wb, xb, n_in, w[0].shape[0], x[0].shape[1])
     if segments is None:
         z = span(wb, 0, n_in, 1, *w) @ span(xb, 0, n_in, 0, *x)

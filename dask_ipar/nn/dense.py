@@ -32,8 +32,8 @@ dependencies and joins them itself, so a layer's forward is one task and one dep
 hop per cell; the backward tasks read the same fetched blocks (only the column ranges
 they need, as views). One task per cell at the start of a step (``weights.wpre``)
 fetches the row's weight slices of every layer while each is still only on its owner,
-so every slice is sent by its owner (balanced senders); later fetches could be served
-by a replica. Replicas are read by several tasks of a step, so a model holds dask's
+and the cell's forward tasks wait for it, so the slices are sent by their owners
+(balanced senders; dask may still serve a fetch it retries from another copy). Replicas are read by several tasks of a step, so a model holds dask's
 Active Memory Manager stopped while it is distributed
 (:func:`dask_ipar.runtime.workers.hold_replicas`): its ReduceReplicas policy would drop replicas
 that a waiting task still needs, and they would travel again.
@@ -230,8 +230,10 @@ class Engine:
             # its grid row's weight slices, and the forward tasks find them there. All
             # cells of a row wait for the same slices (their own too), so the scheduler
             # starts them together, while each slice is still only on its owner: every
-            # fetch is from the owner. Fetches left to the forward tasks, later in the step,
-            # could be served by another cell's replica, which unbalances the senders.
+            # fetch is from the owner. The forward tasks wait for it (an order-only
+            # argument): a forward task sent while the cell still fetches would tell it of
+            # the other cells' copies, and dask's workers fetch from the peer that holds
+            # the most of what they need, which made one cell of a row serve the others.
             pre = self.name("weights", "wpre", step)
             for i, j in cells:
                 g.add((pre, i, j), self.binding.worker(i, j), B.fetched,
@@ -248,7 +250,8 @@ class Engine:
             for i, j in cells:
                 xb, xr = parts[(i, j)]
                 g.add((act, i, j), self.binding.worker(i, j), K.dense_forward,
-                      lay.wcols, xb, lay.n_in, lay.activation, *wp[i], *xr)
+                      lay.wcols, xb, lay.n_in, lay.activation, *wp[i], *xr,
+                      *([TaskRef((pre, i, j))] if pc > 1 else []))
             inputs.append(parts)
             wparts.append(wp)
             if l + 1 < len(self.layouts):

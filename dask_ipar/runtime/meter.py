@@ -105,6 +105,7 @@ class CommReport:
     sent_bytes: dict = field(default_factory=dict)  # worker -> bytes sent over the run
     received_bytes: dict = field(default_factory=dict)  # worker -> bytes received
     sent_by_phase: dict = field(default_factory=dict)  # (layer, phase) -> {worker: bytes}
+    received_by_phase: dict = field(default_factory=dict)  # (layer, phase) -> {worker: bytes}
     unattributed_bytes: int = 0
     #: worker -> bytes it read from storage over the run (data the cells read themselves)
     storage_read_bytes: dict = field(default_factory=dict)
@@ -232,6 +233,7 @@ class CommMeter:
         self._sent = defaultdict(int)
         self._recv = defaultdict(int)
         self._sent_phase = defaultdict(lambda: defaultdict(int))
+        self._recv_phase = defaultdict(lambda: defaultdict(int))
         self._read = defaultdict(int)  # worker -> bytes read from storage
         self._input = defaultdict(int)  # "client" / "storage" -> bytes measured
         self._pred_input = defaultdict(int)  # the same, predicted
@@ -323,6 +325,7 @@ class CommMeter:
                 self._bytes[lp] += nbytes
                 self._secs[(*lp, receiver)] += secs
                 self._sent_phase[lp][sender] += nbytes
+                self._recv_phase[lp][receiver] += nbytes
 
     def _drain_reads(self, workers) -> dict:
         """Bytes each worker read from storage for this run's data since the last drain."""
@@ -361,6 +364,7 @@ class CommMeter:
             sent_bytes=dict(self._sent),
             received_bytes=dict(self._recv),
             sent_by_phase={k: dict(v) for k, v in self._sent_phase.items()},
+            received_by_phase={k: dict(v) for k, v in self._recv_phase.items()},
             unattributed_bytes=self._other,
             storage_read_bytes=dict(self._read),
             input_rows=[CommRow("input", k, self._pred_input[k] / n, self._input[k] / n, 0.0,
