@@ -8,7 +8,8 @@ import numpy as np
 
 from dask_ipar.io.data import as_inputs
 from dask_ipar.kernels import blocks as B
-from dask_ipar.nn.dense import Engine, LayerLayout, check_dense_grid
+from dask_ipar.nn.dense import Engine
+from dask_ipar.nn.dense_layout import LayerLayout, check_dense_grid
 from dask_ipar.nn.front import Front, front_layouts
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.errors import IparError

@@ -26,7 +26,7 @@ from dask_ipar.reference import cnn_loss_and_grads, mlp_forward, mlp_loss_and_gr
 from dask_ipar.errors import IparError
 from dask_ipar.layout.grid import Grid
 from dask_ipar.layout.partition import grid_shapes
-from dask_ipar.nn.dense import check_dense_grid
+from dask_ipar.nn.dense_layout import check_dense_grid
 from dask_ipar.nn.layers import AvgPool2d, Conv2d, Flatten, MaxPool2d
 from dask_ipar.runtime.placement import check_batch
 from dask_ipar.runtime.workers import scheduler_workers

@@ -222,7 +222,8 @@ def test_batch_parallel_conv_errors(client):
 # ------------------------------------------------- one cost path: planner == meter
 def _engine_on_fake_workers(layers, input_shape, pr, pc):
     """The engine of a CNN bound to fake worker addresses (graphs only, no cluster)."""
-    from dask_ipar.nn.dense import Engine, LayerLayout
+    from dask_ipar.nn.dense import Engine
+    from dask_ipar.nn.dense_layout import LayerLayout
     from dask_ipar.nn.front import Front, front_layouts
     from dask_ipar.layout.grid import Grid, GridBinding
 

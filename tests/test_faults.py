@@ -338,11 +338,12 @@ def test_cli_on_an_external_cluster_survives_a_killed_worker(tmp_path, capsys):
                 if done >= 8:
                     break
                 time.sleep(0.05)
-            pids = watch.run(os.getpid)
-            victim = sorted(pids, key=lambda w: watch.scheduler_info()["workers"][w]
-                            ["name"])[1]
+            # pid and name in one call (two calls raced a worker list that changed
+            # between them: a KeyError in this thread, no kill)
+            info = watch.run(lambda dask_worker: (os.getpid(), dask_worker.name))
+            victim = sorted(info, key=lambda w: str(info[w][1]))[1]
             killed.append(victim)
-            os.kill(pids[victim], signal.SIGKILL)
+            os.kill(info[victim][0], signal.SIGKILL)
 
         t = threading.Thread(target=kill_mid_run)
         t.start()

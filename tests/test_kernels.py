@@ -11,6 +11,7 @@ import pytest
 
 from dask_ipar.kernels import blocks as B
 from dask_ipar.kernels import dense as K
+from dask_ipar.kernels import loss as KL
 
 pytestmark = pytest.mark.fast  # no cluster: graphs, kernels and formulas only
 xps = pytest.importorskip("array_api_strict")
@@ -107,6 +108,41 @@ def test_dense_forward_sums_products_instead_of_joining_the_weights(activation):
     assert K.forward_segments(((0, 8),), ((0, 7),), 7, 40, 1) is None
 
 
+@pytest.mark.parametrize("activation", ["linear", "relu"])
+@pytest.mark.parametrize("mine", [0, 1])
+def test_dense_forward_own_rows_first_equals_the_whole(activation, mine):
+    """The product over the cell's own input piece (``dense_forward_own``), then the other
+    pieces, the bias and the activation (``dense_forward_rest``): the forward's values.
+    The order-only block after the pieces is not read."""
+    w, x = rng.standard_normal((5, 8)), rng.standard_normal((7, 3))
+    z = w[:, :7] @ x + w[:, 7:8]
+    ref = np.maximum(z, 0) if activation == "relu" else z
+    xs = _rows(x)
+    own = _same_parts(K.dense_forward_own, (WB, (XB[mine],), 7), _cols(w) + [xs[mine]])
+    np.testing.assert_allclose(own, w[:, XB[mine][0]:XB[mine][1]] @ xs[mine], rtol=1e-13)
+    rest = 1 - mine
+    out = _same_parts(lambda o, *blocks: K.dense_forward_rest(WB, (XB[rest],), 7, activation,
+                                                              o, *blocks, None),
+                      (), [own] + _cols(w) + [xs[rest]])
+    np.testing.assert_allclose(out, ref, rtol=1e-13)
+
+
+@pytest.mark.parametrize("activation", ["linear", "relu", "tanh"])
+def test_dz_from_own_piece_is_bit_equal_to_the_fused_sum(activation):
+    """The local dX piece as a task of its own, then the sum: the same bits as
+    ``dz_from_pieces`` (same products, same order), and the own piece is not written."""
+    a = np.tanh(rng.standard_normal((3, 4)))
+    w, dz = rng.standard_normal((5, 8)), rng.standard_normal((5, 4))
+    r1, r2 = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    fused = K.dz_from_pieces(a, activation, WB, 2, 5, dz, *_cols(w), r1, r2)
+    own = K.dx_piece(WB, 2, 5, dz, *_cols(w))
+    kept = own.copy()
+    apart = _same_parts(lambda aa, o, *rest: K.dz_from_own(aa, activation, o, *rest), (),
+                        [a, own, r1, r2])
+    assert np.array_equal(apart, fused)
+    assert np.array_equal(own, kept)
+
+
 def test_dense_kernels_take_misaligned_blocks():
     """Blocks at odd addresses (as in a received message's buffer) give the same values."""
     w = rng.standard_normal((40, 8)).astype(np.float32)
@@ -144,16 +180,16 @@ def test_softmax_cross_entropy():
     for r0, r1 in [(0, 6), (2, 5)]:
         ref = (p - onehot)[r0:r1] / 20
         for lg, lb in ((nl, ny), (sl, sy)):
-            out = K.softmax_xent_grad(lb, r0, r1, 20, lg)
+            out = KL.softmax_xent_grad(lb, r0, r1, 20, lg)
             np.testing.assert_allclose(_host(out), ref, rtol=1e-13)
             # the logits as row pieces of the grid column (the gather ends in the task)
-            out = K.softmax_xent_grad(lb, r0, r1, 20, lg[:2, :], lg[2:, :])
+            out = KL.softmax_xent_grad(lb, r0, r1, 20, lg[:2, :], lg[2:, :])
             np.testing.assert_allclose(_host(out), ref, rtol=1e-13)
     ref_loss = -np.log(p[labels, np.arange(9)]).sum()
     ref_correct = (logits.argmax(0) == labels).sum()
     for lg, lb in ((nl, ny), (sl, sy)):
         for parts in ((lg,), (lg[:4, :], lg[4:, :])):
-            loss, correct = K.softmax_xent_stats(lb, *parts)
+            loss, correct = KL.softmax_xent_stats(lb, *parts)
             assert loss == pytest.approx(ref_loss, rel=1e-13) and correct == ref_correct
 
 

@@ -19,7 +19,7 @@ import pytest
 from dask_ipar import Sequential, cost
 from dask_ipar.errors import IparError
 from dask_ipar.layout.partition import grid_shapes
-from dask_ipar.nn.dense import check_dense_grid
+from dask_ipar.nn.dense_layout import check_dense_grid
 from dask_ipar.nn.layers import Conv2d
 from dask_ipar.nn.planning import ENGINE_SCHEMES, cost_specs
 from dask_ipar.runtime.meter import predict_step

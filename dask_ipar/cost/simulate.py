@@ -195,7 +195,7 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
 
 def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, cores=None,
                       available=None, task_s=0.0, shared=1.0,
-                      transfer_cpu_s_per_B=0.0) -> SimResult:
+                      transfer_cpu_s_per_B=0.0, trace=None) -> SimResult:
     """Simulate one step run as worker programs (``Model.executor = "programs"``).
 
     No scheduler between tasks: each worker runs its own tasks, at each point the first
@@ -217,7 +217,8 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     applies to it as to tasks); the step ends when every task and every transfer's work is
     done.
 
-    Returns a :class:`SimResult` whose ``seconds`` is the step's makespan.
+    Returns a :class:`SimResult` whose ``seconds`` is the step's makespan. ``trace``, a
+    list, receives ``(worker, key, start, end)`` of every task (where a step's time goes).
     """
     tasks = list(tasks)
     by_key = {t.key: t for t in tasks}
@@ -276,7 +277,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                     pending[w].remove(key)
                     t = by_key[key]
                     work = task_s + t.flops / flops_per_s + t.mem_bytes / mem_Bps
-                    running[w] = [key, work]
+                    running[w] = [key, work, now]
                     busy[w] += work
         if not running and not events and not comm:
             raise ValueError("the programs wait for a block that never comes")
@@ -306,7 +307,9 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             else:
                 here[ev[0]][ev[1]] = now
         for w in [w for w, r in running.items() if r[1] <= 1e-9]:
-            key = running.pop(w)[0]
+            key, _, start = running.pop(w)
+            if trace is not None:
+                trace.append((w, key, start, now))
             here[w][key] = now
             send(key, w, by_key[key].out_bytes, now)
     return SimResult(seconds=now, compute_s=busy, transfer_bytes=transfer, latency_s=now)

@@ -1,5 +1,5 @@
 """The per-block kernels the step graph runs, array-module generic (NumPy, CuPy, any array
-API namespace): dense layers and updates (:mod:`.dense`), convolution and pooling
+API namespace): dense layers and updates (:mod:`.dense`), the loss (:mod:`.loss`), convolution and pooling
 (:mod:`.conv`).
 """
 

@@ -16,7 +16,7 @@ bytes are the sum of its items'.
 
 from __future__ import annotations
 
-from dask_ipar.kernels.dense import forward_segments
+from dask_ipar.kernels.dense import contract_ranges, forward_segments
 
 __all__ = ["KERNEL_COSTS", "Parts", "kernel_cost", "numel"]
 
@@ -59,6 +59,21 @@ def _dense_forward(wb, xb, n_in, activation, *blocks):
     return out, 2.0 * w[0] * n_in * x[1], passes * out[0] * out[1] + extra
 
 
+def _dense_forward_own(wb, xb, n_in, *blocks):
+    w, x = blocks[0], blocks[len(wb)]
+    out = (w[0], x[1])
+    k = sum(b - a for a, b in contract_ranges(wb, xb, n_in))
+    extra = 4 * out[0] * out[1] * (len(contract_ranges(wb, xb, n_in)) - 1)
+    return out, 2.0 * w[0] * k * x[1], out[0] * out[1] + extra
+
+
+def _dense_forward_rest(wb, xb, n_in, activation, own, *blocks):
+    out, flops, mem = _dense_forward_own(wb, xb, n_in, *blocks)
+    # the own product added (read both, write), the bias, the activation
+    passes = 3 + (3 if wb[-1][1] > n_in else 0) + (2 if activation != "linear" else 0)
+    return out, flops, mem + passes * out[0] * out[1]
+
+
 def _logits(parts):  # the logits pieces are joined first
     lg = (sum(p[0] for p in parts), parts[0][1])
     return lg, (6 + (2 if len(parts) > 1 else 0)) * lg[0] * lg[1]
@@ -82,6 +97,11 @@ def _dz_from_pieces(a, activation, wb, c0, c1, dz, *rest):
     out = (c1 - c0, dz[1])
     passes = 1 + 3 * (len(rest) - len(wb)) + {"relu": 4, "tanh": 6}.get(activation, 0)
     return out, 2.0 * dz[0] * out[0] * out[1], passes * out[0] * out[1]
+
+
+def _dz_from_own(a, activation, own, *remote):
+    passes = 3 * len(remote) + {"relu": 4, "tanh": 6}.get(activation, 0)
+    return own, 0.0, passes * own[0] * own[1]
 
 
 def _dw(dz, c0, c1, n_in, passes):
@@ -386,10 +406,13 @@ KERNEL_COSTS = {
     "concat_rows": _concat_rows,
     "concat_cols": _concat_cols,
     "dense_forward": _dense_forward,
+    "dense_forward_own": _dense_forward_own,
+    "dense_forward_rest": _dense_forward_rest,
     "softmax_xent_grad": _softmax_xent_grad,
     "softmax_xent_stats": _softmax_xent_stats,
     "dx_piece": _dx_piece,
     "dz_from_pieces": _dz_from_pieces,
+    "dz_from_own": _dz_from_own,
     "dw_piece": _dw_piece,
     "dw_reduce": _dw_piece,  # the same products and passes as a piece
     "sgd_velocity": _sgd_velocity,

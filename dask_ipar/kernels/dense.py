@@ -15,21 +15,22 @@ import sys
 
 import numpy as np
 
-from dask_ipar.kernels.blocks import concat_rows, sum_pieces, xp_of
+from dask_ipar.kernels.blocks import sum_pieces, xp_of
 
 __all__ = [
     "ACTIVATIONS",
     "span",
     "forward_segments",
+    "contract_ranges",
     "dense_forward",
+    "dense_forward_own",
+    "dense_forward_rest",
     "activation_grad",
     "times_activation_grad_",
     "axpy_",
-    "softmax_xent_grad",
-    "softmax_xent_stats",
-    "stack_stats",
     "dx_piece",
     "dz_from_pieces",
+    "dz_from_own",
     "dw_piece",
     "dw_reduce",
     "sgd_velocity",
@@ -155,22 +156,63 @@ def dense_forward(wb, xb, n_in, activation, *blocks):
     """
     nw = len(wb)
     w, x = blocks[:nw], blocks[nw:nw + len(xb)]
-    segments = forward_segments(wb, xb, n_in, w[0].shape[0], x[0].shape[1])
-    if segments is None:
+    if forward_segments(wb, xb, n_in, w[0].shape[0], x[0].shape[1]) is None:
         z = span(wb, 0, n_in, 1, *w) @ span(xb, 0, n_in, 0, *x)
     else:  # a sum of products over the contraction ranges: no joined copies
-        (a, b), rest = segments[0], segments[1:]
-        z = _part(wb, w, a, b, 1) @ _part(xb, x, a, b, 0)
-        m = _ufuncs(z)
-        tmp = m.empty_like(z) if m is not None else None
-        for a, b in rest:
-            wa, xa = _part(wb, w, a, b, 1), _part(xb, x, a, b, 0)
-            if m is not None:
-                z += m.matmul(wa, xa, out=tmp)
-            else:
-                z = z + wa @ xa
+        z = _contract(wb, xb, n_in, w, x)
     if wb[-1][1] > n_in:
         z += span(wb, n_in, n_in + 1, 1, *w)
+    return _activate(z, activation)
+
+
+def contract_ranges(wb, xb, n_in):
+    """The contraction ranges ``(a, b)`` of the input pieces' rows ``xb`` (clipped to
+    ``:n_in``) cut where ``W``'s column slices ``wb`` end: each range lies in one slice
+    and one piece, so its product needs no joined copy."""
+    out = []
+    for a0, b0 in xb:
+        a0, b0 = max(a0, 0), min(b0, n_in)
+        if a0 < b0:
+            cuts = sorted({a0, b0} | {c for r in wb for c in r if a0 < c < b0})
+            out += list(zip(cuts[:-1], cuts[1:]))
+    return out
+
+
+def _contract(wb, xb, n_in, w, x):
+    """``W(i, a:b) @ X(a:b, j)`` summed over :func:`contract_ranges`; a fresh array."""
+    z, tmp, m = None, None, None
+    for a, b in contract_ranges(wb, xb, n_in):
+        wa, xa = _part(wb, w, a, b, 1), _part(xb, x, a, b, 0)
+        if z is None:
+            z = wa @ xa
+            m = _ufuncs(z)
+        elif m is not None:
+            tmp = m.empty_like(z) if tmp is None else tmp
+            z += m.matmul(wa, xa, out=tmp)
+        else:
+            z = z + wa @ xa
+    return z
+
+
+def dense_forward_own(wb, xb, n_in, *blocks):
+    """The part of :func:`dense_forward`'s product its cell can compute alone:
+    ``W(i, a:b) @ X(a:b, j)`` over the input rows ``X``'s own piece holds (``xb``: its
+    range; ``blocks``: the weight slices of the block row, then the piece). It runs while
+    the column's other pieces travel (:func:`dense_forward_rest` adds them)."""
+    nw = len(wb)
+    return _contract(wb, xb, n_in, blocks[:nw], blocks[nw:nw + len(xb)])
+
+
+def dense_forward_rest(wb, xb, n_in, activation, own, *blocks):
+    """:func:`dense_forward` from the product over the cell's own input piece (``own``,
+    :func:`dense_forward_own`): the products over the other pieces (``xb``: their
+    ranges), plus ``own``, the bias, the activation. Blocks after the weight slices and
+    the pieces are not read (order-only dependencies)."""
+    nw = len(wb)
+    z = _contract(wb, xb, n_in, blocks[:nw], blocks[nw:nw + len(xb)])
+    z += own
+    if wb[-1][1] > n_in:
+        z += span(wb, n_in, n_in + 1, 1, *blocks[:nw])
     return _activate(z, activation)
 
 
@@ -196,47 +238,6 @@ def times_activation_grad_(g, a, activation):
     return g * d
 
 
-def _softmax_parts(logits):
-    xp = xp_of(logits)
-    z = logits - xp.max(logits, axis=0, keepdims=True)
-    e = xp.exp(z)
-    return xp, z, e, xp.sum(e, axis=0, keepdims=True)
-
-
-def _one_hot(xp, labels, start, stop, dtype):
-    rows = xp.arange(start, stop, dtype=labels.dtype)
-    return xp.astype(rows[:, None] == labels[None, :], dtype)
-
-
-def softmax_xent_grad(labels, row_start, row_stop, batch_total, *logits):
-    """Rows ``row_start:row_stop`` of d(mean cross-entropy)/d(logits).
-
-    ``logits`` is the ``classes x b`` column block, given as its row pieces in order
-    (the last layer's outputs of the grid column: the gather ends here), ``labels`` its
-    ``b`` integer labels, ``batch_total`` the global batch size B.
-    """
-    xp, _, e, s = _softmax_parts(concat_rows(*logits))
-    p = e[row_start:row_stop, :] / s
-    return (p - _one_hot(xp, labels, row_start, row_stop, p.dtype)) / batch_total
-
-
-def softmax_xent_stats(labels, *logits):
-    """``[sum of cross-entropy, number correct]`` of one column block (``logits``: its row
-    pieces in order), as float64 NumPy."""
-    logits = concat_rows(*logits)
-    xp, z, e, s = _softmax_parts(logits)
-    onehot = _one_hot(xp, labels, 0, logits.shape[0], z.dtype)
-    logp = xp.sum(onehot * z, axis=0) - xp.log(s[0, :])
-    correct = xp.sum(xp.astype(xp.argmax(logits, axis=0) == labels, xp.int64))
-    return np.array([float(-xp.sum(logp)), float(correct)], dtype=np.float64)
-
-
-def stack_stats(*stats):
-    """The loss statistics of several steps (each ``[loss sum, correct]``) as one ``(k, 2)``
-    array: what a worker returns for all the steps of one submission."""
-    return np.stack(stats)
-
-
 def dx_piece(wb, c0, c1, dz, *w):
     """``W(i, c0:c1)^T dZ(i, j)``: one piece of the dX reduce-scatter (``w``: the column
     slices of ``W(i, :)``, ``wb`` their ranges).
@@ -258,6 +259,17 @@ def dz_from_pieces(a, activation, wb, c0, c1, dz, *rest):
     """
     nw = len(wb)
     g = sum_pieces(dx_piece(wb, c0, c1, dz, *rest[:nw]), *rest[nw:])
+    return times_activation_grad_(g, a, activation)
+
+
+def dz_from_own(a, activation, own, *remote):
+    """:func:`dz_from_pieces` from the local piece computed apart (``own``, a
+    :func:`dx_piece` on this cell, run while the other pieces travel): the same sum in
+    the same order, into a fresh array (``own`` is another task's result), then the
+    activation'."""
+    g = own + remote[0]
+    for r in remote[1:]:
+        g += r
     return times_activation_grad_(g, a, activation)
 
 

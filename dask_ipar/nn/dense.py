@@ -64,59 +64,19 @@ groups tasks by layer and phase, and transfer logs attribute bytes to them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from dask._task_spec import TaskRef
 
-from dask_ipar.errors import IparError
 from dask_ipar.kernels import blocks as B
 from dask_ipar.kernels import dense as K
+from dask_ipar.kernels import loss as KL
 from dask_ipar.nn import collectives as C
 from dask_ipar.nn import updates as U
+from dask_ipar.nn.dense_layout import LayerLayout, own_dx_first, own_first
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.layout.grid import GridBinding
 from dask_ipar.layout.partition import split_bounds
 
-__all__ = ["LayerLayout", "Engine", "check_dense_grid"]
-
-
-@dataclass(frozen=True)
-class LayerLayout:
-    """Sizes and block bounds of one dense layer on a grid."""
-
-    index: int
-    name: str
-    n_in: int
-    n_out: int
-    bias: bool
-    activation: str
-    rows: tuple[tuple[int, int], ...]  # output rows over Pr
-    in_rows: tuple[tuple[int, int], ...]  # input rows over Pr (previous layer's rows)
-    wcols: tuple[tuple[int, int], ...]  # weight columns (bias included) over Pc
-
-    @property
-    def n_cols(self) -> int:
-        return self.n_in + int(self.bias)
-
-    def n_decay(self, j: int) -> int:
-        """Number of non-bias columns in weight slice ``j`` (weight decay applies to them)."""
-        c0, c1 = self.wcols[j]
-        return max(0, min(c1, self.n_in) - c0)
-
-    @classmethod
-    def build(cls, index, n_in, layer, pr, pc):
-        n_cols = n_in + int(layer.bias)
-        return cls(
-            index=index,
-            name=f"dense{index}",
-            n_in=n_in,
-            n_out=layer.units,
-            bias=layer.bias,
-            activation=layer.activation,
-            rows=split_bounds(layer.units, pr),
-            in_rows=split_bounds(n_in, pr),
-            wcols=split_bounds(n_cols, pc),
-        )
+__all__ = ["Engine"]
 
 
 class Engine:
@@ -247,11 +207,23 @@ class Engine:
                               layer=lay.name, phase="w_gather", words=self._slice_words(lay))
             wp = {i: wg[(i, 0)] for i in range(pr)}
             act = self.name(lay.name, "act", step)
+            own = self.name(lay.name, "act_own", step)
             for i, j in cells:
                 xb, xr = parts[(i, j)]
-                g.add((act, i, j), self.binding.worker(i, j), K.dense_forward,
-                      lay.wcols, xb, lay.n_in, lay.activation, *wp[i], *xr,
-                      *([TaskRef((pre, i, j))] if pc > 1 else []))
+                after = [TaskRef((pre, i, j))] if pc > 1 else []
+                at = self.binding.worker(i, j)
+                if l > 0 and own_first(self.grid, lay, xb, i, cols, j):
+                    # the product over the cell's own input rows runs while the column's
+                    # other pieces travel; the forward task adds theirs when they arrive
+                    rest = [k for k in range(pr) if k != i]
+                    g.add((own, i, j), at, K.dense_forward_own, lay.wcols, (xb[i],),
+                          lay.n_in, *wp[i], xr[i], *after)
+                    g.add((act, i, j), at, K.dense_forward_rest, lay.wcols,
+                          tuple(xb[k] for k in rest), lay.n_in, lay.activation,
+                          TaskRef((own, i, j)), *wp[i], *[xr[k] for k in rest])
+                else:
+                    g.add((act, i, j), at, K.dense_forward, lay.wcols, xb, lay.n_in,
+                          lay.activation, *wp[i], *xr, *after)
             inputs.append(parts)
             wparts.append(wp)
             if l + 1 < len(self.layouts):
@@ -267,14 +239,14 @@ class Engine:
         for i in range(pr):
             r0, r1 = last.rows[i]
             for j in range(pc):
-                g.add((dz, i, j), self.binding.worker(i, j), K.softmax_xent_grad,
+                g.add((dz, i, j), self.binding.worker(i, j), KL.softmax_xent_grad,
                       y_keys[(i, j)], r0, r1, batch, *logits[(i, j)])
         return dz, self._stats(g, logits, y_keys, step)
 
     def _stats(self, g: StepGraph, logits: dict, y_keys: dict, step: int) -> list:
         st = self.name("loss", "stats", step)
         for j in range(self.grid.pc):
-            g.add((st, j), self.binding.worker(0, j), K.softmax_xent_stats,
+            g.add((st, j), self.binding.worker(0, j), KL.softmax_xent_stats,
                   y_keys[(0, j)], *logits[(0, j)])
         return [(st, j) for j in range(self.grid.pc)]
 
@@ -328,18 +300,30 @@ class Engine:
                     lambda src, dst, lay=lay: (lay.in_rows[dst[0]][1] - lay.in_rows[dst[0]][0])
                     * cols[src[1]]))
             dz_prev = self.name(prev.name, "dz", step)
+            dxown = self.name(lay.name, "dxown", step)
+            apart = set()  # cells whose local dX piece is a task of its own
             for k in range(pr):
                 c0, c1 = lay.in_rows[k]
                 for j in range(pc):
                     own = inputs[l][(k, j)][1][k]  # this cell's block of the layer's input
-                    g.add((dz_prev, k, j), self.binding.worker(k, j), K.dz_from_pieces,
-                          own, prev.activation, lay.wcols, c0, c1, TaskRef((dz, k, j)),
-                          *wparts[l][k], *dxr[(k, j)])
+                    at = self.binding.worker(k, j)
+                    if own_dx_first(self.grid, lay, k, cols, j):
+                        # the local piece runs while the other cells' pieces travel, and
+                        # the update in place need not wait for them (it follows this)
+                        apart.add((k, j))
+                        g.add((dxown, k, j), at, K.dx_piece, lay.wcols, c0, c1,
+                              TaskRef((dz, k, j)), *wparts[l][k])
+                        g.add((dz_prev, k, j), at, K.dz_from_own, own, prev.activation,
+                              TaskRef((dxown, k, j)), *dxr[(k, j)])
+                    else:
+                        g.add((dz_prev, k, j), at, K.dz_from_pieces, own, prev.activation,
+                              lay.wcols, c0, c1, TaskRef((dz, k, j)), *wparts[l][k],
+                              *dxr[(k, j)])
 
-            def readers(i, jj, dxp=dxp, dz_prev=dz_prev):
+            def readers(i, jj, dxp=dxp, dz_prev=dz_prev, dxown=dxown, apart=apart):
                 """The tasks of cell (i, jj) that read its weight slice after the forward."""
                 return ([TaskRef((dxp, i, k, jj)) for k in range(pr) if k != i]
-                        + [TaskRef((dz_prev, i, jj))])
+                        + [TaskRef((dxown if (i, jj) in apart else dz_prev, i, jj))])
 
             reduce_fn(g, lay, l, dw_args, readers)
             dz = dz_prev
@@ -474,30 +458,5 @@ class Engine:
         # the logits rows gathered on row 0 (fwd_gather of the last layer)
         xg = self.name(self.layouts[-1].name, "xgather", step)
         for j, parts in enumerate(pieces):
-            g.add((xg, 0, j), self.binding.worker(0, j), K.concat_rows, *parts)
+            g.add((xg, 0, j), self.binding.worker(0, j), B.concat_rows, *parts)
         return g, [(xg, 0, j) for j in range(self.grid.pc)], stats
-
-
-# ------------------------------------------------------------ step-time model
-
-
-def check_dense_grid(dense_layers, first: int, grid, sizes=None):
-    """Refuse a grid the dense layers cannot be split over: every grid row must own an
-    output row of every layer and, once the input sizes are known (``sizes``, the widths
-    ``[d_0, ..., d_L]`` of the whole network), every grid column a weight column.
-    ``first`` is the index of the first dense layer in the network (for the messages)."""
-    for k, lay in enumerate(dense_layers, start=first):
-        if lay.units < grid.pr:
-            raise IparError(
-                f"layer {k} has {lay.units} outputs, fewer than the grid's Pr = {grid.pr} rows; "
-                "each grid row must own at least one output row. Use a grid with "
-                f"Pr <= {min(l.units for l in dense_layers)}."
-            )
-        if sizes is not None:
-            cols = sizes[k] + int(lay.bias)
-            if cols < grid.pc:
-                raise IparError(
-                    f"layer {k} has {cols} weight columns (inputs + bias), fewer than the "
-                    f"grid's Pc = {grid.pc} columns that share its weights. Use a grid with "
-                    f"Pc <= {cols}."
-                )

@@ -61,6 +61,7 @@ TASK_SPAN = {
     "wrow": "w_gather",
     "wpre": "w_gather",
     "act": "forward",
+    "act_own": "forward",  # a forward task's product over its own input rows
     "xgather": "fwd_gather",
     "dxp": "dx_reduce",
     "dz": "backward",

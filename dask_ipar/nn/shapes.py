@@ -10,7 +10,7 @@ from dask_ipar.errors import IparError
 from dask_ipar.kernels.conv import conv_out_size
 from dask_ipar.layout.partition import split_bounds
 from dask_ipar.layout.placement import CHANNELS, SAMPLES_RC, STRIPS, WHOLE, Placement
-from dask_ipar.nn.dense import LayerLayout
+from dask_ipar.nn.dense_layout import LayerLayout
 from dask_ipar.nn.layers import Conv2d, resolve_padding
 
 __all__ = ["FrontLayout", "front_layouts"]

@@ -14,7 +14,7 @@ from dask_ipar.cost import LOOPBACK_MACHINE
 from dask_ipar.errors import IparError
 from dask_ipar.layout.grid import Grid, GridBinding, factorizations, parse_grid
 from dask_ipar.model import Sequential
-from dask_ipar.nn.dense import check_dense_grid
+from dask_ipar.nn.dense_layout import check_dense_grid
 from dask_ipar.nn.layers import Conv2d
 from dask_ipar.nn.planning import plan_layers
 from dask_ipar.optim import SGD

@@ -40,7 +40,7 @@ def smaller_grid(model, grid, workers: int):
     (closest to ``grid``'s shape first), or None."""
     from dask_ipar.layout.grid import Grid
     from dask_ipar.layout.partition import grid_shapes
-    from dask_ipar.nn.dense import check_dense_grid
+    from dask_ipar.nn.dense_layout import check_dense_grid
 
     for p in range(min(workers, grid.size - 1), 1, -1):
         shapes = sorted(grid_shapes(p), key=lambda s: abs(np.log(s[0] / s[1])
@@ -90,7 +90,7 @@ def bind_for_restore(model, client, grid):
     block on the workers: as ``Sequential.distribute`` after ``drop_state``, without
     computing and placing initial weights (a whole model's scatter from the client)."""
     from dask_ipar.layout.grid import parse_grid
-    from dask_ipar.nn.dense import check_dense_grid
+    from dask_ipar.nn.dense_layout import check_dense_grid
     from dask_ipar.runtime.state import BlockStore
     from dask_ipar.runtime.workers import bind_grid, hold_replicas
 

@@ -177,7 +177,7 @@ def _bundle_stats(g, engine, stats, last: int) -> list:
     request per worker for all the steps' losses."""
     from dask._task_spec import TaskRef
 
-    from dask_ipar.kernels.dense import stack_stats
+    from dask_ipar.kernels.loss import stack_stats
 
     name = engine.name("loss", "stepstats", last)
     out = []
