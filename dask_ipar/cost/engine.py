@@ -10,7 +10,7 @@ in front of the first layer.
 
 - :func:`engine_layout`: the layout a layer runs in.
 - :func:`engine_refusal`: why the engine refuses a layer in a layout on a grid (the
-  checks of ``dask_ipar.nn.shapes.front_layouts``, ``dask_ipar.nn.dense.check_dense_grid``
+  checks of ``dask_ipar.nn.shapes.front_layouts``, ``dask_ipar.nn.dense_layout.check_dense_grid``
   and the step's batch checks), or ``""``.
 - :func:`engine_layer_phases`: the phases the engine's step sends for one layer, from
   the same functions the run's comm table (``dask_ipar.runtime.meter.predict_step``)
