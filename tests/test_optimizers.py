@@ -231,3 +231,31 @@ def test_resume_on_uneven_grids_is_bit_equal(client, data, tmp_path, grid, opt):
               checkpoint=ck.Checkpointing(tmp_path, every=2))
     assert max_err(again.get_weights(), want) == 0.0
     again.close()
+
+
+@pytest.mark.parametrize("opt", [OPTIMIZERS[0], OPTIMIZERS[2]], ids=["adam", "nesterov"])
+def test_own_rows_first_with_adam_and_nesterov(client, data, monkeypatch, opt):
+    """The forward's own-rows product and the own dX piece as tasks of their own (forced
+    on this small MLP), with Adam's in-place update after the own piece and Nesterov's
+    new blocks: the reference's weights after two epochs on 3x1."""
+    from dask_ipar.nn import dense, dense_layout
+
+    monkeypatch.setattr(dense_layout, "OWN_FIRST_MACS", 0)
+    made = []
+    for name in ("own_first", "own_dx_first"):
+        real = getattr(dense, name)
+        monkeypatch.setattr(dense, name, lambda *a, real=real, name=name: made.append(
+            (name, real(*a))) or made[-1][1])
+    X, y = data
+    m = mlp().distribute(client, "3x1")
+    params = m.get_weights()
+    m.fit(X, y, epochs=2, batch_size=12, optimizer=opt, seed=4)
+    plan = BatchPlan(40, 12, 4)
+
+    def grads_of(p, idx):
+        return ref.mlp_loss_and_grads(p, ACTS, X[idx].T, y[idx])[2]
+
+    want = reference_run(params, grads_of, plan, 2 * plan.steps_per_epoch, opt)
+    assert max_err(m.get_weights(), want) <= 1e-10
+    assert {n for n, split in made if split} == {"own_first", "own_dx_first"}
+    m.close()

@@ -182,3 +182,53 @@ def test_mlp_phases_are_the_dense_formula():
             for p in cost.dense_layer_phases(fc, 2, 3, 16, MACHINE, first_layer=k == 0,
                                              convention="engine")]
     assert list(gp.phases) == want
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-task", "own-rows-first"])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_an_update_in_place_follows_every_reader_of_its_weights(monkeypatch, split, opt):
+    """In two consecutive steps' graph (3x2, no cluster), every task on a cell that reads
+    the cell's weight slice of step 0 is an ancestor of the step-1 update that rewrites
+    that slice in place: with the forward and the dX sum as one task each, and with the
+    own rows first (forced on this small MLP: ``act_own``, ``dxown``)."""
+    from dask_ipar import SGD, Adam, Dense, Sequential
+    from dask_ipar.layout.grid import GridBinding, parse_grid
+    from dask_ipar.nn import dense_layout
+    from dask_ipar.runtime.stepmodel import step_tasks
+
+    if split:
+        monkeypatch.setattr(dense_layout, "OWN_FIRST_MACS", 0)
+    m = Sequential([Dense(13, "relu"), Dense(11, "tanh"), Dense(5)], input_dim=9,
+                   dtype="float64")
+    eng = m._make_engine(GridBinding.placeholder(parse_grid("3x2")))
+    rule = SGD(0.1, momentum=0.9) if opt == "sgd" else Adam(0.01)
+    tasks, _ = step_tasks(eng, ["w0", "w1", "w2"], 12, (9,), "float64", rule, steps=2)
+    by_key = {t.key: t for t in tasks}
+    names = {str(t.key[0]) for t in tasks}
+    assert any(".act_own-" in n for n in names) == split
+    assert any(".dxown-" in n for n in names) == split
+
+    def ancestors(key, seen=None):
+        seen = set() if seen is None else seen
+        for d in by_key[key].deps if key in by_key else ():
+            if d not in seen:
+                seen.add(d)
+                ancestors(d, seen)
+        return seen
+
+    checked = 0
+    for t in tasks:
+        name = str(t.key[0])
+        if not (name.startswith("dense") and ".w-" in name and name.endswith("-s1")):
+            continue
+        old = (name[:-1] + "0", *t.key[1:])  # the slice step 1's update rewrites
+        if old not in t.deps:
+            continue
+        up = ancestors(t.key)
+        readers = [r.key for r in tasks if old in r.deps and r.key != t.key
+                   and r.worker == t.worker]
+        assert readers, t.key
+        missing = [r for r in readers if r not in up]
+        assert not missing, (t.key, missing)
+        checked += 1
+    assert checked == 3 * 6  # every layer's slice on every cell

@@ -51,7 +51,8 @@ next step, so after the first step it is a long-lived state block that the updat
 (:func:`dask_ipar.kernels.dense.sgd_update`, one task per cell) rewrites in place; successive
 updates of a cell are ordered through its weights. The update writes the new weights into
 the old weight block too, after the tasks of its cell that read it (the dX pieces and the
-dX sum of the layer, added as dependencies); the other cells' copies were fetched before
+dX sum of the layer, or its own dX piece where that is a task of its own, added as
+dependencies); the other cells' copies were fetched before
 (the dW pieces the update sums are computed from them). A step then allocates no
 weight-sized block. Not with in-process workers (``inproc://``), whose fetched copies can be
 the owner's arrays, nor for the first dense layer of a CNN (the front's tasks read it). So
