@@ -33,10 +33,11 @@ hop per cell; the backward tasks read the same fetched blocks (only the column r
 they need, as views). One task per cell at the start of a step (``weights.wpre``)
 fetches the row's weight slices of every layer while each is still only on its owner,
 and the cell's forward tasks wait for it, so the slices are sent by their owners
-(balanced senders; dask may still serve a fetch it retries from another copy). Replicas are read by several tasks of a step, so a model holds dask's
-Active Memory Manager stopped while it is distributed
-(:func:`dask_ipar.runtime.workers.hold_replicas`): its ReduceReplicas policy would drop replicas
-that a waiting task still needs, and they would travel again.
+(balanced senders; dask may still serve a fetch it retries from another copy). Replicas
+are read by several tasks of a step, so a model holds dask's Active Memory Manager
+stopped while it is distributed (:func:`dask_ipar.runtime.workers.hold_replicas`): its
+ReduceReplicas policy would drop replicas that a waiting task still needs, and they would
+travel again.
 
 The dW reduce-scatter followed by the next step's weight all-gather is the
 ring all-reduce of Eq. 8 with balanced traffic: every cell sends and receives
