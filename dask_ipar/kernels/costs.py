@@ -62,8 +62,9 @@ def _dense_forward(wb, xb, n_in, activation, *blocks):
 def _dense_forward_own(wb, xb, n_in, *blocks):
     w, x = blocks[0], blocks[len(wb)]
     out = (w[0], x[1])
-    k = sum(b - a for a, b in contract_ranges(wb, xb, n_in))
-    extra = 4 * out[0] * out[1] * (len(contract_ranges(wb, xb, n_in)) - 1)
+    ranges = contract_ranges(wb, xb, n_in)
+    k = sum(b - a for a, b in ranges)
+    extra = 4 * out[0] * out[1] * (len(ranges) - 1)
     return out, 2.0 * w[0] * k * x[1], out[0] * out[1] + extra
 
 

@@ -267,10 +267,7 @@ def dz_from_own(a, activation, own, *remote):
     :func:`dx_piece` on this cell, run while the other pieces travel): the same sum in
     the same order, into a fresh array (``own`` is another task's result), then the
     activation'."""
-    g = own + remote[0]
-    for r in remote[1:]:
-        g += r
-    return times_activation_grad_(g, a, activation)
+    return times_activation_grad_(sum_pieces(own + remote[0], *remote[1:]), a, activation)
 
 
 def dw_piece(dz, xb, c0, c1, n_in, *x):

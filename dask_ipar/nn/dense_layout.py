@@ -62,14 +62,10 @@ def own_first(grid, lay, xb, i, cols, j) -> bool:
     """Whether cell (i, j)'s forward of ``lay`` computes the product over its own input
     piece (row block ``i`` of the previous layer's output, gathered over the grid column;
     ``xb`` the pieces' row ranges, ``cols`` the samples of each grid column) first, in a
-    task of its own, while the column's other pieces travel: on Pr > 1 where that product
-    has at least :data:`OWN_FIRST_MACS` multiply-adds."""
-    if grid.pr == 1 or cols is None or len(xb) != grid.pr:
-        return False
-    a, b = xb[i]
-    others = sum(b1 - a1 for k, (a1, b1) in enumerate(xb) if k != i)
-    rows = lay.rows[i][1] - lay.rows[i][0]
-    return others > 0 and rows * (b - a) * cols[j] >= OWN_FIRST_MACS
+    task of its own, while the column's other pieces travel: where the column's pieces
+    are the layer's input rows over Pr, on :func:`own_dx_first`'s condition (the own piece
+    is the cell's input rows ``lay.in_rows[i]``)."""
+    return len(xb) == grid.pr and own_dx_first(grid, lay, i, cols, j)
 
 
 def own_dx_first(grid, lay, k, cols, j) -> bool:
