@@ -23,7 +23,9 @@ What the engine pays, measured the way the engine pays it:
 * ``transfer_cpu_s_per_B``: CPU seconds a worker process spends per byte it sends or
   receives, measured while every worker program pushes a large block to every other one
   at once over the programs' transport (the process's CPU time, all of its threads):
-  what moving blocks takes from the computing where workers share a machine's cores.
+  what moving blocks takes from the computing where workers share a machine's cores;
+  the median of :data:`TRANSFER_REPEATS` exchanges after :data:`TRANSFER_WARMUPS` of the
+  same size (the steady state of a run's exchanges, not its first).
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -39,7 +41,11 @@ from dask._task_spec import TaskRef
 from dask_ipar.cost import Machine
 from dask_ipar.nn.graph import StepGraph
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "TRANSFER_WARMUPS", "TRANSFER_REPEATS"]
+
+#: Exchanges of the measured size before the transfer CPU is timed, and how many are timed.
+TRANSFER_WARMUPS = 2
+TRANSFER_REPEATS = 5
 
 
 def _tiny(*deps):
@@ -359,9 +365,14 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     round_s = float(np.median([_round_time(client, everyone, f"{tag}r{r}") for r in range(9)]))
     log(f"round trip (a graph of one small task per worker, submitted and gathered): "
         f"{round_s * 1e3:.2f} ms")
-    transfer_cpu(client, everyone, 2**20)  # warm the links
+    # the steady state a run's exchanges see: the first exchanges of a size cost the
+    # workers up to 5x the CPU per byte of later ones (fresh memory for the blocks and the
+    # links' buffers; measured on 8 emulated hosts: 3.1 and 2.3 ns/B first, 0.5-1.2
+    # after), so two warm the links and the workers' heaps at the size measured
+    for _ in range(TRANSFER_WARMUPS):
+        transfer_cpu(client, everyone, block_mib * 2**20)
     cpu_B = float(np.median([transfer_cpu(client, everyone, block_mib * 2**20)
-                             for _ in range(3)]))
+                             for _ in range(TRANSFER_REPEATS)]))
     log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once): "
         f"{cpu_B * 1e9:.2f} ns per byte sent or received")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
