@@ -117,3 +117,12 @@ def test_kernels_run_on_array_api_strict():
         np.testing.assert_allclose(np.from_dlpack(dxp),
                                    C.pool2d_backward(x, dyp, 3, 2, (1, 1, 1, 1), mode),
                                    rtol=1e-12)
+    # rim first: the input gradient of some rows, from the output rows that reach them
+    wmat = np.concatenate([w.reshape(6, -1), b[:, None]], axis=1)
+    a = np.maximum(ref, 0)
+    want, _ = C.conv_block_backward(x, wmat, a, dy, w.shape, 2, (1, 1, 0, 1), 2, "relu", True)
+    for r0, r1 in ((0, 2), (3, 4), (7, 9)):
+        got = C.conv_block_dx_rows(xps.asarray(x), xps.asarray(wmat), xps.asarray(a),
+                                   xps.asarray(dy), w.shape, 2, (1, 1, 0, 1), 2, "relu", r0, r1)
+        np.testing.assert_allclose(np.from_dlpack(got), want[:, :, r0:r1], rtol=1e-12,
+                                   atol=1e-12)

@@ -32,7 +32,15 @@ def _drain(dask_worker=None):
     ("2x2", 15, 5, 2, (2, 1, 2, 2)),   # stride 2, odd height, asymmetric padding
     ("2x1", 27, 11, 4, (0, 0, 0, 0)),  # AlexNet-like conv1
 ])
-def test_domain_conv_matches_whole_image(client, grid, h, k, s, pad):
+@pytest.mark.parametrize("rim", [False, True])
+def test_domain_conv_matches_whole_image(client, grid, h, k, s, pad, rim, monkeypatch):
+    """Forward and backward of a domain-parallel conv against the whole image's, and the
+    halo rows moved; with and without rim first (the halo rows' input gradient first, on
+    every cell that reads halo rows, or on none)."""
+    import dask_ipar.nn.conv as NC
+
+    monkeypatch.setattr(NC, "rim_first", (lambda need, k, s: need.halo_rows > 0) if rim
+                        else (lambda need, k, s: False))
     grid = parse_grid(grid)
     binding = bind_grid(grid, client)
     t = f"t{uuid.uuid4().hex[:8]}"  # fresh key names: a key is never reused with new data
@@ -69,6 +77,9 @@ def test_domain_conv_matches_whole_image(client, grid, h, k, s, pad):
     dx_keys, grad_keys = conv_backward_graph(g, binding, "conv0", f"{t}-s1", plan, x_keys,
                                              w_keys, y_keys, dy_keys, h, w.shape, s, pad,
                                              activation="tanh")
+    rims = [key for key, task in g.dsk.items()
+            if getattr(task, "func", None) is C.conv_block_dx_rows]
+    assert bool(rims) == (rim and grid.pr > 1)
     keys = list(y_keys.values()) + list(dx_keys.values()) + list(grad_keys.values())
     client.run(_drain)
     out = dict(zip(keys, client.gather(client.get(g.to_hlg(f"{t}-domain"), keys, sync=False))))

@@ -87,3 +87,53 @@ def test_interior_rows_first_then_the_rims_equal_the_whole_conv(h, pr, k, s, pad
             C.conv_rim(rows, inner, wmat, w.shape, s, (need.pad[0], need.pad[1], 1, 2), 1,
                        "tanh", a0 - need.out[0] + 1, need.out[1] - a1)
     assert cut_somewhere or h // pr <= k  # blocks thicker than a window have an interior
+
+
+@pytest.mark.parametrize("h,pr,k,s,pad", [
+    (13, 2, 3, 1, (1, 1)), (13, 3, 5, 1, (2, 2)), (27, 2, 11, 4, (0, 0)), (10, 4, 5, 2, (2, 1)),
+    (9, 3, 7, 1, (3, 3)), (11, 2, 3, 2, (1, 1)), (32, 4, 3, 1, (1, 1)), (20, 2, 4, 3, (3, 0)),
+    (16, 2, 5, 1, (6, 6)), (10, 2, 3, 2, (4, 4)), (12, 3, 1, 3, (0, 0)),
+])
+def test_halo_rows_gradient_first_equals_the_whole_backward(h, pr, k, s, pad):
+    """Rim first (dask_ipar.nn.conv): the input gradient of each halo piece a cell read,
+    computed from the output rows that reach it (conv_block_dx_rows), equals those rows of
+    the cell's whole backward bit for bit, and the owner's sum of its rows and the pieces
+    sent home equals the whole-image backward's rows."""
+    from dask_ipar.kernels import dense as K
+    from dask_ipar.layout.partition import split_bounds
+    from dask_ipar.nn.conv import rim_first
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 3, h, 9))
+    w = rng.standard_normal((4, 3, k, k))
+    b = rng.standard_normal(4)
+    wmat = np.concatenate([w.reshape(4, -1), b[:, None]], axis=1)
+    lr = (pad[0], pad[1], 1, 2)
+    y = np.tanh(C.conv2d_forward(x, w, b, s, lr))
+    dy = rng.standard_normal(y.shape)
+    want, _, _ = C.conv2d_backward(x, w, dy * K.activation_grad(y, "tanh"), s, lr)
+    owners = split_bounds(h, pr)
+    total = np.zeros_like(x)
+    split = []
+    for need in halo_plan(h, pr, k, s, pad):
+        r0 = need.rows[0]
+        rows = np.concatenate([x[:, :, a:c] for _, a, c in need.pieces], axis=2) \
+            if need.pieces else x[:, :, r0:r0]
+        cell_pad = (need.pad[0], need.pad[1], 1, 2)
+        a_ = y[:, :, need.out[0]:need.out[1]]
+        dy_ = dy[:, :, need.out[0]:need.out[1]]
+        dx, _ = C.conv_block_backward(rows, wmat, a_, dy_, w.shape, s, cell_pad, 1, "tanh",
+                                      True)
+        split.append(rim_first(need, k, s))
+        for owner, a, c in need.pieces:
+            if owner == need.cell:
+                total[:, :, a:c] += dx[:, :, a - r0:c - r0]
+                continue
+            piece = C.conv_block_dx_rows(rows, wmat, a_, dy_, w.shape, s, cell_pad, 1,
+                                         "tanh", a - r0, c - r0)
+            np.testing.assert_array_equal(piece, dx[:, :, a - r0:c - r0])
+            total[:, :, a:c] += piece
+    np.testing.assert_allclose(total, want, rtol=1e-12, atol=1e-12)
+    halo = any(n.halo_rows for n in halo_plan(h, pr, k, s, pad))
+    q = min(c - a for a, c in owners)
+    assert any(split) or not halo or q < 2 * k  # strips thicker than two windows split

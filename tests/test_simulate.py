@@ -349,3 +349,49 @@ def test_a_domain_conv_computes_its_interior_while_its_halo_rows_travel(monkeypa
     assert old_late == pytest.approx(old + 0.02)  # the halo's latency, paid in full
     assert hidden == pytest.approx(lone, abs=1e-9)  # hidden
     assert old <= lone < 1.1 * old  # the rims computed apart cost a little more
+
+
+@pytest.mark.fast
+def test_a_domain_conv_sends_its_halo_gradient_while_its_backward_runs(monkeypatch):
+    """Rim first (dask_ipar.nn.conv): in the programs' step model the halo rows' input
+    gradient travels while the cells run their whole backward, so a hop's latency up to
+    that compute is hidden; without rim first the backward pays it in full."""
+    import numpy as np
+
+    import dask_ipar.nn.conv as NC
+    from dask_ipar.cost import simulate_programs
+    from dask_ipar.layout.grid import GridBinding, parse_grid
+    from dask_ipar.nn.graph import StepGraph, sim_tasks
+
+    def graph():
+        g = StepGraph()
+        binding = GridBinding.placeholder(parse_grid("2x1"))
+        w0 = binding.worker
+        x = {(i, 0): g.add_data(("x", i, 0), w0(i, 0),
+                                np.zeros((8, 16, 32, 64), np.float32)).key for i in range(2)}
+        w = {(i, 0): g.add_data(("w", i, 0), w0(i, 0),
+                                np.zeros((16, 16 * 9 + 1), np.float32)).key for i in range(2)}
+        plan, a = NC.conv_forward_graph(g, binding, "conv0", "t", x, w, 64, (16, 16, 3, 3), 1,
+                                        (1, 1, 1, 1), activation="relu")
+        dy = {(i, 0): g.add_data(("dy", i, 0), w0(i, 0),
+                                 np.zeros((8, 16, 32, 64), np.float32)).key for i in range(2)}
+        NC.conv_backward_graph(g, binding, "conv0", "t", plan, x, w, a, dy, 64, (16, 16, 3, 3),
+                               1, (1, 1, 1, 1), activation="relu")
+        return g
+
+    def step(g, latency):
+        tasks, available = sim_tasks(g, {}, 4)
+        return simulate_programs(tasks, flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e12,
+                                 latency_s=latency, available=available).seconds
+
+    g = graph()
+    assert any(k[0].startswith("conv0.dxhalo") and getattr(t, "func", None)
+               is NC.CK.conv_block_dx_rows for k, t in g.dsk.items() if isinstance(k, tuple))
+    lone, hidden = step(g, 0.0), step(g, 0.02)
+    monkeypatch.setattr(NC, "rim_first", lambda *a, **k: False)
+    g0 = graph()
+    assert not any(getattr(t, "func", None) is NC.CK.conv_block_dx_rows for t in g0.dsk.values())
+    old, old_late = step(g0, 0.0), step(g0, 0.02)
+    assert old_late >= old + 0.019  # the backward's halo latency (less a copy) paid
+    assert hidden == pytest.approx(lone, abs=1e-9)  # hidden (the forward's by interior first)
+    assert old <= lone < 1.1 * old  # the halo rows' products computed twice cost a little

@@ -29,6 +29,8 @@ __all__ = [
     "conv_rows",
     "conv_rim",
     "conv_block_backward",
+    "conv_block_dx_rows",
+    "dx_rows_outputs",
     "pool_block",
     "pool_block_backward",
 ]
@@ -88,6 +90,29 @@ def conv2d_forward(x, w, b, stride=1, pad=(0, 0, 0, 0), groups=1):
     return y
 
 
+def _dx_padded(w, dz2, shape, stride, oh, ow, groups, dtype):
+    """The padded input gradient ``shape`` ``(N, C, H_pad, W_pad)`` of output gradient
+    ``dz2`` ``(N, O, oh * ow)``: ``W^T dz`` into columns (one product per group), then
+    col2im (one slice-add per kernel offset, into zeros)."""
+    xp = xp_of(dz2)
+    n, c = shape[:2]
+    o, cg, kh, kw = w.shape
+    og = o // groups
+    dcols = []
+    for gi in range(groups):
+        wg = xp.reshape(w[gi * og:(gi + 1) * og, ...], (og, cg * kh * kw))
+        dcols.append(wg.T @ dz2[:, gi * og:(gi + 1) * og, :])  # (N, cg*kh*kw, L)
+    dcol = dcols[0] if groups == 1 else xp.concat(dcols, axis=1)
+    dcol = xp.reshape(dcol, (n, c, kh, kw, oh, ow))
+    dxpad = xp.zeros(shape, dtype=dtype)
+    for i in range(kh):
+        for j in range(kw):
+            rows = slice(i, i + stride * (oh - 1) + 1, stride)
+            cols_ = slice(j, j + stride * (ow - 1) + 1, stride)
+            dxpad[:, :, rows, cols_] += dcol[:, :, i, j, :, :]
+    return dxpad
+
+
 def conv2d_backward(x, w, dy, stride=1, pad=(0, 0, 0, 0), groups=1, bias=True, need_dx=True):
     """Gradients ``(dx, dw, db)`` of :func:`conv2d_forward` for the output gradient ``dy``.
 
@@ -101,26 +126,16 @@ def conv2d_backward(x, w, dy, stride=1, pad=(0, 0, 0, 0), groups=1, bias=True, n
     cols = _im2col(xpad, kh, kw, stride, oh, ow)  # (N, C*kh*kw, L)
     dy2 = xp.reshape(dy, (n, o, oh * ow))
     og = o // groups
-    dws, dcols = [], []
+    dws = []
     for gi in range(groups):
         dyg = dy2[:, gi * og:(gi + 1) * og, :]  # (N, og, L)
         colg = cols[:, gi * cg * kh * kw:(gi + 1) * cg * kh * kw, :]
         dws.append(xp.sum(dyg @ xp.permute_dims(colg, (0, 2, 1)), axis=0))  # (og, cg*kh*kw)
-        if not need_dx:
-            continue
-        wg = xp.reshape(w[gi * og:(gi + 1) * og, ...], (og, cg * kh * kw))
-        dcols.append(wg.T @ dyg)  # (N, cg*kh*kw, L)
     dw = xp.reshape(dws[0] if groups == 1 else xp.concat(dws, axis=0), w.shape)
     db = xp.sum(dy, axis=(0, 2, 3)) if bias else None
     if not need_dx:
         return None, dw, db
-    dcol = dcols[0] if groups == 1 else xp.concat(dcols, axis=1)
-    dcol = xp.reshape(dcol, (n, c, kh, kw, oh, ow))
-    dxpad = xp.zeros(xpad.shape, dtype=x.dtype)
-    for i, j, _ in _windows(xpad, kh, kw, stride, oh, ow):
-        rows = slice(i, i + stride * (oh - 1) + 1, stride)
-        cols_ = slice(j, j + stride * (ow - 1) + 1, stride)
-        dxpad[:, :, rows, cols_] += dcol[:, :, i, j, :, :]
+    dxpad = _dx_padded(w, dy2, xpad.shape, stride, oh, ow, groups, x.dtype)
     dx = dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd]
     return dx, dw, db
 
@@ -247,6 +262,42 @@ def conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups, activation,
     if db is not None:
         dwm = xp.concat([dwm, xp.reshape(db, (-1, 1))], axis=1)
     return dx, dwm
+
+
+def dx_rows_outputs(r0, r1, top, kh, stride, oh):
+    """The output rows ``(o0, o1)`` whose windows read input rows ``r0:r1`` of a block
+    padded by ``top`` rows above (output row ``o`` reads padded rows ``o * stride`` to
+    ``o * stride + kh - 1``); ``o0 >= o1`` where none does."""
+    return max(0, -((kh - 1 - (r0 + top)) // stride)), min(oh, (r1 - 1 + top) // stride + 1)
+
+
+def conv_block_dx_rows(x, wmat, a, dy, wshape, stride, pad, groups, activation, r0, r1):
+    """Rows ``r0:r1`` of :func:`conv_block_backward`'s input gradient of ``x``, computed
+    from the output rows whose windows read them only (:func:`dx_rows_outputs`): the
+    rows of a cell's halo, which go home to their owner, computed before the rest of the
+    cell's backward so that they travel while it runs (rim first). The same sums as the
+    whole backward's, each row's in the same order."""
+    xp = xp_of(x)
+    w, _ = _split_weights(wmat, wshape)
+    n, c, _, wd = x.shape
+    kh = wshape[2]
+    oh, ow = dy.shape[2], dy.shape[3]
+    out = xp.zeros((n, c, r1 - r0, wd), dtype=x.dtype)
+    o0, o1 = dx_rows_outputs(r0, r1, pad[0], kh, stride, oh)
+    if o1 <= o0:
+        return out  # rows no window reads (a stride past the kernel): no gradient
+    d = K.activation_grad(a[:, :, o0:o1, :], activation)
+    dz = dy[:, :, o0:o1, :] if d is None else dy[:, :, o0:o1, :] * d
+    m = o1 - o0
+    base = o0 * stride  # the padded row the strip's first row is
+    strip = _dx_padded(w, xp.reshape(dz, (n, wshape[0], m * ow)),
+                       (n, c, (m - 1) * stride + kh, wd + pad[2] + pad[3]), stride, m, ow,
+                       groups, x.dtype)
+    lo, hi = max(r0 + pad[0], base), min(r1 + pad[0], base + strip.shape[2])
+    if hi > lo:
+        out[:, :, lo - r0 - pad[0]:hi - r0 - pad[0], :] = \
+            strip[:, :, lo - base:hi - base, pad[2]:pad[2] + wd]
+    return out
 
 
 

@@ -16,6 +16,7 @@ bytes are the sum of its items'.
 
 from __future__ import annotations
 
+from dask_ipar.kernels.conv import dx_rows_outputs
 from dask_ipar.kernels.dense import contract_ranges, forward_segments
 
 __all__ = ["KERNEL_COSTS", "Parts", "kernel_cost", "numel"]
@@ -246,6 +247,24 @@ def _conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups, activation
     return Parts((dx, tuple(wmat))), flops, mem
 
 
+def _conv_block_dx_rows(x, wmat, a, dy, wshape, stride, pad, groups, activation, r0, r1):
+    n, c, _, w = x
+    o, cg, kh, kw = wshape
+    ow = dy[3]
+    out = (n, c, r1 - r0, w)
+    o0, o1 = dx_rows_outputs(r0, r1, pad[0], kh, stride, dy[2])
+    m = max(0, o1 - o0)
+    y = n * o * m * ow
+    cols = n * c * kh * kw * m * ow
+    strip = n * c * ((m - 1) * stride + kh) * (w + pad[2] + pad[3]) if m else 0
+    # dz of the strip's output rows (the derivative and the product), W^T dz into fresh
+    # columns, col2im into a zeroed strip (a slice-add per kernel offset), the rows copied
+    # into a zeroed block
+    mem = (3 * y if activation != "linear" else 0) + cols + strip + 3 * cols \
+        + 3 * numel(out)
+    return out, 2.0 * n * o * cg * kh * kw * m * ow, mem
+
+
 def _pool_geometry(x, k, stride, pad):
     n, c, h, w = x
     s = stride or k
@@ -433,6 +452,7 @@ KERNEL_COSTS = {
     "conv_rows": _conv_rows,
     "conv_rim": _conv_rim,
     "conv_block_backward": _conv_block_backward,
+    "conv_block_dx_rows": _conv_block_dx_rows,
     "pool_block": _pool_block,
     "pool_block_backward": _pool_block_backward,
     "slice_axis": _slice_axis,

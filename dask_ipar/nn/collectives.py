@@ -221,12 +221,14 @@ def halo_exchange(g: StepGraph, binding, layer: str, token: str, plan, owners, x
 
 
 def ghost_accumulate(g: StepGraph, binding, layer: str, token: str, plan, owners, grad_keys,
-                     x_keys, *, row_words=None) -> dict:
+                     x_keys, *, row_words=None, made=frozenset()) -> dict:
     """The gradient of every row a cell read, sent home and added to its owner's rows.
 
     ``grad_keys[cell]`` is the gradient of the rows of ``plan``'s need of that cell (a
     backward's result, or its first item); rows owned by a neighbour go back as
     ``<layer>.dxhalo`` pieces and are added there (``<layer>.dx``, returned per cell).
+    ``made``: the keys of pieces the caller computed already (a conv's rim first), not
+    cut from ``grad_keys``.
 
     Adjoint: :func:`halo_exchange`.
     """
@@ -243,8 +245,9 @@ def ghost_accumulate(g: StepGraph, binding, layer: str, token: str, plan, owners
                         continue
                     key = (dxhalo, need.cell, q, j)
                     r0 = need.rows[0]
-                    g.add(key, binding.worker(need.cell, j), B.rows_slice,
-                          TaskRef(grad_keys[(need.cell, j)]), a - r0, b - r0)
+                    if key not in made:
+                        g.add(key, binding.worker(need.cell, j), B.rows_slice,
+                              TaskRef(grad_keys[(need.cell, j)]), a - r0, b - r0)
                     if need.cell == q and (a, b) == (q0, q1):
                         own = key
                     else:
