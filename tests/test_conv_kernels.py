@@ -117,12 +117,22 @@ def test_kernels_run_on_array_api_strict():
         np.testing.assert_allclose(np.from_dlpack(dxp),
                                    C.pool2d_backward(x, dyp, 3, 2, (1, 1, 1, 1), mode),
                                    rtol=1e-12)
-    # rim first: the input gradient of some rows, from the output rows that reach them
+    # rim first: the edge rows' input gradient first, a halo piece from it, the rest
     wmat = np.concatenate([w.reshape(6, -1), b[:, None]], axis=1)
     a = np.maximum(ref, 0)
-    want, _ = C.conv_block_backward(x, wmat, a, dy, w.shape, 2, (1, 1, 0, 1), 2, "relu", True)
-    for r0, r1 in ((0, 2), (3, 4), (7, 9)):
-        got = C.conv_block_dx_rows(xps.asarray(x), xps.asarray(wmat), xps.asarray(a),
-                                   xps.asarray(dy), w.shape, 2, (1, 1, 0, 1), 2, "relu", r0, r1)
-        np.testing.assert_allclose(np.from_dlpack(got), want[:, :, r0:r1], rtol=1e-12,
-                                   atol=1e-12)
+    args = (w.shape, 2, (1, 1, 0, 1), 2, "relu")
+    want, dwm = C.conv_block_backward(x, wmat, a, dy, *args, True)
+    oh = ref.shape[2]
+    for n_top, n_bottom in ((1, 1), (2, 0), (0, 1)):
+        e = C.conv_dx_edges(xps.asarray(x), xps.asarray(wmat), xps.asarray(a), xps.asarray(dy),
+                            *args, n_top, n_bottom)
+        dx, dw = C.conv_block_backward_rest(xps.asarray(x), xps.asarray(wmat), xps.asarray(a),
+                                            xps.asarray(dy), e, *args, n_top, n_bottom)
+        np.testing.assert_allclose(np.from_dlpack(dx), want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.from_dlpack(dw), dwm, rtol=1e-12, atol=1e-12)
+        if n_top:  # padded rows 0..2 are read by output row 0 only
+            top = C.edge_rows(e, 0, 0, 1, 0, (1, 1, 0, 1))
+            np.testing.assert_allclose(np.from_dlpack(top), want[:, :, 0:1], rtol=1e-12)
+        if n_bottom:  # the last input row is read by the last output row only
+            bottom = C.edge_rows(e, 1, 8, 9, (oh - n_bottom) * 2, (1, 1, 0, 1))
+            np.testing.assert_allclose(np.from_dlpack(bottom), want[:, :, 8:9], rtol=1e-12)

@@ -92,13 +92,14 @@ def test_interior_rows_first_then_the_rims_equal_the_whole_conv(h, pr, k, s, pad
 @pytest.mark.parametrize("h,pr,k,s,pad", [
     (13, 2, 3, 1, (1, 1)), (13, 3, 5, 1, (2, 2)), (27, 2, 11, 4, (0, 0)), (10, 4, 5, 2, (2, 1)),
     (9, 3, 7, 1, (3, 3)), (11, 2, 3, 2, (1, 1)), (32, 4, 3, 1, (1, 1)), (20, 2, 4, 3, (3, 0)),
-    (16, 2, 5, 1, (6, 6)), (10, 2, 3, 2, (4, 4)), (12, 3, 1, 3, (0, 0)),
+    (16, 2, 5, 1, (6, 6)), (10, 2, 3, 2, (4, 4)), (12, 3, 1, 3, (0, 0)), (40, 3, 3, 1, (1, 1)),
 ])
-def test_halo_rows_gradient_first_equals_the_whole_backward(h, pr, k, s, pad):
-    """Rim first (dask_ipar.nn.conv): the input gradient of each halo piece a cell read,
-    computed from the output rows that reach it (conv_block_dx_rows), equals those rows of
-    the cell's whole backward bit for bit, and the owner's sum of its rows and the pieces
-    sent home equals the whole-image backward's rows."""
+def test_rim_first_backward_equals_the_whole_backward(h, pr, k, s, pad):
+    """Rim first (dask_ipar.nn.conv): a cell's edge output rows' input gradient first
+    (conv_dx_edges), the halo pieces cut from it (edge_rows) equal to those rows of the
+    cell's whole backward bit for bit, the rest of the backward (conv_block_backward_rest)
+    equal to the whole one (the weight gradient bit for bit), and the owners' sums of their
+    rows and the pieces sent home equal to the whole-image backward's."""
     from dask_ipar.kernels import dense as K
     from dask_ipar.layout.partition import split_bounds
     from dask_ipar.nn.conv import rim_first
@@ -122,16 +123,24 @@ def test_halo_rows_gradient_first_equals_the_whole_backward(h, pr, k, s, pad):
         cell_pad = (need.pad[0], need.pad[1], 1, 2)
         a_ = y[:, :, need.out[0]:need.out[1]]
         dy_ = dy[:, :, need.out[0]:need.out[1]]
-        dx, _ = C.conv_block_backward(rows, wmat, a_, dy_, w.shape, s, cell_pad, 1, "tanh",
-                                      True)
-        split.append(rim_first(need, k, s))
+        args = (wmat, a_, dy_, w.shape, s, cell_pad, 1, "tanh")
+        dx, dwm = C.conv_block_backward(rows, *args, True)
+        edges = rim_first(need, owners[need.cell], k, s)
+        split.append(edges is not None)
+        if edges is not None:
+            oh = need.out[1] - need.out[0]
+            e = C.conv_dx_edges(rows, *args, *edges)
+            dx2, dwm2 = C.conv_block_backward_rest(rows, wmat, a_, dy_, e, w.shape, s, cell_pad,
+                                                   1, "tanh", *edges)
+            np.testing.assert_array_equal(dwm2, dwm)
+            np.testing.assert_allclose(dx2, dx, rtol=1e-12, atol=1e-12)
         for owner, a, c in need.pieces:
-            if owner == need.cell:
-                total[:, :, a:c] += dx[:, :, a - r0:c - r0]
-                continue
-            piece = C.conv_block_dx_rows(rows, wmat, a_, dy_, w.shape, s, cell_pad, 1,
-                                         "tanh", a - r0, c - r0)
-            np.testing.assert_array_equal(piece, dx[:, :, a - r0:c - r0])
+            piece = dx[:, :, a - r0:c - r0]
+            if owner != need.cell and edges is not None:
+                side = 0 if owner < need.cell else 1
+                base = 0 if side == 0 else (oh - edges[1]) * s
+                got = C.edge_rows(e, side, a - r0, c - r0, base, cell_pad)
+                np.testing.assert_array_equal(got, piece)
             total[:, :, a:c] += piece
     np.testing.assert_allclose(total, want, rtol=1e-12, atol=1e-12)
     halo = any(n.halo_rows for n in halo_plan(h, pr, k, s, pad))

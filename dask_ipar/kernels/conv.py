@@ -29,7 +29,9 @@ __all__ = [
     "conv_rows",
     "conv_rim",
     "conv_block_backward",
-    "conv_block_dx_rows",
+    "conv_dx_edges",
+    "edge_rows",
+    "conv_block_backward_rest",
     "dx_rows_outputs",
     "pool_block",
     "pool_block_backward",
@@ -271,33 +273,87 @@ def dx_rows_outputs(r0, r1, top, kh, stride, oh):
     return max(0, -((kh - 1 - (r0 + top)) // stride)), min(oh, (r1 - 1 + top) // stride + 1)
 
 
-def conv_block_dx_rows(x, wmat, a, dy, wshape, stride, pad, groups, activation, r0, r1):
-    """Rows ``r0:r1`` of :func:`conv_block_backward`'s input gradient of ``x``, computed
-    from the output rows whose windows read them only (:func:`dx_rows_outputs`): the
-    rows of a cell's halo, which go home to their owner, computed before the rest of the
-    cell's backward so that they travel while it runs (rim first). The same sums as the
-    whole backward's, each row's in the same order."""
+def _dz(a, dy, activation):
+    d = K.activation_grad(a, activation)
+    return dy if d is None else dy * d
+
+
+def conv_dx_edges(x, wmat, a, dy, wshape, stride, pad, groups, activation, n_top, n_bottom):
+    """The input-gradient contributions of a block's first ``n_top`` and last ``n_bottom``
+    output rows (those whose windows reach the halo rows it read, which belong to its
+    neighbours): ``(top, bottom)``, each the padded rows those windows cover (``top`` from
+    padded row 0, ``bottom`` from padded row ``(oh - n_bottom) * stride``; zero rows where
+    the count is 0). Computed first, so that the halo rows' gradient travels home while
+    :func:`conv_block_backward_rest` runs (rim first)."""
     xp = xp_of(x)
     w, _ = _split_weights(wmat, wshape)
     n, c, _, wd = x.shape
     kh = wshape[2]
     oh, ow = dy.shape[2], dy.shape[3]
-    out = xp.zeros((n, c, r1 - r0, wd), dtype=x.dtype)
-    o0, o1 = dx_rows_outputs(r0, r1, pad[0], kh, stride, oh)
-    if o1 <= o0:
-        return out  # rows no window reads (a stride past the kernel): no gradient
-    d = K.activation_grad(a[:, :, o0:o1, :], activation)
-    dz = dy[:, :, o0:o1, :] if d is None else dy[:, :, o0:o1, :] * d
-    m = o1 - o0
-    base = o0 * stride  # the padded row the strip's first row is
-    strip = _dx_padded(w, xp.reshape(dz, (n, wshape[0], m * ow)),
-                       (n, c, (m - 1) * stride + kh, wd + pad[2] + pad[3]), stride, m, ow,
-                       groups, x.dtype)
+    wpad = wd + pad[2] + pad[3]
+
+    def strip(o0, o1):
+        if o1 <= o0:
+            return xp.zeros((n, c, 0, wpad), dtype=x.dtype)
+        dz = _dz(a[:, :, o0:o1, :], dy[:, :, o0:o1, :], activation)
+        m = o1 - o0
+        return _dx_padded(w, xp.reshape(dz, (n, wshape[0], m * ow)),
+                          (n, c, (m - 1) * stride + kh, wpad), stride, m, ow, groups, x.dtype)
+
+    return strip(0, n_top), strip(oh - n_bottom, oh)
+
+
+def edge_rows(edges, side, r0, r1, base, pad):
+    """Rows ``r0:r1`` of a block (its own row numbers; the block padded by ``pad``) from
+    strip ``side`` of :func:`conv_dx_edges` (0 the top one, 1 the bottom one) whose first
+    row is padded row ``base``: a new array, the halo piece sent home."""
+    strip = edges[side]
+    xp = xp_of(strip)
+    n, c, _, wpad = strip.shape
+    wd = wpad - pad[2] - pad[3]
+    out = xp.zeros((n, c, r1 - r0, wd), dtype=strip.dtype)
     lo, hi = max(r0 + pad[0], base), min(r1 + pad[0], base + strip.shape[2])
     if hi > lo:
         out[:, :, lo - r0 - pad[0]:hi - r0 - pad[0], :] = \
             strip[:, :, lo - base:hi - base, pad[2]:pad[2] + wd]
     return out
+
+
+def conv_block_backward_rest(x, wmat, a, dy, edges, wshape, stride, pad, groups,
+                             activation, n_top, n_bottom):
+    """:func:`conv_block_backward` of a block whose first ``n_top`` and last ``n_bottom``
+    output rows' input-gradient contributions ``edges`` (:func:`conv_dx_edges`) came
+    first: the weight gradient of every output row, the input gradient of the rows
+    between, plus the edges' (each row's sum in another order than the whole backward's,
+    so equal to it within rounding)."""
+    xp = xp_of(x)
+    w, b = _split_weights(wmat, wshape)
+    n, c, h, wd = x.shape
+    kh = wshape[2]
+    oh, ow = dy.shape[2], dy.shape[3]
+    dz = _dz(a, dy, activation)
+    _, dw, db = conv2d_backward(x, w, dz, stride, pad, groups, bias=b is not None,
+                                need_dx=False)
+    hpad, wpad = h + pad[0] + pad[1], wd + pad[2] + pad[3]
+    dxpad = xp.zeros((n, c, hpad, wpad), dtype=x.dtype)
+    m = oh - n_top - n_bottom
+    if m > 0:  # the rows between the edges
+        inner = xp.reshape(dz[:, :, n_top:oh - n_bottom, :], (n, wshape[0], m * ow))
+        part = _dx_padded(w, inner, (n, c, (m - 1) * stride + kh, wpad), stride, m, ow,
+                          groups, x.dtype)
+        at = n_top * stride
+        dxpad[:, :, at:at + part.shape[2], :] += part
+    top, bottom = edges
+    if top.shape[2]:
+        dxpad[:, :, 0:top.shape[2], :] += top
+    if bottom.shape[2]:
+        at = (oh - n_bottom) * stride
+        dxpad[:, :, at:at + bottom.shape[2], :] += bottom
+    dx = dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd]
+    dwm = xp.reshape(dw, (wshape[0], -1))
+    if db is not None:
+        dwm = xp.concat([dwm, xp.reshape(db, (-1, 1))], axis=1)
+    return dx, dwm
 
 
 

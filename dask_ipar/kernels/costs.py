@@ -16,25 +16,11 @@ bytes are the sum of its items'.
 
 from __future__ import annotations
 
-from dask_ipar.kernels.conv import dx_rows_outputs
+from dask_ipar.kernels.conv_costs import CONV_COSTS
+from dask_ipar.kernels.cost_shapes import Parts, item as _item, numel
 from dask_ipar.kernels.dense import contract_ranges, forward_segments
 
 __all__ = ["KERNEL_COSTS", "Parts", "kernel_cost", "numel"]
-
-
-class Parts(tuple):
-    """The shapes of a kernel's tuple result, item by item (None for a None item)."""
-
-
-def numel(shape) -> int:
-    if shape is None:
-        return 0
-    if isinstance(shape, Parts):
-        return sum(numel(s) for s in shape)
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _concat_rows(*blocks):
@@ -183,114 +169,6 @@ def _copy(x, *_):
     return x, 0.0, 2 * numel(x)
 
 
-# ------------------------------------------------------------- conv front (NCHW blocks)
-
-
-def _conv_out(n, k, stride, lo, hi):
-    return (n + lo + hi - k) // stride + 1
-
-
-def _conv_geometry(x, wshape, stride, pad):
-    n, c, h, w = x
-    o, cg, kh, kw = wshape
-    oh, ow = _conv_out(h, kh, stride, pad[0], pad[1]), _conv_out(w, kw, stride, pad[2], pad[3])
-    xpad = n * c * (h + pad[0] + pad[1]) * (w + pad[2] + pad[3]) if any(pad) else 0
-    cols = n * c * kh * kw * oh * ow  # im2col: one strided copy per kernel offset
-    return (n, o, oh, ow), 2.0 * n * o * cg * kh * kw * oh * ow, xpad, cols
-
-
-def _act_passes(activation):
-    return {"relu": 2, "tanh": 2}.get(activation, 0)
-
-
-def _conv_block(x, wmat, wshape, stride, pad, groups, activation):
-    out, flops, xpad, cols = _conv_geometry(x, wshape, stride, pad)
-    y = numel(out)
-    # pad (a fresh array, then x copied in), im2col (read and write), the product, the
-    # bias added into a new array, the activation in place
-    bias = 2 * y if wmat[1] > wshape[1] * wshape[2] * wshape[3] else 0
-    return out, flops, 2 * xpad + 2 * cols + y + bias + _act_passes(activation) * y
-
-
-def _conv_rows(x, r0, r1, wmat, wshape, stride, pad, groups, activation):
-    return _conv_block((x[0], x[1], r1 - r0, x[3]), wmat, wshape, stride, pad, groups,
-                       activation)
-
-
-def _conv_rim(x, inner, wmat, wshape, stride, pad, groups, activation, n_top, n_bottom):
-    n, c, h, w = x
-    kh = wshape[2]
-    n_out = _conv_out(h, kh, stride, pad[0], pad[1])
-    flops = mem = 0.0
-    for rows in (n_top, n_bottom):  # each rim's padded input rows, its conv
-        if rows:
-            out, f, m = _conv_block((n, c, (rows - 1) * stride + kh, w), wmat, wshape, stride,
-                                    (0, 0, pad[2], pad[3]), groups, activation)
-            flops, mem = flops + f, mem + m
-    out = (n, wshape[0], n_out, inner[3])
-    return out, flops, mem + 2 * numel(out)  # the rims and the interior joined
-
-
-def _conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups, activation, need_dx):
-    out, flops, xpad, cols = _conv_geometry(x, wshape, stride, pad)
-    y = numel(out)
-    # dz = dy * f'(a): the derivative (a new array) and the product; im2col again; dW is
-    # one (O, C*kh*kw) product per sample, summed; the bias gradient reads dz
-    mem = (3 * y if activation != "linear" else 0) + 2 * xpad + 2 * cols + y
-    mem += 3 * out[0] * numel(wmat)
-    dx = None
-    if need_dx:  # W^T dz into fresh columns, then col2im: a zeroed padded image and one
-        # slice-add (read, add, write) per kernel offset
-        flops *= 2
-        mem += cols + max(xpad, numel(x)) + 3 * cols
-        dx = tuple(x)
-    return Parts((dx, tuple(wmat))), flops, mem
-
-
-def _conv_block_dx_rows(x, wmat, a, dy, wshape, stride, pad, groups, activation, r0, r1):
-    n, c, _, w = x
-    o, cg, kh, kw = wshape
-    ow = dy[3]
-    out = (n, c, r1 - r0, w)
-    o0, o1 = dx_rows_outputs(r0, r1, pad[0], kh, stride, dy[2])
-    m = max(0, o1 - o0)
-    y = n * o * m * ow
-    cols = n * c * kh * kw * m * ow
-    strip = n * c * ((m - 1) * stride + kh) * (w + pad[2] + pad[3]) if m else 0
-    # dz of the strip's output rows (the derivative and the product), W^T dz into fresh
-    # columns, col2im into a zeroed strip (a slice-add per kernel offset), the rows copied
-    # into a zeroed block
-    mem = (3 * y if activation != "linear" else 0) + cols + strip + 3 * cols \
-        + 3 * numel(out)
-    return out, 2.0 * n * o * cg * kh * kw * m * ow, mem
-
-
-def _pool_geometry(x, k, stride, pad):
-    n, c, h, w = x
-    s = stride or k
-    return (n, c, _conv_out(h, k, s, pad[0], pad[1]), _conv_out(w, k, s, pad[2], pad[3]))
-
-
-def _pool_block(x, k, stride, pad, mode):
-    out = _pool_geometry(x, k, stride, pad)
-    y = numel(out)
-    xpad = numel(x) if any(pad) else 0
-    # each further window a maximum (or sum) into a new array: read two, write one
-    return out, float((k * k - 1) * y), 2 * xpad + 3 * (k * k - 1) * y
-
-
-def _pool_block_backward(x, dy, k, stride, pad, mode):
-    out, flops, mem = _pool_block(x, k, stride, pad, mode)
-    y = numel(out)
-    # the forward again, a zeroed input gradient, then per window: the compare, the mask
-    # updates (bytes), the masked gradient and its slice-add
-    return tuple(x), flops + float(k * k * y), mem + numel(x) + k * k * 12 * y
-
-
-def _item(shape, k):
-    return shape[k] if isinstance(shape, Parts) else shape
-
-
 def _slice_axis(x, axis, a, b):
     x = _item(x, 0)
     out = tuple(b - a if d == axis else s for d, s in enumerate(x))
@@ -321,31 +199,6 @@ def _first_of(pair):
 
 def _sum_pieces(own, *remote):
     return own, 0.0, 3 * len(remote) * numel(own)
-
-
-def _take_rows(x, a, b):
-    out = (x[0], x[1], b - a, x[3])
-    return out, 0.0, 2 * numel(out)
-
-
-def _assemble(*pieces):
-    out = (pieces[0][0], pieces[0][1], sum(p[2] for p in pieces), pieces[0][3])
-    return out, 0.0, (2 * numel(out) if len(pieces) > 1 else 0)
-
-
-def _rows_slice(grad, a, b):
-    g = _item(grad, 0)
-    out = (g[0], g[1], b - a, g[3])
-    return out, 0.0, 2 * numel(out)
-
-
-def _add_rows(own, *offsets_and_pieces):
-    pieces = offsets_and_pieces[1::2]
-    return own, 0.0, 3 * sum(numel(p) for p in pieces)
-
-
-def _zeros_like(x):
-    return x, 0.0, numel(x)
 
 
 def _flatten_gather(axis, *blocks):
@@ -423,6 +276,7 @@ def _block_adam_weight(wfull, r0, r1, c0, c1, state, hp, n_decay, lr, t):
 #: Cost function of each kernel, by the kernel's name; each takes the kernel's parameters
 #: (array arguments as shapes) and returns ``(out_shape, flops, mem_words)``.
 KERNEL_COSTS = {
+    **CONV_COSTS,
     "concat_rows": _concat_rows,
     "concat_cols": _concat_cols,
     "dense_forward": _dense_forward,
@@ -448,24 +302,12 @@ KERNEL_COSTS = {
     "fetched": _fetched,
     "to_device": _copy,
     "to_host": _copy,
-    "conv_block": _conv_block,
-    "conv_rows": _conv_rows,
-    "conv_rim": _conv_rim,
-    "conv_block_backward": _conv_block_backward,
-    "conv_block_dx_rows": _conv_block_dx_rows,
-    "pool_block": _pool_block,
-    "pool_block_backward": _pool_block_backward,
     "slice_axis": _slice_axis,
     "concat_axis": _concat_axis,
     "assemble_blocks": _assemble_blocks,
     "identity": _identity,
     "first_of": _first_of,
     "sum_pieces": _sum_pieces,
-    "take_rows": _take_rows,
-    "assemble": _assemble,
-    "rows_slice": _rows_slice,
-    "add_rows": _add_rows,
-    "zeros_like": _zeros_like,
     "flatten_gather": _flatten_gather,
     "dx_image_piece": _dx_image_piece,
     "dz_image_from_pieces": _dz_image_from_pieces,

@@ -8,13 +8,15 @@ with the halo geometry of :mod:`dask_ipar.layout.halo`:
   ``<layer>.xin``, read by forward and backward), then the local kernel, interior first:
   the output rows the cell's own rows give (``<layer>.inner``, :func:`interior_rows`) while
   the halo rows travel, the rims next to the halos when they are in (``<layer>.act``);
-* backward: rim first (:func:`rim_first`): the input gradient of the halo rows, which
-  belong to a neighbour, computed first from the output rows that reach them
-  (``<layer>.dxhalo``, :func:`~dask_ipar.kernels.conv.conv_block_dx_rows`) and sent home
-  while the cell's whole backward runs; then the ghost-row accumulate
+* backward: rim first (:func:`rim_first`): the input-gradient contributions of the
+  output rows whose windows reach the halo rows (rows a neighbour owns) are computed
+  first (``<layer>.dxedge``, :func:`~dask_ipar.kernels.conv.conv_dx_edges`), the halo
+  rows' pieces cut from them (``<layer>.dxhalo``) and sent home while the rest of the
+  backward runs (``<layer>.bwd``, :func:`~dask_ipar.kernels.conv.conv_block_backward_rest`:
+  the weight gradient, the rows between, the edges added); then the ghost-row accumulate
   (:func:`dask_ipar.nn.collectives.ghost_accumulate`: the pieces are added to their
-  owner's rows, ``<layer>.dx``; without rim first they are cut from the backward's
-  result);
+  owner's rows, ``<layer>.dx``; strips too thin for rim first cut them from the whole
+  backward's result);
 * conv weight gradients: each cell returns its partial ``dW``; :mod:`dask_ipar.nn.front`
   sums them over all P cells with a balanced all-reduce (reduce-scatter onto the owners
   of the weight blocks, update there, all-gather before the next forward).
@@ -36,7 +38,6 @@ from dask_ipar.nn import collectives as C
 from dask_ipar.nn.graph import StepGraph
 
 __all__ = [
-    "RIM_FIRST_MAX_SHARE",
     "rim_first",
     "conv_forward_graph",
     "conv_backward_graph",
@@ -44,13 +45,6 @@ __all__ = [
     "pool_backward_graph",
     "interior_rows",
 ]
-
-
-#: A cell computes its halo rows' input gradient first (rim first) where the output rows
-#: reaching them, whose ``W^T dz`` it then computes twice, are at most this share of its
-#: output rows: thinner strips would spend more on the second product than the hop it
-#: hides (a judgement, not measured per machine).
-RIM_FIRST_MAX_SHARE = 0.5
 
 
 def _name(layer, task, token):
@@ -156,53 +150,63 @@ def conv_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, w_key
     the assembled rows that the forward added to the same graph.
     """
     owners = split_bounds(h_in, binding.grid.pr)
-
-    def xin(cell):
-        return TaskRef((_name(layer, "xin", token), *cell))
-
-    # rim first: the gradient of the halo rows, which goes home to their owners, before
-    # the rest of the backward (the same rows of the whole backward's, bit for bit)
-    made = set()
-    for need in plan if need_dx else ():
-        if not rim_first(need, wshape[2], stride):
-            continue
-        r0 = need.rows[0]
+    grads, made = {}, set()
+    for need in plan:
+        edges = rim_first(need, owners[need.cell], wshape[2], stride) if need_dx else None
+        lr = (need.pad[0], need.pad[1], pad[2], pad[3])
         for j in range(binding.grid.pc):
             cell = (need.cell, j)
+            at = binding.worker(*cell)
+            common = (TaskRef((_name(layer, "xin", token), *cell)), TaskRef(w_keys[cell]),
+                      TaskRef(a_keys[cell]), TaskRef(dy_keys[cell]))
+            key = (_name(layer, "bwd", token), *cell)
+            grads[cell] = key
+            if edges is None:
+                g.add(key, at, CK.conv_block_backward, *common, wshape, stride, lr, groups,
+                      activation, need_dx)
+                continue
+            # rim first: the edge output rows' input gradient, and from it the halo rows'
+            # pieces, which go home while the rest of the backward runs
+            n_top, n_bottom = edges
+            edge = (_name(layer, "dxedge", token), *cell)
+            g.add(edge, at, CK.conv_dx_edges, *common, wshape, stride, lr, groups,
+                  activation, n_top, n_bottom)
+            r0, oh = need.rows[0], need.out[1] - need.out[0]
             for owner, a, b in need.pieces:
-                if owner == need.cell:
-                    continue
-                key = (_name(layer, "dxhalo", token), need.cell, owner, j)
-                g.add(key, binding.worker(*cell), CK.conv_block_dx_rows, xin(cell),
-                      TaskRef(w_keys[cell]), TaskRef(a_keys[cell]), TaskRef(dy_keys[cell]),
-                      wshape, stride, (need.pad[0], need.pad[1], pad[2], pad[3]), groups,
-                      activation, a - r0, b - r0)
-                made.add(key)
-    grads = _each_cell(g, binding, layer, token, plan, "bwd", CK.conv_block_backward,
-                       lambda cell, p: (xin(cell), TaskRef(w_keys[cell]),
-                                        TaskRef(a_keys[cell]), TaskRef(dy_keys[cell]),
-                                        wshape, stride, (p[0], p[1], pad[2], pad[3]), groups,
-                                        activation, need_dx))
+                if owner != need.cell:
+                    side = 0 if owner < need.cell else 1
+                    piece = (_name(layer, "dxhalo", token), need.cell, owner, j)
+                    g.add(piece, at, CK.edge_rows, TaskRef(edge), side, a - r0, b - r0,
+                          0 if side == 0 else (oh - n_bottom) * stride, lr)
+                    made.add(piece)
+            g.add(key, at, CK.conv_block_backward_rest, *common, TaskRef(edge), wshape, stride,
+                  lr, groups, activation, n_top, n_bottom)
     if not need_dx:
         return None, grads
     return C.ghost_accumulate(g, binding, layer, token, plan, owners, grads, x_keys,
                               row_words=row_words, made=made), grads
 
 
-def rim_first(need, k, stride) -> bool:
-    """Whether a cell computes the input gradient of its halo rows first
-    (:func:`~dask_ipar.kernels.conv.conv_block_dx_rows`, then the whole backward): where it
-    reads halo rows and the output rows that reach them, computed twice then, are at most
-    :data:`RIM_FIRST_MAX_SHARE` of its output rows (shapes alone decide)."""
+def rim_first(need, own, k, stride):
+    """Whether a cell goes rim first in the backward, and how: ``(n_top, n_bottom)``, its
+    first and last output rows whose windows reach the halo rows it read (rows its
+    neighbours own, above and below its ``own`` rows), or None. Rim first where it reads
+    halo rows that windows reach and output rows lie between those edges (strips too thin
+    for that cut their pieces from the whole backward, as without)."""
     if need.halo_rows == 0:
-        return False
-    r0, oh = need.rows[0], need.out[1] - need.out[0]
-    again = 0
-    for owner, a, b in need.pieces:
-        if owner != need.cell:
-            o0, o1 = CK.dx_rows_outputs(a - r0, b - r0, need.pad[0], k, stride, oh)
-            again += max(0, o1 - o0)
-    return again <= RIM_FIRST_MAX_SHARE * oh
+        return None
+    r0, r1 = need.rows
+    oh, top = need.out[1] - need.out[0], need.pad[0]
+    q0, q1 = max(own[0], r0), min(own[1], r1)
+    n_top = n_bottom = 0
+    if q0 > r0:
+        n_top = max(0, CK.dx_rows_outputs(0, q0 - r0, top, k, stride, oh)[1])
+    if r1 > q1:
+        o0, o1 = CK.dx_rows_outputs(max(q1, r0) - r0, r1 - r0, top, k, stride, oh)
+        n_bottom = oh - o0 if o1 > o0 else 0
+    if n_top + n_bottom == 0 or n_top + n_bottom >= oh:
+        return None
+    return n_top, n_bottom
 
 
 def pool_forward_graph(g: StepGraph, binding, layer, token, x_keys, h_in, k, stride=None,

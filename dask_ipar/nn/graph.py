@@ -85,6 +85,7 @@ TASK_SPAN = {
     "xin": "halo_fwd",
     "inner": "forward",
     "bwd": "backward",
+    "dxedge": "backward",  # a conv's edge rows' input gradient (rim first)
     "dxhalo": "halo_bwd",
     "dx": "halo_bwd",
     "dxzero": "halo_bwd",
