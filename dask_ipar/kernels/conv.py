@@ -92,10 +92,11 @@ def conv2d_forward(x, w, b, stride=1, pad=(0, 0, 0, 0), groups=1):
     return y
 
 
-def _dx_padded(w, dz2, shape, stride, oh, ow, groups, dtype):
+def _dx_padded(w, dz2, shape, stride, oh, ow, groups, dtype, out=None, at=0):
     """The padded input gradient ``shape`` ``(N, C, H_pad, W_pad)`` of output gradient
     ``dz2`` ``(N, O, oh * ow)``: ``W^T dz`` into columns (one product per group), then
-    col2im (one slice-add per kernel offset, into zeros)."""
+    col2im (one slice-add per kernel offset, into zeros; into ``out`` from its row ``at``
+    where given, which is returned)."""
     xp = xp_of(dz2)
     n, c = shape[:2]
     o, cg, kh, kw = w.shape
@@ -106,10 +107,10 @@ def _dx_padded(w, dz2, shape, stride, oh, ow, groups, dtype):
         dcols.append(wg.T @ dz2[:, gi * og:(gi + 1) * og, :])  # (N, cg*kh*kw, L)
     dcol = dcols[0] if groups == 1 else xp.concat(dcols, axis=1)
     dcol = xp.reshape(dcol, (n, c, kh, kw, oh, ow))
-    dxpad = xp.zeros(shape, dtype=dtype)
+    dxpad = xp.zeros(shape, dtype=dtype) if out is None else out
     for i in range(kh):
         for j in range(kw):
-            rows = slice(i, i + stride * (oh - 1) + 1, stride)
+            rows = slice(at + i, at + i + stride * (oh - 1) + 1, stride)
             cols_ = slice(j, j + stride * (ow - 1) + 1, stride)
             dxpad[:, :, rows, cols_] += dcol[:, :, i, j, :, :]
     return dxpad
@@ -329,7 +330,6 @@ def conv_block_backward_rest(x, wmat, a, dy, edges, wshape, stride, pad, groups,
     xp = xp_of(x)
     w, b = _split_weights(wmat, wshape)
     n, c, h, wd = x.shape
-    kh = wshape[2]
     oh, ow = dy.shape[2], dy.shape[3]
     dz = _dz(a, dy, activation)
     _, dw, db = conv2d_backward(x, w, dz, stride, pad, groups, bias=b is not None,
@@ -337,12 +337,10 @@ def conv_block_backward_rest(x, wmat, a, dy, edges, wshape, stride, pad, groups,
     hpad, wpad = h + pad[0] + pad[1], wd + pad[2] + pad[3]
     dxpad = xp.zeros((n, c, hpad, wpad), dtype=x.dtype)
     m = oh - n_top - n_bottom
-    if m > 0:  # the rows between the edges
+    if m > 0:  # the rows between the edges, into the padded image
         inner = xp.reshape(dz[:, :, n_top:oh - n_bottom, :], (n, wshape[0], m * ow))
-        part = _dx_padded(w, inner, (n, c, (m - 1) * stride + kh, wpad), stride, m, ow,
-                          groups, x.dtype)
-        at = n_top * stride
-        dxpad[:, :, at:at + part.shape[2], :] += part
+        _dx_padded(w, inner, dxpad.shape, stride, m, ow, groups, x.dtype, out=dxpad,
+                   at=n_top * stride)
     top, bottom = edges
     if top.shape[2]:
         dxpad[:, :, 0:top.shape[2], :] += top

@@ -111,12 +111,13 @@ def _conv_block_backward_rest(x, wmat, a, dy, edges, wshape, stride, pad, groups
     out, flops, mem = _conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups,
                                            activation, False)
     m, wpad = dy[2] - n_top - n_bottom, w + pad[2] + pad[3]
+    # the rows between: W^T dz, col2im into a zeroed padded image (as the whole backward's)
     f, b = _dx_strip(n, c, o, cg, kh, kw, stride, m, dy[3], wpad, "linear")
-    between = n * c * ((m - 1) * stride + kh) * wpad if m > 0 else 0
-    # a zeroed padded image, the rows between and the two edges added (read, add, write)
-    added = numel((n, c, h + pad[0] + pad[1], wpad)) + 3 * (
-        between + numel(_item(edges, 0)) + numel(_item(edges, 1)))
-    return Parts((tuple(x), out[1])), flops + f, mem + b + added
+    image = numel((n, c, h + pad[0] + pad[1], wpad))
+    strip = n * c * ((m - 1) * stride + kh) * wpad if m > 0 else 0
+    # the two edges added (read, add, write)
+    added = 3 * (numel(_item(edges, 0)) + numel(_item(edges, 1)))
+    return Parts((tuple(x), out[1])), flops + f, mem + b - strip + image + added
 
 
 def _pool_geometry(x, k, stride, pad):
