@@ -310,43 +310,58 @@ def test_a_step_within_a_run_overlaps_the_next_all_gather_with_the_backward(grid
         assert step <= 1.05 * one.seconds, (step, one.seconds)
 
 
+def _domain_conv_graph(backward: bool):
+    """A 3x3 conv's step graph on 2x1 (32-row strips of 8 images, 16 channels, 64 wide):
+    the forward, and with ``backward`` its backward too."""
+    import numpy as np
+
+    import dask_ipar.nn.conv as NC
+    from dask_ipar.layout.grid import GridBinding, parse_grid
+    from dask_ipar.nn.graph import StepGraph
+
+    g = StepGraph()
+    binding = GridBinding.placeholder(parse_grid("2x1"))
+
+    def blocks(name, shape):
+        return {(i, 0): g.add_data((name, i, 0), binding.worker(i, 0),
+                                   np.zeros(shape, np.float32)).key for i in range(2)}
+
+    x, w = blocks("x", (8, 16, 32, 64)), blocks("w", (16, 16 * 9 + 1))
+    plan, a = NC.conv_forward_graph(g, binding, "conv0", "t", x, w, 64, (16, 16, 3, 3), 1,
+                                    (1, 1, 1, 1), activation="relu")
+    if backward:
+        NC.conv_backward_graph(g, binding, "conv0", "t", plan, x, w, a,
+                               blocks("dy", (8, 16, 32, 64)), 64, (16, 16, 3, 3), 1,
+                               (1, 1, 1, 1), activation="relu")
+    return g
+
+
+def _programs_step(g, latency):
+    """The programs' simulated step of ``g`` (1 GFLOP/s, 1 GB/s, links of ``latency``)."""
+    from dask_ipar.cost import simulate_programs
+    from dask_ipar.nn.graph import sim_tasks
+
+    tasks, available = sim_tasks(g, {}, 4)
+    return simulate_programs(tasks, flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e12,
+                             latency_s=latency, available=available).seconds
+
+
 @pytest.mark.fast
 def test_a_domain_conv_computes_its_interior_while_its_halo_rows_travel(monkeypatch):
     """Interior first (dask_ipar.nn.conv): in the programs' step model a conv's halo
     latency is hidden behind the rows a cell's own block gives, up to their compute; the
     same graph without the interior tasks pays it in full."""
-    import numpy as np
-
     import dask_ipar.nn.conv as NC
-    from dask_ipar.cost import simulate_programs
-    from dask_ipar.layout.grid import GridBinding, parse_grid
-    from dask_ipar.nn.graph import StepGraph, sim_tasks
 
-    def graph():
-        g = StepGraph()
-        binding = GridBinding.placeholder(parse_grid("2x1"))
-        x = {(i, 0): g.add_data(("x", i, 0), binding.worker(i, 0),
-                                np.zeros((8, 16, 32, 64), np.float32)).key for i in range(2)}
-        w = {(i, 0): g.add_data(("w", i, 0), binding.worker(i, 0),
-                                np.zeros((16, 16 * 9 + 1), np.float32)).key for i in range(2)}
-        NC.conv_forward_graph(g, binding, "conv0", "t", x, w, 64, (16, 16, 3, 3), 1,
-                              (1, 1, 1, 1), activation="relu")
-        return g
-
-    def step(g, latency):
-        tasks, available = sim_tasks(g, {}, 4)
-        return simulate_programs(tasks, flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e12,
-                                 latency_s=latency, available=available).seconds
-
-    g = graph()
+    g = _domain_conv_graph(False)
     names = {k[0].split("-")[0] for k in g.dsk if isinstance(k, tuple)}
     assert "conv0.inner" in names  # 32-row strips, a 3x3 window: an interior to compute
-    lone = step(g, 0.0)
-    hidden = step(g, 0.02)  # well under the interior's compute (about 0.1 s here)
+    lone = _programs_step(g, 0.0)
+    hidden = _programs_step(g, 0.02)  # well under the interior's compute (about 0.1 s here)
     monkeypatch.setattr(NC, "interior_rows", lambda *a, **k: None)
-    g0 = graph()
+    g0 = _domain_conv_graph(False)
     assert not any(k[0].startswith("conv0.inner") for k in g0.dsk if isinstance(k, tuple))
-    old, old_late = step(g0, 0.0), step(g0, 0.02)
+    old, old_late = _programs_step(g0, 0.0), _programs_step(g0, 0.02)
     assert old_late == pytest.approx(old + 0.02)  # the halo's latency, paid in full
     assert hidden == pytest.approx(lone, abs=1e-9)  # hidden
     assert old <= lone < 1.1 * old  # the rims computed apart cost a little more
@@ -357,41 +372,15 @@ def test_a_domain_conv_sends_its_halo_gradient_while_its_backward_runs(monkeypat
     """Rim first (dask_ipar.nn.conv): in the programs' step model the halo rows' input
     gradient travels while the cells run their whole backward, so a hop's latency up to
     that compute is hidden; without rim first the backward pays it in full."""
-    import numpy as np
-
     import dask_ipar.nn.conv as NC
-    from dask_ipar.cost import simulate_programs
-    from dask_ipar.layout.grid import GridBinding, parse_grid
-    from dask_ipar.nn.graph import StepGraph, sim_tasks
 
-    def graph():
-        g = StepGraph()
-        binding = GridBinding.placeholder(parse_grid("2x1"))
-        w0 = binding.worker
-        x = {(i, 0): g.add_data(("x", i, 0), w0(i, 0),
-                                np.zeros((8, 16, 32, 64), np.float32)).key for i in range(2)}
-        w = {(i, 0): g.add_data(("w", i, 0), w0(i, 0),
-                                np.zeros((16, 16 * 9 + 1), np.float32)).key for i in range(2)}
-        plan, a = NC.conv_forward_graph(g, binding, "conv0", "t", x, w, 64, (16, 16, 3, 3), 1,
-                                        (1, 1, 1, 1), activation="relu")
-        dy = {(i, 0): g.add_data(("dy", i, 0), w0(i, 0),
-                                 np.zeros((8, 16, 32, 64), np.float32)).key for i in range(2)}
-        NC.conv_backward_graph(g, binding, "conv0", "t", plan, x, w, a, dy, 64, (16, 16, 3, 3),
-                               1, (1, 1, 1, 1), activation="relu")
-        return g
-
-    def step(g, latency):
-        tasks, available = sim_tasks(g, {}, 4)
-        return simulate_programs(tasks, flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e12,
-                                 latency_s=latency, available=available).seconds
-
-    g = graph()
+    g = _domain_conv_graph(True)
     assert any(getattr(t, "func", None) is NC.CK.conv_dx_edges for t in g.dsk.values())
-    lone, hidden = step(g, 0.0), step(g, 0.02)
+    lone, hidden = _programs_step(g, 0.0), _programs_step(g, 0.02)
     monkeypatch.setattr(NC, "rim_first", lambda *a, **k: None)
-    g0 = graph()
+    g0 = _domain_conv_graph(True)
     assert not any(getattr(t, "func", None) is NC.CK.conv_dx_edges for t in g0.dsk.values())
-    old, old_late = step(g0, 0.0), step(g0, 0.02)
+    old, old_late = _programs_step(g0, 0.0), _programs_step(g0, 0.02)
     assert old_late >= old + 0.019  # the backward's halo latency (less a copy) paid
     assert hidden == pytest.approx(lone, abs=1e-9)  # hidden (the forward's by interior first)
     assert old <= lone < 1.05 * old  # the edges computed apart and added cost a little
