@@ -256,15 +256,16 @@ def conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups, activation,
     the dW matrix has the weight matrix's layout (bias gradient as the last column).
     """
     w, b = _split_weights(wmat, wshape)
-    d = K.activation_grad(a, activation)
-    dz = dy if d is None else dy * d
-    dx, dw, db = conv2d_backward(x, w, dz, stride, pad, groups, bias=b is not None,
-                                    need_dx=need_dx)
+    dx, dw, db = conv2d_backward(x, w, _dz(a, dy, activation), stride, pad, groups,
+                                 bias=b is not None, need_dx=need_dx)
+    return dx, _weight_matrix(dw, db, wshape)
+
+
+def _weight_matrix(dw, db, wshape):
+    """The filters' and bias gradients in the weight matrix's layout (bias last)."""
     xp = xp_of(dw)
     dwm = xp.reshape(dw, (wshape[0], -1))
-    if db is not None:
-        dwm = xp.concat([dwm, xp.reshape(db, (-1, 1))], axis=1)
-    return dx, dwm
+    return dwm if db is None else xp.concat([dwm, xp.reshape(db, (-1, 1))], axis=1)
 
 
 def dx_rows_outputs(r0, r1, top, kh, stride, oh):
@@ -347,11 +348,7 @@ def conv_block_backward_rest(x, wmat, a, dy, edges, wshape, stride, pad, groups,
     if bottom.shape[2]:
         at = (oh - n_bottom) * stride
         dxpad[:, :, at:at + bottom.shape[2], :] += bottom
-    dx = dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd]
-    dwm = xp.reshape(dw, (wshape[0], -1))
-    if db is not None:
-        dwm = xp.concat([dwm, xp.reshape(db, (-1, 1))], axis=1)
-    return dx, dwm
+    return dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd], _weight_matrix(dw, db, wshape)
 
 
 

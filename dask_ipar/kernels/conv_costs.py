@@ -73,14 +73,13 @@ def _conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups, activation
 
 def _dx_strip(n, c, o, cg, kh, kw, stride, m, ow, wpad, activation):
     """Flops and bytes of the input-gradient contributions of ``m`` output rows: dz of
-    those rows (the derivative and the product), ``W^T dz`` into fresh columns, col2im into
-    a zeroed strip (a slice-add per kernel offset)."""
+    those rows (the derivative and the product), ``W^T dz`` into fresh columns, col2im (a
+    slice-add per kernel offset; the zeroed array it adds into is the caller's)."""
     if m <= 0:
         return 0.0, 0
     y, cols = n * o * m * ow, n * c * kh * kw * m * ow
-    strip = n * c * ((m - 1) * stride + kh) * wpad
     return (2.0 * n * o * cg * kh * kw * m * ow,
-            (3 * y if activation != "linear" else 0) + cols + strip + 3 * cols)
+            (3 * y if activation != "linear" else 0) + cols + 3 * cols)
 
 
 def _conv_dx_edges(x, wmat, a, dy, wshape, stride, pad, groups, activation, n_top,
@@ -92,8 +91,8 @@ def _conv_dx_edges(x, wmat, a, dy, wshape, stride, pad, groups, activation, n_to
     shapes = []
     for m in (n_top, n_bottom):
         f, b = _dx_strip(n, c, o, cg, kh, kw, stride, m, dy[3], wpad, activation)
-        flops, mem = flops + f, mem + b
         shapes.append((n, c, (m - 1) * stride + kh if m else 0, wpad))
+        flops, mem = flops + f, mem + b + numel(shapes[-1])  # into a zeroed strip
     return Parts(shapes), flops, mem
 
 
@@ -110,14 +109,14 @@ def _conv_block_backward_rest(x, wmat, a, dy, edges, wshape, stride, pad, groups
     # the weight gradient as the whole backward's, then the rows between the edges
     out, flops, mem = _conv_block_backward(x, wmat, a, dy, wshape, stride, pad, groups,
                                            activation, False)
-    m, wpad = dy[2] - n_top - n_bottom, w + pad[2] + pad[3]
+    wpad = w + pad[2] + pad[3]
     # the rows between: W^T dz, col2im into a zeroed padded image (as the whole backward's)
-    f, b = _dx_strip(n, c, o, cg, kh, kw, stride, m, dy[3], wpad, "linear")
+    f, b = _dx_strip(n, c, o, cg, kh, kw, stride, dy[2] - n_top - n_bottom, dy[3], wpad,
+                     "linear")
     image = numel((n, c, h + pad[0] + pad[1], wpad))
-    strip = n * c * ((m - 1) * stride + kh) * wpad if m > 0 else 0
     # the two edges added (read, add, write)
     added = 3 * (numel(_item(edges, 0)) + numel(_item(edges, 1)))
-    return Parts((tuple(x), out[1])), flops + f, mem + b - strip + image + added
+    return Parts((tuple(x), out[1])), flops + f, mem + b + image + added
 
 
 def _pool_geometry(x, k, stride, pad):

@@ -154,6 +154,7 @@ def conv_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, w_key
     for need in plan:
         edges = rim_first(need, owners[need.cell], wshape[2], stride) if need_dx else None
         lr = (need.pad[0], need.pad[1], pad[2], pad[3])
+        r0, oh = need.rows[0], need.out[1] - need.out[0]
         for j in range(binding.grid.pc):
             cell = (need.cell, j)
             at = binding.worker(*cell)
@@ -171,7 +172,6 @@ def conv_backward_graph(g: StepGraph, binding, layer, token, plan, x_keys, w_key
             edge = (_name(layer, "dxedge", token), *cell)
             g.add(edge, at, CK.conv_dx_edges, *common, wshape, stride, lr, groups,
                   activation, n_top, n_bottom)
-            r0, oh = need.rows[0], need.out[1] - need.out[0]
             for owner, a, b in need.pieces:
                 if owner != need.cell:
                     side = 0 if owner < need.cell else 1
