@@ -196,11 +196,12 @@ class Engine:
             # argument): a forward task sent while the cell still fetches would tell it of
             # the other cells' copies, and dask's workers fetch from the peer that holds
             # the most of what they need, which made one cell of a row serve the others.
+            # Being the forward tasks' dependency, it runs with them: not held as a root
+            # (held, each step's prefetch kept every task record of its past on the workers)
             pre = self.name("weights", "wpre", step)
             for i, j in cells:
                 g.add((pre, i, j), self.binding.worker(i, j), B.fetched,
                       *[TaskRef((w, i, jj)) for w in w_names for jj in range(pc)])
-                g.roots.append((pre, i, j))
         inputs, wparts = [], []
         act = None
         cols = self._columns(batch)
