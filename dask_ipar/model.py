@@ -102,8 +102,10 @@ class Sequential:
         self.embed_bytes = 2**20
         #: Seconds between checks that every grid worker is still alive while waiting.
         self.liveness_check_s = 5.0
-        #: Every this many steps the state gets new keys without task history, else dask
-        #: keeps every past step's records (:mod:`dask_ipar.runtime.lineage`); None: never.
+        #: After this many steps (at the next point where the state is settled, such as an
+        #: epoch's end; at the latest after twice as many) the state gets new keys without
+        #: task history, else dask keeps every past step's records
+        #: (:mod:`dask_ipar.runtime.lineage`); None: never.
         self.lineage_steps: int | None = 100
         #: How a training step runs (:mod:`dask_ipar.runtime.executors`): ``"programs"``
         #: (one dask task per worker and phase, pushing blocks itself) or ``"graph"`` (a

@@ -42,7 +42,7 @@ class _Count:
         T._build, T._replay = self._build, self._replay
 
 
-def _fit(client, grid, k, optimizer, templates, epochs=3, lineage_steps=None):
+def _fit(client, grid, k, optimizer, templates, epochs=3, lineage_steps=None, inflight=2):
     rng = np.random.default_rng(11)
     X = rng.standard_normal((6 * 10 + 4, 15))  # 6 steps an epoch, the last one 14 samples
     y = rng.integers(0, 5, X.shape[0])
@@ -53,7 +53,8 @@ def _fit(client, grid, k, optimizer, templates, epochs=3, lineage_steps=None):
     try:
         with dask.config.set({"dask-ipar.program-templates": templates}), _Count() as n:
             h = model.fit(X, y, epochs=epochs, batch_size=10, optimizer=optimizer,
-                          steps_per_program=k)
+                          steps_per_program=k, max_inflight=inflight)
+        n.cuts = model._cuts
         return model.get_weights(), [s.loss for s in h.steps], n
     finally:
         model.close()
@@ -79,6 +80,24 @@ def test_replayed_templates_equal_fresh_graphs_bit_for_bit(client, grid, k, opti
         assert np.array_equal(a, c) and np.array_equal(b, d)
 
 
+def test_a_lineage_cut_replays_the_template_of_an_epochs_start(client):
+    """After a lineage cut the state has new names, but the template of the same layout
+    replays: a template maps the state's names one by one, whatever they are. 6 steps an
+    epoch, 3 a submission, a cut due after 8 steps: it comes at the first epoch's start
+    that finds it due (step 13), where the weights are where they are at every epoch's
+    start; so two templates serve all four epochs (an epoch's first submission, its
+    second)."""
+    opt = SGD(lr=0.1, momentum=0.9)
+    w0, loss0, off = _fit(client, "2x2", 3, opt, False, epochs=4, lineage_steps=8, inflight=0)
+    w1, loss1, on = _fit(client, "2x2", 3, opt, True, epochs=4, lineage_steps=8, inflight=0)
+    assert on.cuts == off.cuts == 1
+    # every submission but the first (it makes the momentum) from a template, two built
+    assert on.built == 2 and on.replayed == 8 - 1 and on.refused == 0
+    assert loss1 == loss0
+    for (a, b), (c, d) in zip(w0, w1):
+        assert np.array_equal(a, c) and np.array_equal(b, d)
+
+
 def test_templates_are_not_used_for_batches_scattered_to_the_workers(client):
     rng = np.random.default_rng(1)
     X, y = rng.standard_normal((40, 15)), rng.integers(0, 5, 40)
@@ -94,10 +113,11 @@ def test_templates_are_not_used_for_batches_scattered_to_the_workers(client):
 
 
 def test_rekey_renames_template_keys_only():
-    rk = Rekey(template_uid("0a1b"), "0a1b", 40, {"dense0.v-0a1bT-f4": "dense0.v-0a1b-c2"})
+    rk = Rekey(template_uid("0a1b"), "0a1b", 40, {"dense0.v-0a1bT-s0": "dense0.v-0a1b-c2"})
     assert rk.key(("dense1.act-0a1bT-s3", 1, 0)) == ("dense1.act-0a1b-s43", 1, 0)
     assert rk.key(("dense0.w-0a1bT-s0", 0, 0)) == ("dense0.w-0a1b-s40", 0, 0)
-    assert rk.key(("dense0.v-0a1bT-f4", 0, 1)) == ("dense0.v-0a1b-c2", 0, 1)
+    # a state name given one by one (the momentum, a lineage cut's blocks) wins
+    assert rk.key(("dense0.v-0a1bT-s0", 0, 1)) == ("dense0.v-0a1b-c2", 0, 1)
     for same in [("dense0.v-0a1b-s1", 0, 0), ("step.run0-0a1b-s41", 2), "x", 3]:
         assert rk.key(same) == same
     assert rk.name("input.x-0a1bT-s12") == "input.x-0a1b-s52"

@@ -11,8 +11,10 @@ of finished tasks that lead to data still held:
   and every step makes new groups (key names carry the step): 40-65 KB per step.
 
 :func:`rekey_blocks` gives blocks new keys without history (the way scattered data has
-none); :meth:`dask_ipar.runtime.state.BlockStore.cut_lineage` uses it every
-``Sequential.lineage_steps`` steps, then
+none); :meth:`dask_ipar.runtime.state.BlockStore.cut_lineage` uses it once
+``Sequential.lineage_steps`` steps have run since the last cut (at the first submission
+that finds the state settled, at the latest after twice as many:
+:func:`~dask_ipar.runtime.steps.submit_steps`), then
 :func:`fold_finished_groups` folds the model's finished task groups into one per span
 (span totals unchanged) and keeps one copy of each span's repeated collection
 description. Both run inside the dask processes through ``client.run`` /

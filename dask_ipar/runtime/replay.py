@@ -12,10 +12,10 @@ recorded for the dashboard), while its tasks run on the template's keys.
 A template key names the template's uid (the model's uid with :data:`MARK` appended) and
 a step relative to the submission (0: the state it starts from, 1 to k: its steps):
 ``"dense0.act-0a1b2c3dT-s1"`` is ``"dense0.act-0a1b2c3d-s{shift + 1}"`` of the submission.
-The state blocks whose names do not follow the steps (the momentum, named once for a
-run; every block after a lineage cut) have template names ``"<layer>.<kind>-<tuid>-f<n>"``,
-mapped to the submission's names one by one (``Replay.fixed``). Other keys are the same in
-both.
+The state blocks (weights, momentum: ``"<layer>.<kind>-<tuid>-s0"``) are mapped to the
+submission's names one by one (``Replay.fixed``), whatever those are: the last
+submission's weights, the momentum named once for a run, the blocks of a lineage cut.
+Other keys are the same in both.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def template_uid(uid: str) -> str:
 
 class Rekey:
     """Template keys to a submission's keys: uid ``tuid`` becomes ``uid`` and each step
-    ``s`` becomes ``s + shift``; ``fixed`` names the state blocks whose names do not
-    follow the steps (momentum, weights after a lineage cut): template name -> the
-    submission's (names cached: a program renames the same few hundred)."""
+    ``s`` becomes ``s + shift``; ``fixed`` names the state blocks the submission starts
+    from: template name -> the submission's (names cached: a program renames the same few
+    hundred)."""
 
     __slots__ = ("mark", "uid", "shift", "names")
 

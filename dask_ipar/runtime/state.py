@@ -161,6 +161,19 @@ class BlockStore:
         cells = self.binding.grid.cells()
         return [self.futures[(n, *c)] for n in names if n is not None for c in cells]
 
+    def settled(self) -> bool:
+        """Whether every block of the state (``w``, ``v``) exists now, its task or the
+        program holding it finished, and none was pushed ahead to the next step's
+        programs: nothing in flight still makes or moves it (a lineage cut then waits for
+        nothing). Gives held blocks no task."""
+        cells = self.binding.grid.cells()
+        for n in (*(self.w or ()), *(self.v or ())):
+            for c in () if n is None else cells:
+                f = self._held.get((n, *c)) or self._futures.get((n, *c))
+                if f is None or not f.done():
+                    return False
+        return not self._sent
+
     def clear(self):
         self._futures.clear()
         self._held.clear()

@@ -76,15 +76,18 @@ def submit_steps(model, batches, ahead: bool = False):
     are paid once. Returns per step its loss statistics: of one step its futures (one
     per worker of grid row 0), of several a :class:`StepLosses` each (their workers'
     statistics of all the steps come as one block each, when the whole submission has
-    run; :func:`gather_losses` reads either). Every ``model.lineage_steps`` steps the
-    state's task history is cut first
-    (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`).
+    run; :func:`gather_losses` reads either). The state's task history is cut first
+    (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`) once ``model.lineage_steps``
+    steps have run since the last cut and the state is settled (the caller waited for its
+    steps: an epoch's end, a checkpoint; the cut then waits for nothing), or once twice
+    as many have (it waits for the steps in flight then).
 
     ``ahead``: another training step follows this submission (the caller knows), so with
     worker programs each new weight block goes to the workers that read its layer as soon
     as it exists, and the next step's all-gather overlaps this step's backward instead of
     starting with the next program (:func:`~dask_ipar.runtime.compiler.compile_programs`
-    ``ahead``; not before a lineage cut, which renames the blocks). A block pushed ahead
+    ``ahead``; not before a lineage cut, which renames the blocks: a cut waits for a
+    submission that pushed nothing ahead). A block pushed ahead
     that no step reads is moved for nothing: the bytes stay those of the cost model only
     when a step does follow.
 
@@ -93,11 +96,13 @@ def submit_steps(model, batches, ahead: bool = False):
     model._require()
     for _, _, optimizer in batches:
         check_optimizer(model, optimizer)
-    if model.lineage_steps is not None and model._since_cut >= model.lineage_steps:
+    every = model.lineage_steps
+    if every is not None and model._since_cut >= every and (
+            model._since_cut >= 2 * every or model._store.settled()):
         model._since_cut = 0
         model._store.cut_lineage(model._step)
     model._since_cut += len(batches)
-    if model.lineage_steps is not None and model._since_cut >= model.lineage_steps:
+    if every is not None and model._since_cut >= 2 * every:
         ahead = False  # the next submission renames the blocks first
     with collector_paused():
         return _build_and_submit(model, batches, ahead)

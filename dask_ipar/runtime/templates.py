@@ -8,11 +8,13 @@ templates"), and unpickling a program a tenth of a worker's.
 
 How: the step graph is built once in *template keys* (:mod:`dask_ipar.runtime.replay`:
 the model's uid marked, steps 1 to k relative to the submission, step 0 the state it
-starts from; the batch blocks are inputs that come with the program), compiled by
+starts from, mapped to the model's names at each replay whatever they are: the last
+submission's, a lineage cut's; the batch blocks are inputs that come with the program),
+compiled by
 :func:`~dask_ipar.runtime.compiler.plan_programs` and pickled once per program. Each
 submission with the same :func:`signature` (the number of steps; per step the batch's
-shape and dtype and the optimizer with its rate; the names of the weights and momentum
-relative to the step, and which of them are held in program results; the workers and the
+shape and dtype and the optimizer with its rate; the layers and kinds of the weights and
+momentum, and which of them are held in program results; the workers and the
 engine) sends each worker the same bytes in a :class:`~dask_ipar.runtime.replay.Replay`
 with the shift of its steps and its batch blocks. Only key names differ from a graph built
 afresh: the same kernels, with the same arguments (the learning rate is part of the
@@ -103,14 +105,11 @@ class Submitted:
     pushed: dict  # new weight key -> the workers it is pushed to ahead
 
 
-def _relative(name, uid: str, prev: int):
-    """State name ``name`` as the signature sees it: relative to the step when it is of
-    step ``prev`` of model ``uid`` (the weights the last submission made), else fixed (a
-    name the template maps one by one)."""
-    suffix = f"-{uid}-s{prev}"
-    if name.endswith(suffix):
-        return ("rel", name[: -len(suffix)])
-    return ("fixed", name.split("-", 1)[0])
+def _role(name) -> str:
+    """State name ``name`` as the signature sees it: its layer and kind (``"dense0.w"``).
+    Where the name comes from (the last submission's step, a lineage cut, the momentum's
+    first step) does not matter: a template maps its state names one by one."""
+    return name.split("-", 1)[0]
 
 
 def signature(model, batches, ahead=False):
@@ -136,9 +135,10 @@ def signature(model, batches, ahead=False):
             return None
         specs.append((Xb.shape, Xb.dtype.str, None if yb is None else (yb.shape, yb.dtype.str),
                       opt))
-    prev = model._step
     cells = model.binding.grid.cells()
-    names = tuple(_relative(n, model.uid, prev) for n in (*w, *v))
+    names = tuple(_role(n) for n in (*w, *v))
+    if len(set(names)) != len(names):  # a layer with two blocks of one kind: not named apart
+        return None
     held = tuple(store.held_key((n, i, j)) is not None for n in (*w, *v) for i, j in cells)
     sent = tuple(store.sent_to((n, i, j)) for n in w for i, j in cells)
     workers = tuple(model.binding.worker(i, j) for i, j in cells)
@@ -182,15 +182,8 @@ def _build(model, batches, bundle, ahead=False) -> StepTemplate:
         teng.front = copy.copy(engine.front)
         teng.front.uid = tuid
     prev = model._step
-    suffix = f"-{model.uid}-s{prev}"
-
-    def tname(n, pos):
-        if n.endswith(suffix):
-            return n[: -len(suffix)] + f"-{tuid}-s0"
-        return f"{n.split('-', 1)[0]}-{tuid}-f{pos}"
-
     state = [*model._w, *model._v]
-    names = [tname(n, pos) for pos, n in enumerate(state)]
+    names = [f"{_role(n)}-{tuid}-s0" for n in state]  # unique: see signature
     w0, v0 = names[: len(model._w)], names[len(model._w):]
     cells = model.binding.grid.cells()
     cell_of = {model.binding.worker(i, j): (i, j) for i, j in cells}
@@ -240,8 +233,8 @@ def _build(model, batches, bundle, ahead=False) -> StepTemplate:
 
 
 def _fixed(names, state) -> dict:
-    """Template state names that do not follow the steps -> the model's names now."""
-    return {t: n for t, n in zip(names, state) if not t.endswith("-s0")}
+    """Template state names -> the model's names now."""
+    return dict(zip(names, state))
 
 
 def _replay(model, tpl: StepTemplate, batches):
