@@ -21,12 +21,18 @@ def test_pack_keeps_blocks_out_of_band_and_unpacks_writable_equal_arrays():
     c = np.arange(12, dtype=np.float32).reshape(3, 4)
     f = np.asfortranarray(np.arange(6.0).reshape(2, 3))
     strided = np.arange(20, dtype=np.int64)[::3]  # not contiguous: pickled in band
-    items = [(("dense0.act-u-s1", 0, 1), c), (("x-u-s1", 2), (f, strided, 3.5))]
+    empty, flags = np.zeros((0, 4)), np.array([True, False])
+    items = [(("dense0.act-u-s1", 0, 1), c), (("x-u-s1", 2), (f, strided, 3.5)),
+             (("e-u-s1", 0), empty), (("b-u-s1", 0), flags)]
     frames = pack(items)
-    assert len(frames) == 3  # the pickle, then the two contiguous arrays' own memory
-    assert np.shares_memory(np.frombuffer(frames[1], dtype=np.float32), c)
+    # the pickle, the buffers of the values it holds (the Fortran array, the empty block),
+    # then the C-contiguous NumPy blocks' own memory
+    assert len(frames) == 5
+    assert np.shares_memory(np.frombuffer(frames[3], dtype=np.float32), c)
     got = unpack([bytearray(memoryview(fr).cast("B")) for fr in frames])
-    assert got[0][0] == items[0][0] and got[1][0] == items[1][0]
+    assert [k for k, _ in got] == [k for k, _ in items]
+    assert got[2][1].shape == (0, 4) and got[3][1].dtype == bool
+    np.testing.assert_array_equal(got[3][1], flags)
     np.testing.assert_array_equal(got[0][1], c)
     np.testing.assert_array_equal(got[1][1][0], f)
     assert got[1][1][0].flags.f_contiguous
