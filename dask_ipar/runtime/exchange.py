@@ -160,8 +160,7 @@ class ExchangePlugin(WorkerPlugin):
         """A message of the direct links, in the thread that read it (a waiting program or
         the background reader): ``[(key, block), ...]`` pickled, the blocks' buffers out of
         band (:func:`~dask_ipar.runtime.framing.unpack`)."""
-        for key, data in unpack(frames):
-            self.put(key=key, data=data)
+        self.put_many(unpack(frames))
 
     def teardown(self, worker):
         # a program waiting for blocks would otherwise hold the closing worker's process
@@ -177,15 +176,23 @@ class ExchangePlugin(WorkerPlugin):
 
     # event-loop side
     def put(self, key=None, data=None, sender=None):
-        key = _key(key)
+        """One block (handler ``ipar_put``)."""
+        return self.put_many([(key, data)], sender)
+
+    def put_many(self, items=None, sender=None):
+        """Blocks ``[(key, data), ...]`` of one message, into the mailbox under one lock,
+        the waiting programs woken once (handler ``ipar_put_many``; the direct links)."""
         with self.cond:
-            if key in self.dropped:
-                self.dropped.discard(key)
-            elif tag_of(key) in self.aborted or _stale(self.aborted, tag_of(key)):
-                pass  # a late block of a stopped step, or of a stopped model's
-            else:
-                self.box[key] = data
-                self._purge(tag_of(key))
+            for key, data in items:
+                key = _key(key)
+                tag = tag_of(key)
+                if key in self.dropped:
+                    self.dropped.discard(key)
+                elif tag in self.aborted or _stale(self.aborted, tag):
+                    pass  # a late block of a stopped step, or of a stopped model's
+                else:
+                    self.box[key] = data
+                    self._purge(tag)
         self._notify()
         return "OK"
 
@@ -216,12 +223,6 @@ class ExchangePlugin(WorkerPlugin):
             self.cond.notify_all()  # a program waiting below may read the links now
         elif self.events == seen and self.server.pumper is not None:
             self.cond.wait(seconds)  # the reading program's deliveries (or its leaving)
-
-    def put_many(self, items=None, sender=None):
-        """Several small blocks in one message (``[(key, data), ...]``)."""
-        for key, data in items:
-            self.put(key=key, data=data, sender=sender)
-        return "OK"
 
     def _purge(self, tag) -> None:
         """Drop blocks of the model of ``tag`` older than :data:`KEEP_STEPS` submissions
