@@ -155,14 +155,15 @@ def test_cut_names_never_repeat_across_distribute(client):
     names do not reuse those of blocks a caller may still hold."""
     m = _model(2)
     try:
-        _train(client, m, 5)
+        # a cut is due after 2 steps where the state is settled, after 4 at the latest
+        _train(client, m, 9)
         before, names = m._cuts, set(m._w)
         assert before >= 2
         m.distribute(client, "1x2")
         assert m._cuts == before
         rng = np.random.default_rng(1)
         X, y = rng.standard_normal((8, 9)), rng.integers(0, 3, 8)
-        for _ in range(3):
+        for _ in range(5):
             client.gather(m.train_step(X, y, SGD(lr=0.05)))
         assert m._cuts > before
         assert not names & set(m._w)

@@ -197,7 +197,9 @@ class MetricsLog(Callback):
 
 class Meter(Callback):
     """Feeds a :class:`~dask_ipar.runtime.meter.CommMeter`: each step's predicted bytes,
-    the workers' transfer logs drained every 32 steps and at each epoch's end; the
+    the workers' transfer logs drained every 32 steps and at each epoch's end (once
+    where both fall on one step, at the epoch's end, when every program has finished: a
+    drain is a round trip to every worker while the programs idle); the
     predicted-vs-measured table goes to ``history.comm`` at the end."""
 
     def __init__(self, meter):
@@ -205,7 +207,9 @@ class Meter(Callback):
 
     def on_step_end(self, loop, stats):
         self.meter.add_step(stats.batch)
-        if stats.step % 32 == 0:
+        ends_epoch = (stats.step % loop.plan.steps_per_epoch == 0
+                      or stats.step == loop.total_steps)
+        if stats.step % 32 == 0 and not ends_epoch:
             self.meter.drain()
 
     def on_epoch_end(self, loop, record):
