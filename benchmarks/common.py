@@ -546,7 +546,7 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
         for key, node in list(g.dsk.items()):
             g.dsk[key] = Task(key, K.fetched, *[TaskRef(d) for d in sorted(
                 node.dependencies, key=str)])
-        keys = [(n, i, j) for n in new_w for i, j in grid.cells()] + g.roots + stats
+        keys = [(n, i, j) for n in new_w for i, j in grid.cells()] + stats
         futs = client.get(g.to_hlg(f"floor-{s}"), keys, sync=False)
         return futs, futs[len(futs) - len(stats):], new_w
 

@@ -102,10 +102,8 @@ class Sequential:
         self.embed_bytes = 2**20
         #: Seconds between checks that every grid worker is still alive while waiting.
         self.liveness_check_s = 5.0
-        #: After this many steps (at the next point where the state is settled, such as an
-        #: epoch's end; at the latest after twice as many) the state gets new keys without
-        #: task history, else dask keeps every past step's records
-        #: (:mod:`dask_ipar.runtime.lineage`); None: never.
+        #: Every this many steps (up to twice as many: steps.submit_steps) the state gets new
+        #: keys without task history (:mod:`dask_ipar.runtime.lineage`); None: never.
         self.lineage_steps: int | None = 100
         #: How a training step runs (:mod:`dask_ipar.runtime.executors`): ``"programs"``
         #: (one dask task per worker and phase, pushing blocks itself) or ``"graph"`` (a
@@ -269,8 +267,8 @@ class Sequential:
                                  ex.client is not self.client):
             new = make_executor(self.executor, self.client, self.uid, self._locate,
                                 self.program_timeout_s)
-            if ex is not None:  # prefetches and sending programs still in flight
-                new._roots = ex._roots
+            if ex is not None:  # sending programs still in flight
+                new._orphans = ex._orphans
             self._executor = ex = new
             if new.name == "programs":
                 self._programs_on = self.client  # its workers have the exchange plugin

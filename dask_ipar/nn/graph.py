@@ -146,8 +146,6 @@ class StepGraph:
 
     dsk: dict = field(default_factory=dict)
     place: dict = field(default_factory=dict)
-    #: keys to compute although no key asked for depends on them (prefetches)
-    roots: list = field(default_factory=list)
     #: whether the collectives record what they move (the tests do; a training step
     #: skips the bookkeeping: its bytes are the meter's)
     record_routes: bool = False

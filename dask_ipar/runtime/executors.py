@@ -40,27 +40,25 @@ class GraphExecutor:
         self.uid = uid
         self.locate = locate
         self.program_timeout_s = program_timeout_s
-        self._roots: deque = deque(maxlen=4)
+        #: futures of the last submissions' programs that only send (nothing asked for
+        #: depends on them): held, so that dask runs them
+        self._orphans: deque = deque(maxlen=4)
 
     def submit(self, graph, name: str, keys, step=None, first=(), held=None, leave=(),
                ahead=None, sent=None):
-        """Submit ``graph``; futures of ``keys``. The graph's roots (prefetch tasks) are
-        computed too, their futures held until four submissions later. With ``leave``
+        """Submit ``graph``; futures of ``keys``. With ``leave``
         (keys the caller keeps as state): ``(futures of keys, {key: its future})``.
         ``ahead`` and ``sent`` are the programs' (:class:`ProgramExecutor`): nothing is
         pushed here, dask's workers fetch what their tasks read."""
         leave = list(leave)
-        futs = self.client.get(graph.to_hlg(name), list(keys) + leave + graph.roots,
-                               sync=False)
+        futs = self.client.get(graph.to_hlg(name), list(keys) + leave, sync=False)
         n, m = len(keys), len(keys) + len(leave)
-        if graph.roots:
-            self._roots.append(futs[m:])
         if ahead is not None:
             return futs[:n], dict(zip(leave, futs[n:m])), {}
         return (futs[:n], dict(zip(leave, futs[n:m]))) if leave else futs[:n]
 
     def clear(self) -> None:
-        self._roots.clear()
+        self._orphans.clear()
 
 
 class ProgramExecutor(GraphExecutor):
@@ -105,12 +103,12 @@ class ProgramExecutor(GraphExecutor):
     def run(self, hlg, keys, orphans, left):
         """Submit compiled programs: futures of ``keys`` and, per key of ``left`` (key ->
         program holding it), the future of its program; ``orphans`` (programs that only
-        send) are held like the prefetches."""
+        send) are held for the next four submissions."""
         holders = sorted(set(left.values()), key=str)
         futs = self.client.get(hlg, list(keys) + list(orphans) + holders, sync=False)
         n, m = len(keys), len(keys) + len(orphans)
         if orphans:
-            self._roots.append(futs[n:m])
+            self._orphans.append(futs[n:m])
         by_key = dict(zip(holders, futs[m:]))
         return futs[:n], {k: by_key[pk] for k, pk in left.items()}
 
