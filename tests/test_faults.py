@@ -116,6 +116,30 @@ def test_stopped_worker_ends_the_run_with_one_line(client4, data):
     whole_again(client4)
 
 
+def test_a_finished_result_on_a_stopped_worker_does_not_hold_the_gather(client4):
+    """A step's results done before their worker stopped answering: fetching them names
+    the stopped worker (a plain ``client.gather`` waits forever on its open connection;
+    seen when a stop fell between a pipelined step's end and its losses' gather)."""
+    model = make_model().distribute(client4, "2x2")
+    victim = model.binding.worker(0, 1)
+    [pid] = pids_of(client4, [victim])
+    fut = client4.submit(np.ones, 3, workers=[victim], pure=False)
+    fut.result()
+    model.liveness_check_s = 1.0
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with dask.config.set({"dask-ipar.hung-after": "2s"}), \
+                pytest.raises(IparError, match="stopped answering"):
+            model._store.gather_step([fut], 7)
+        assert time.monotonic() - t0 < 30
+    finally:
+        _resume(pid)
+        del fut
+        model.close()
+    whole_again(client4)
+
+
 def test_stopped_worker_is_restarted_and_the_run_recovers_exactly(client4, data, tmp_path):
     """With checkpoints the run recovers on the restarted worker and ends bit-equal to an
     uninterrupted run (float64)."""

@@ -369,11 +369,22 @@ class BlockStore:
         """Wait for a step's results, checking every few seconds that the grid is intact.
 
         Tasks are pinned to their cells, so a step whose worker died would otherwise wait
-        forever; one whose data was lost fails with dask's cancellation error.
+        forever; one whose data was lost fails with dask's cancellation error. The results
+        are fetched one at a time with the same checks: a worker that stops answering after
+        its results are done (stopped, swapping) would hold a plain ``client.gather``
+        forever, as its connection stays open.
         """
         try:
             self.wait_alive(futs, step)
-            return self.client.gather(futs)
+            out = []
+            for f in futs:
+                while True:
+                    try:
+                        out.append(f.result(timeout=self.liveness_check_s))
+                        break
+                    except TimeoutError:
+                        self.check_alive(step)
+            return out
         except IparError:
             raise
         except Exception:  # e.g. futures cancelled because their inputs were lost
