@@ -169,3 +169,23 @@ def test_cut_names_never_repeat_across_distribute(client):
         assert not names & set(m._w)
     finally:
         m.close()
+
+
+def test_the_state_is_settled_only_when_its_holders_finished_and_nothing_went_ahead(client):
+    """``BlockStore.settled`` (when a due lineage cut waits for nothing): False while a
+    block's holder runs or a block was pushed ahead to the next step's programs."""
+    m = _model(None)
+    try:
+        m.distribute(client, "2x2")
+        store = m._store
+        assert store.settled()  # scattered weights, nothing in flight
+        key = (store.w[0], 0, 0)
+        slow = client.submit(time.sleep, 3, pure=False)
+        store.hold({key: slow})
+        assert not store.settled()  # its holding program still runs
+        slow.result()
+        assert store.settled()
+        store.hold({key: slow}, {key: ("somewhere",)})
+        assert not store.settled()  # pushed ahead: a rename would strand it
+    finally:
+        m.close()

@@ -80,17 +80,23 @@ def test_replayed_templates_equal_fresh_graphs_bit_for_bit(client, grid, k, opti
         assert np.array_equal(a, c) and np.array_equal(b, d)
 
 
-def test_a_lineage_cut_replays_the_template_of_an_epochs_start(client):
+def test_a_lineage_cut_replays_the_template_of_an_epochs_start(client, monkeypatch):
     """After a lineage cut the state has new names, but the template of the same layout
     replays: a template maps the state's names one by one, whatever they are. 6 steps an
     epoch, 3 a submission, a cut due after 8 steps: it comes at the first epoch's start
     that finds it due (step 13), where the weights are where they are at every epoch's
     start; so two templates serve all four epochs (an epoch's first submission, its
     second)."""
+    from dask_ipar.runtime.state import BlockStore
+
+    cut, at = BlockStore.cut_lineage, []
+    monkeypatch.setattr(BlockStore, "cut_lineage",
+                        lambda self, step: (at.append(step), cut(self, step))[1])
     opt = SGD(lr=0.1, momentum=0.9)
     w0, loss0, off = _fit(client, "2x2", 3, opt, False, epochs=4, lineage_steps=8, inflight=0)
     w1, loss1, on = _fit(client, "2x2", 3, opt, True, epochs=4, lineage_steps=8, inflight=0)
-    assert on.cuts == off.cuts == 1
+    # before step 13 (the state settled at the epoch's end), not forced before step 19
+    assert on.cuts == off.cuts == 1 and at == [13, 13]
     # every submission but the first (it makes the momentum) from a template, two built
     assert on.built == 2 and on.replayed == 8 - 1 and on.refused == 0
     assert loss1 == loss0

@@ -179,7 +179,7 @@ class ExchangePlugin(WorkerPlugin):
         """One block (handler ``ipar_put``)."""
         return self.put_many([(key, data)], sender)
 
-    def put_many(self, items=None, sender=None):
+    def put_many(self, items=(), sender=None):
         """Blocks ``[(key, data), ...]`` of one message, into the mailbox under one lock,
         the waiting programs woken once (handler ``ipar_put_many``; the direct links)."""
         with self.cond:

@@ -7,8 +7,10 @@ frame of its own (its dtype and shape in the pickle) and other values' buffers o
 dask's TCP comms; 3 us for two small blocks, where NumPy's own pickling takes 14 and
 :func:`distributed.protocol.dumps` about 30 for one), framed as dask's TCP comm frames a message (the number of frames and their lengths,
 8-byte big-endian each, then the frames). Unpickling trusts the peer, as dask's comms do;
-clusters that must not are the ones with TLS. A message is written once the sender's call
-returns: the kernel holds a copy, so the block may be updated in place afterwards.
+clusters that must not are the ones with TLS. A small message to a free link is written
+before the sender's call returns (the kernel holds a copy); others are written by the
+link's thread from the block's own memory, so a program rewriting a block in place first
+waits for its sends (:meth:`~dask_ipar.runtime.sender.Sender.flush`).
 
 Reading: :class:`MessageReader` reads a message a piece at a time and, on a non-blocking
 socket, keeps its place where the rest has not come yet (a reading thread never waits on a
@@ -32,9 +34,9 @@ JOIN_BYTES = 1 << 16
 
 def _raw(value) -> bool:
     """Whether ``value`` travels as its bytes alone: a non-empty C-contiguous NumPy array
-    of a built-in dtype (what the programs send)."""
+    of booleans or numbers (what the programs send)."""
     return (type(value) is np.ndarray and value.flags.c_contiguous and value.size > 0
-            and value.dtype.isbuiltin == 1 and not value.dtype.hasobject)
+            and value.dtype.kind in "biufc")
 
 
 def pack(items) -> list:

@@ -383,6 +383,8 @@ class BlockStore:
                         out.append(f.result(timeout=self.liveness_check_s))
                         break
                     except TimeoutError:
+                        if f.status == "error":  # the task's own TimeoutError
+                            raise
                         self.check_alive(step)
             return out
         except IparError:

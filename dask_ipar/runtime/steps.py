@@ -79,8 +79,8 @@ def submit_steps(model, batches, ahead: bool = False):
     run; :func:`gather_losses` reads either). The state's task history is cut first
     (:meth:`dask_ipar.runtime.state.BlockStore.cut_lineage`) once ``model.lineage_steps``
     steps have run since the last cut and the state is settled (the caller waited for its
-    steps: an epoch's end, a checkpoint; the cut then waits for nothing), or once twice
-    as many have (it waits for the steps in flight then).
+    steps and nothing was pushed ahead: an epoch's end; the cut then waits for nothing), or
+    once twice as many have (it waits for the steps in flight then).
 
     ``ahead``: another training step follows this submission (the caller knows), so with
     worker programs each new weight block goes to the workers that read its layer as soon

@@ -244,9 +244,6 @@ def _replay(model, tpl: StepTemplate, batches):
     shift = model._step
     fixed = _fixed([*tpl.w0, *tpl.v0], [*model._w, *model._v])
     rk = Rekey(tpl.tuid, model.uid, shift, fixed)
-    if [rk.name(n) for n in tpl.w0] != list(model._w) or \
-            [rk.name(n) for n in tpl.v0] != list(model._v):
-        return None
     holders = []
     for p in tpl.progs:
         if any(store.held_key(rk.key(d)) is not None for d in p.inputs):
