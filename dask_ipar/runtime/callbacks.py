@@ -207,9 +207,7 @@ class Meter(Callback):
 
     def on_step_end(self, loop, stats):
         self.meter.add_step(stats.batch)
-        ends_epoch = (stats.step % loop.plan.steps_per_epoch == 0
-                      or stats.step == loop.total_steps)
-        if stats.step % 32 == 0 and not ends_epoch:
+        if stats.step % 32 == 0 and not loop.ends_epoch(stats.step):
             self.meter.drain()
 
     def on_epoch_end(self, loop, record):

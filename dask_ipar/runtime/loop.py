@@ -371,11 +371,15 @@ class TrainLoop:
             while len(self._sizes) > self.max_inflight:
                 for _ in range(self._sizes.popleft()):
                     self._finish(self._pending.popleft())
-            if s % spe == 0 or s == self.total_steps:
+            if self.ends_epoch(s):
                 self._end_epoch((s - 1) // spe)
                 if self._stop_at_epoch is not None:
                     self.history.stopped = self._stop_at_epoch
                     return
+
+    def ends_epoch(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) ends an epoch (the run's last step does)."""
+        return step % self.plan.steps_per_epoch == 0 or step == self.total_steps
 
     def _chunk_end(self, first: int) -> int:
         """The last step (1-based) of the submission starting after step ``first``: at most

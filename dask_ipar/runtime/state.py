@@ -179,7 +179,8 @@ class BlockStore:
         lineage cut then waits for nothing). Gives held blocks no task."""
         if self.w is None:
             return False
-        return not self._sent and all(f.done() for f in self.holders([*self.w, *(self.v or ())]))
+        holders = self.holders([*self.w, *(self.v or ())])
+        return not self._sent and all(f.done() for f in holders)
 
     def clear(self):
         self._futures.clear()
