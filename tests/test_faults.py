@@ -140,6 +140,31 @@ def test_a_finished_result_on_a_stopped_worker_does_not_hold_the_gather(client4)
     whole_again(client4)
 
 
+def test_weights_on_a_stopped_worker_do_not_hold_get_weights(client4, data):
+    """``get_weights`` after training, its blocks done before a grid worker stopped
+    answering: the fetch names the stopped worker within the liveness checks (a plain
+    ``client.gather`` waits forever on the stopped worker's open connection)."""
+    X, y = data
+    model = make_model().distribute(client4, "2x2")
+    model.fit(X, y, epochs=1, batch_size=12, optimizer=OPT, progress=False)
+    model.get_weights()  # every block done (and the fetch works)
+    victim = model.binding.worker(1, 0)
+    [pid] = pids_of(client4, [victim])
+    model.liveness_check_s = 1.0
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with dask.config.set({"dask-ipar.hung-after": "2s"}), \
+                pytest.raises(IparError, match=f"{victim}.*stopped answering while its "
+                                                "blocks were fetched"):
+            model.get_weights()
+        assert time.monotonic() - t0 < 30
+    finally:
+        _resume(pid)
+        model.close()
+    whole_again(client4)
+
+
 def test_stopped_worker_is_restarted_and_the_run_recovers_exactly(client4, data, tmp_path):
     """With checkpoints the run recovers on the restarted worker and ends bit-equal to an
     uninterrupted run (float64)."""

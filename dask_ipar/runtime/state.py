@@ -301,14 +301,35 @@ class BlockStore:
         return self.gather(self.submit(g, f"to-host-{name}", out))
 
     def gather(self, futures):
-        """``client.gather`` that turns blocks cancelled under it (a worker died, the
-        workers were restarted) into the one clear error of a lost state."""
+        """The results of ``futures`` (:meth:`fetch_watched`), with blocks cancelled under
+        it (a worker died, the workers were restarted) turned into the one clear error of
+        a lost state."""
         from distributed.client import FutureCancelledError
 
         try:
-            return self.client.gather(futures)
+            return self.fetch_watched(futures, "while its blocks were fetched")
         except (FutureCancelledError, asyncio.CancelledError):
             self.raise_lost("its blocks were cancelled on the cluster", grace_s=10.0)
+
+    def fetch_watched(self, futures, during: str):
+        """``client.gather(futures)`` that checks the grid every ``liveness_check_s`` while
+        it runs (:meth:`check_alive`, the error saying ``during`` what): a worker that
+        stops answering with results still to send (stopped, swapping) would hold a
+        plain ``client.gather`` forever, as its connection stays open. One batched
+        gather, through dask's public asynchronous call on the client's event loop."""
+        pending = asyncio.run_coroutine_threadsafe(
+            self.client.gather(list(futures), asynchronous=True),
+            self.client.loop.asyncio_loop)
+        try:
+            while True:
+                try:
+                    return pending.result(timeout=self.liveness_check_s)
+                except TimeoutError:
+                    if pending.done():  # a task's own TimeoutError
+                        raise
+                    self.check_alive(during=during)
+        finally:
+            pending.cancel()
 
     # ------------------------------------------------------------ liveness
     def _gone(self):
@@ -316,10 +337,12 @@ class BlockStore:
         return [(c, w) for c in self.binding.grid.cells()
                 if (w := self.binding.worker(*c)) not in alive]
 
-    def check_alive(self, step):
+    def check_alive(self, step=None, during=None):
         """Raise a clear error if a worker of the grid has left the cluster or stopped
         answering (no heartbeat for ``dask-ipar.hung-after``; it is then restarted by its
-        nanny, or removed, so that a recovery finds it gone)."""
+        nanny, or removed, so that a recovery finds it gone); the error says it happened
+        ``during`` what (default: during step ``step``)."""
+        during = during or f"during step {step}"
         info = scheduler_workers(self.client)
         cells = {self.binding.worker(*c): c for c in self.binding.grid.cells()}
         gone = [(c, w) for w, c in cells.items() if w not in info]
@@ -331,7 +354,7 @@ class BlockStore:
             still = release_hung_workers(self.client, [h for h, _ in hung])
             self.abort(f"worker {w} of grid cell {cells[w]} stopped answering")
             raise WorkerHung(
-                f"worker {w} of grid cell {cells[w]} stopped answering during step {step} "
+                f"worker {w} of grid cell {cells[w]} stopped answering {during} "
                 f"(no heartbeat for {silent:.0f} s: stopped, hung or swapping; "
                 f"dask-ipar.hung-after); {'it is still listed: its nanny could not restart it' if w in still else 'it was restarted or removed'}, "
                 "the blocks it held are lost, so training stops here. Save checkpoints (dask_ipar.io.checkpoint or "
@@ -340,7 +363,7 @@ class BlockStore:
         cell, w = gone[0]
         self.abort(f"worker {w} of grid cell {cell} left the cluster")
         raise IparError(
-            f"worker {w} of grid cell {cell} left the cluster during step {step}; the blocks "
+            f"worker {w} of grid cell {cell} left the cluster {during}; the blocks "
             "it held are lost, so training stops here. Save checkpoints "
             "(dask_ipar.io.checkpoint or `dask-ipar train --checkpoint-dir DIR`) and resume "
             "from the last one (`--resume`) on the restarted cluster."
@@ -367,27 +390,15 @@ class BlockStore:
                     check = time.monotonic() + self.liveness_check_s
 
     def gather_step(self, futs, step):
-        """Wait for a step's results, checking every few seconds that the grid is intact.
+        """Wait for a step's results, checking every few seconds that the grid is intact,
+        then fetch them with the same checks (:meth:`fetch_watched`).
 
         Tasks are pinned to their cells, so a step whose worker died would otherwise wait
-        forever; one whose data was lost fails with dask's cancellation error. The results
-        are fetched one at a time with the same checks: a worker that stops answering after
-        its results are done (stopped, swapping) would hold a plain ``client.gather``
-        forever, as its connection stays open.
+        forever; one whose data was lost fails with dask's cancellation error.
         """
         try:
             self.wait_alive(futs, step)
-            out = []
-            for f in futs:
-                while True:
-                    try:
-                        out.append(f.result(timeout=self.liveness_check_s))
-                        break
-                    except TimeoutError:
-                        if f.status == "error":  # the task's own TimeoutError
-                            raise
-                        self.check_alive(step)
-            return out
+            return self.fetch_watched(futs, f"during step {step}")
         except IparError:
             raise
         except Exception:  # e.g. futures cancelled because their inputs were lost
