@@ -11,6 +11,7 @@ lost block or a departed grid worker into one clear error.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 
 import numpy as np
@@ -308,7 +309,7 @@ class BlockStore:
 
         try:
             return self.fetch_watched(futures, "while its blocks were fetched")
-        except (FutureCancelledError, asyncio.CancelledError):
+        except (FutureCancelledError, asyncio.CancelledError, concurrent.futures.CancelledError):
             self.raise_lost("its blocks were cancelled on the cluster", grace_s=10.0)
 
     def fetch_watched(self, futures, during: str):
@@ -321,15 +322,11 @@ class BlockStore:
             self.client.gather(list(futures), asynchronous=True),
             self.client.loop.asyncio_loop)
         try:
-            while True:
-                try:
-                    return pending.result(timeout=self.liveness_check_s)
-                except TimeoutError:
-                    if pending.done():  # a task's own TimeoutError
-                        raise
-                    self.check_alive(during=during)
+            while not concurrent.futures.wait([pending], timeout=self.liveness_check_s).done:
+                self.check_alive(during=during)
+            return pending.result()  # the results, or a task's own error
         finally:
-            pending.cancel()
+            pending.cancel()  # after a failed check: the gather stops (no dask future is)
 
     # ------------------------------------------------------------ liveness
     def _gone(self):
