@@ -6,8 +6,9 @@ frame of its own (its dtype and shape in the pickle) and other values' buffers o
 (:func:`pack`: NumPy blocks are not copied; CuPy blocks pickle through host memory, as over
 dask's TCP comms; 3 us for two small blocks, where NumPy's own pickling takes 14 and
 :func:`distributed.protocol.dumps` about 30 for one), framed as dask's TCP comm frames a
-message (the number of frames and their lengths, 8-byte big-endian each, then the frames). Unpickling trusts the peer, as dask's comms do;
-clusters that must not are the ones with TLS. A small message to a free link is written
+message (the number of frames and their lengths, 8-byte big-endian each, then the frames).
+Unpickling trusts the peer, as dask's comms do; clusters that must not are the ones with
+TLS. A small message to a free link is written
 before the sender's call returns (the kernel holds a copy); others are written by the
 link's thread from the block's own memory, so a program rewriting a block in place first
 waits for its sends (:meth:`~dask_ipar.runtime.sender.Sender.flush`).

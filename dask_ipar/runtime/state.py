@@ -162,26 +162,19 @@ class BlockStore:
         cells = self.binding.grid.cells()
         return [self.futures[(n, *c)] for n in names if n is not None for c in cells]
 
-    def holders(self, names) -> list:
-        """Futures that have finished once every block of the layers named ``names`` (None
-        names skipped) exists: a block's own, or that of the program whose result holds
-        it (one each). Unlike :meth:`state`, gives held blocks no task."""
-        cells = self.binding.grid.cells()
-        out = {}
-        for n in names:
-            for c in () if n is None else cells:
-                f = self._held.get((n, *c)) or self._futures[(n, *c)]
-                out[f.key] = f
-        return list(out.values())
-
     def settled(self) -> bool:
-        """Whether every block of the state (``w``, ``v``) exists now and none was pushed
-        ahead to the next step's programs: nothing in flight still makes or moves it (a
-        lineage cut then waits for nothing). Gives held blocks no task."""
-        if self.w is None:
+        """Whether every block of the state (``w``, ``v``) exists now (its task, or the
+        program whose result holds it, finished) and none was pushed ahead to the next
+        step's programs: nothing in flight still makes or moves it (a lineage cut then
+        waits for nothing). Gives held blocks no task."""
+        if self.w is None or self._sent:
             return False
-        holders = self.holders([*self.w, *(self.v or ())])
-        return not self._sent and all(f.done() for f in holders)
+        for n in (*self.w, *(self.v or ())):
+            for c in () if n is None else self.binding.grid.cells():
+                f = self._held.get((n, *c)) or self._futures.get((n, *c))
+                if f is None or not f.done():
+                    return False
+        return True
 
     def clear(self):
         self._futures.clear()
