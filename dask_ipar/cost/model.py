@@ -167,7 +167,8 @@ def _paper_collective(layer, phase, p, per_process_words, total_words, machine, 
 # --------------------------------------------------------------------------- Eq. 8 (model)
 
 
-def _matmul_phases(layer, name, pr, pc, batch, machine, first_layer, convention, dx_size) -> list[PhaseCost]:
+def _matmul_phases(layer, name, pr, pc, batch, machine, first_layer, convention, dx_size,
+                   gather_output=True) -> list[PhaseCost]:
     """Eq. 8 phases of one layer viewed as a matmul (FC, or conv with filters over Pr)."""
     w = machine.word_bytes
     m, n = layer.d_out, layer.d_in
@@ -186,7 +187,7 @@ def _matmul_phases(layer, name, pr, pc, batch, machine, first_layer, convention,
     w_rows, w_cols = layer.weight_rows, layer.weight_cols
     phases = []
     # Forward all-gather of Y over Pr (each column): process (i, j) receives (m - m_i) * b_j words.
-    if pr > 1:
+    if pr > 1 and gather_output:
         mx = (out_rows - out_rows // pr) * out_row_size * bmax
         phases.append(_phase(name, "fwd_gather", pr, (pr - 1) * m * batch * w, mx * w, pr - 1, machine))
     else:
@@ -223,6 +224,7 @@ def dense_layer_phases(
     convention: str = "engine",
     dx_size: str = "paper",
     name: str | None = None,
+    gather_output: bool = True,
 ) -> list[PhaseCost]:
     """Communication phases of one dense layer on a ``Pr x Pc`` grid (Eq. 8).
 
@@ -265,13 +267,18 @@ def dense_layer_phases(
         dX size in the paper convention.
     name : str, optional
         Layer label; defaults to the layer's ``name``.
+    gather_output : bool
+        Whether the output is all-gathered over Pr (engine convention). Not when the next
+        layer is a row-parallel output layer, which reads each cell's own rows
+        (:mod:`dask_ipar.cost.rowpar`): ``fwd_gather`` then moves nothing.
     """
     fc = as_layer_spec(fc)
     if not isinstance(fc, FC):
         raise ValueError(f"fc: got {type(fc).__name__}; expected an FC layer (use conv_model_phases for convolutions)")
     _check_grid(grid_pr, grid_pc, batch)
     _check_convention(convention, dx_size)
-    return _matmul_phases(fc, name or fc.name, grid_pr, grid_pc, batch, machine, first_layer, convention, dx_size)
+    return _matmul_phases(fc, name or fc.name, grid_pr, grid_pc, batch, machine, first_layer, convention, dx_size,
+                          gather_output)
 
 
 # --------------------------------------------------------------------------- Eq. 4

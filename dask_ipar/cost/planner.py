@@ -238,7 +238,8 @@ def _engine_search(layers, allowed, pr, pc, batch, machine):
                     why[reason] = None
                     continue
                 extra = engine_layer_phases(layer, layout, state, pr, pc, batch, machine, name=name,
-                                            prev_name=prev_name, first_layer=idx == 0)
+                                            prev_name=prev_name, first_layer=idx == 0,
+                                            following=tuple(layers[idx + 1:]))
                 c = cost + sum(p.seconds for p in extra)
                 if layout not in new or c < new[layout][0]:
                     chosen = schemes if isinstance(layer, Pool2d) else \

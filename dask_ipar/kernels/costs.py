@@ -273,6 +273,29 @@ def _block_adam_weight(wfull, r0, r1, c0, c1, state, hp, n_decay, lr, t):
     return w, 4.0 * numel(w), 6 * numel(w)
 
 
+def _partial_forward(c0, c1, wfull, x, *after):
+    out = (wfull[0], x[1])
+    return out, 2.0 * wfull[0] * (c1 - c0) * x[1], numel(out)
+
+
+def _partial_sum(n_in, bias, activation, wfull, *partials):
+    out = partials[0]
+    # the copy, each partial added, the bias, the activation
+    passes = 2 + 3 * (len(partials) - 1) + (3 if bias else 0) + (2 if activation != "linear" else 0)
+    return out, 0.0, passes * numel(out)
+
+
+def _dz_rows(a, activation, c0, c1, wfull, dz):
+    out = (c1 - c0, dz[1])
+    return out, 2.0 * wfull[0] * (c1 - c0) * dz[1], (1 + (3 if activation != "linear" else 0)) * numel(out)
+
+
+def _grad_partial(c0, c1, n_cols, bias_sum, dz, x):
+    g = (dz[0], n_cols)
+    # zeros written, the product written, then copied into its columns
+    return Parts((None, g)), 2.0 * dz[0] * (c1 - c0) * dz[1], numel(g) + 3 * dz[0] * (c1 - c0)
+
+
 #: Cost function of each kernel, by the kernel's name; each takes the kernel's parameters
 #: (array arguments as shapes) and returns ``(out_shape, flops, mem_words)``.
 KERNEL_COSTS = {
@@ -320,6 +343,10 @@ KERNEL_COSTS = {
     "block_nesterov_weight": _block_nesterov_weight,
     "block_adam_state": _block_adam_state,
     "block_adam_weight": _block_adam_weight,
+    "partial_forward": _partial_forward,
+    "partial_sum": _partial_sum,
+    "dz_rows": _dz_rows,
+    "grad_partial": _grad_partial,
 }
 
 

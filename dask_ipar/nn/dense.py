@@ -39,12 +39,11 @@ stopped while it is distributed (:func:`dask_ipar.runtime.workers.hold_replicas`
 ReduceReplicas policy would drop replicas that a waiting task still needs, and they would
 travel again.
 
-The dW reduce-scatter followed by the next step's weight all-gather is the
-ring all-reduce of Eq. 8 with balanced traffic: every cell sends and receives
-``(Pc-1)/Pc * |W|/Pr`` words in each half; no cell is a home for the whole
-row. dX uses a reduce-scatter (not the paper's all-reduce) because each cell
-only needs its own row block of the previous layer's gradient; it moves half
-the paper's dX volume. Pure batch (``Pr = 1``) and pure model (``Pc = 1``)
+The dW reduce-scatter followed by the next step's weight all-gather is the ring all-reduce
+of Eq. 8 with balanced traffic: every cell sends and receives ``(Pc-1)/Pc * |W|/Pr`` words
+in each half; no cell is a home for the whole row. dX uses a reduce-scatter (not the
+paper's all-reduce): each cell only needs its own row block of the previous layer's
+gradient (half the paper's dX volume). Pure batch (``Pr = 1``) and pure model (``Pc = 1``)
 run through the same code; collectives over a group of one are skipped.
 
 Updates in place: a momentum block is read by one task only, its owner's update in the
@@ -53,15 +52,18 @@ next step, so after the first step it is a long-lived state block that the updat
 updates of a cell are ordered through its weights. The update writes the new weights into
 the old weight block too, after the tasks of its cell that read it (the dX pieces and the
 dX sum of the layer, or its own dX piece where that is a task of its own, added as
-dependencies); the other cells' copies were fetched before
-(the dW pieces the update sums are computed from them). A step then allocates no
-weight-sized block. Not with in-process workers (``inproc://``), whose fetched copies can be
-the owner's arrays, nor for the first dense layer of a CNN (the front's tasks read it). So
-weight and momentum futures hold a step's values only until the next step is submitted.
+dependencies); the other cells' copies were fetched before (the dW pieces the update sums
+are computed from them). A step then allocates no weight-sized block. Not with in-process
+workers (``inproc://``), whose fetched copies can be the owner's arrays, nor for the first
+dense layer of a CNN (the front's tasks read it). So weight and momentum futures hold a
+step's values only until the next step is submitted.
 
-Every key is ``("<layer>.<task>-<uid>-s<step>", *cell)``, so the dashboard
-groups tasks by layer and phase, and transfer logs attribute bytes to them
-(:func:`dask_ipar.nn.graph.phase_of_key`).
+The network's last layer runs row-parallel where that moves fewer words
+(:mod:`dask_ipar.nn.rowpar`: contracted over the input rows each cell holds, so the layer
+in front of it gathers nothing and it reduces no dX; :mod:`dask_ipar.cost.rowpar`).
+
+Every key is ``("<layer>.<task>-<uid>-s<step>", *cell)``, so the dashboard groups tasks by
+layer and phase, and transfer logs attribute bytes to them (:func:`~.graph.phase_of_key`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from dask_ipar.kernels import blocks as B
 from dask_ipar.kernels import dense as K
 from dask_ipar.kernels import loss as KL
 from dask_ipar.nn import collectives as C
+from dask_ipar.nn import rowpar as R
 from dask_ipar.nn import updates as U
 from dask_ipar.nn.dense_layout import LayerLayout, own_dx_first, own_first
 from dask_ipar.nn.graph import StepGraph
@@ -189,15 +192,13 @@ class Engine:
         parts = {c: (((0, n0),), [ref]) for c, ref in x_in.items()}
         if pc > 1:
             # The w_gather of every layer starts with the step: one task per cell fetches
-            # its grid row's weight slices, and the forward tasks find them there. All
-            # cells of a row wait for the same slices (their own too), so the scheduler
-            # starts them together, while each slice is still only on its owner: every
-            # fetch is from the owner. The forward tasks wait for it (an order-only
-            # argument): a forward task sent while the cell still fetches would tell it of
-            # the other cells' copies, and dask's workers fetch from the peer that holds
-            # the most of what they need, which made one cell of a row serve the others.
-            # Being the forward tasks' dependency, it runs with them: not held as a root
-            # (held, each step's prefetch kept every task record of its past on the workers)
+            # its grid row's weight slices while each is still only on its owner (all cells
+            # of a row wait for the same slices, so the scheduler starts them together).
+            # The forward tasks wait for it (order only): sent while the cell still fetches,
+            # one would tell it of the other cells' copies, and dask's workers fetch from
+            # the peer that holds the most of what they need (one cell served the row).
+            # It runs with them, not held as a root (held, each step's prefetch kept every
+            # task record of its past on the workers)
             pre = self.name("weights", "wpre", step)
             for i, j in cells:
                 g.add((pre, i, j), self.binding.worker(i, j), B.fetched,
@@ -205,7 +206,17 @@ class Engine:
         inputs, wparts = [], []
         act = None
         cols = self._columns(batch)
+        rowpar = self.row_parallel(batch)
+        last = len(self.layouts) - 1
         for l, (lay, w_name) in enumerate(zip(self.layouts, w_names)):
+            if rowpar and l == last:  # the output layer on the rows each cell holds
+                act = self.name(lay.name, "act", step)
+                wf = R.whole_weights(g, self, lay, w_name, step)
+                R.forward(g, self, lay, wf, {c: xr[0] for c, (_, xr) in parts.items()}, act,
+                          lambda c: [TaskRef((pre, *c))] if pc > 1 else [])
+                inputs.append(parts)
+                wparts.append(wf)
+                break
             wg = C.all_gather(g, self.binding, "pc", {c: (w_name, *c) for c in cells},
                               layer=lay.name, phase="w_gather", words=self._slice_words(lay))
             wp = {i: wg[(i, 0)] for i in range(pr)}
@@ -229,18 +240,34 @@ class Engine:
                           lay.activation, *wp[i], *xr, *after)
             inputs.append(parts)
             wparts.append(wp)
-            if l + 1 < len(self.layouts):
+            if rowpar and l + 1 == last:  # the output layer reads each cell's own rows
+                parts = {(i, j): ((lay.rows[i],), [TaskRef((act, i, j))]) for i, j in cells}
+            elif l < last:
                 xg = self._gather_acts(g, lay, act, cols)
                 parts = {c: (lay.rows, xg[c]) for c in cells}
         return inputs, wparts, act
 
+    def row_parallel(self, batch) -> bool:
+        """Whether a step of ``batch`` samples runs the last layer row-parallel."""
+        return R.is_row_parallel(self.layouts, self.grid, batch)
+
+    def _logits(self, g, act, wparts, batch, step, dests=None):
+        """The last layer's output pieces on every cell (``dests``: those only),
+        ``{cell: [TaskRef]}``: gathered over the column, or partials summed (row-parallel)."""
+        cols, last = self._columns(batch), self.layouts[-1]
+        if self.row_parallel(batch):
+            return R.logits(g, self, last, act, wparts[-1], cols, step, dests)
+        return self._gather_acts(g, last, act, cols, dests)
+
     def _loss(self, g: StepGraph, logits: dict, y_keys: dict, batch: int, step: int):
-        """Loss gradient rows on every cell and per-column loss statistics on row 0."""
+        """Loss gradient rows on every cell (all of them, row-parallel) and per-column loss
+        statistics on row 0."""
         pr, pc = self.grid.pr, self.grid.pc
         last = self.layouts[-1]
         dz = self.name(last.name, "dz", step)
+        rowpar = self.row_parallel(batch)
         for i in range(pr):
-            r0, r1 = last.rows[i]
+            r0, r1 = (0, last.n_out) if rowpar else last.rows[i]
             for j in range(pc):
                 g.add((dz, i, j), self.binding.worker(i, j), KL.softmax_xent_grad,
                       y_keys[(i, j)], r0, r1, batch, *logits[(i, j)])
@@ -253,7 +280,8 @@ class Engine:
                   y_keys[(0, j)], *logits[(0, j)])
         return [(st, j) for j in range(self.grid.pc)]
 
-    def _backward(self, g, inputs, wparts, dz, step, reduce_fn, w_names, batch=None):
+    def _backward(self, g, inputs, wparts, dz, step, reduce_fn, w_names, batch=None,
+                  block_fn=None):
         """Backward of every layer.
 
         ``reduce_fn(g, lay, l, dw_args, readers)`` adds the tasks that reduce the dW pieces;
@@ -261,11 +289,23 @@ class Engine:
         of slice ``(i, jj)`` (local inputs, then the remote pieces); ``readers(i, jj)`` the
         tasks of cell (i, jj) that read its weight slice after the forward pass (an update
         in place must follow them), or None when they are not known (no update in place).
+        ``block_fn(g, lay, l, grads, wk, pieces)`` does it for a row-parallel output layer,
+        whose weights are reduced as replicated blocks (``grads[cell]``: the cell's partial
+        of the whole dW; ``wk[cell]``: its copy of the whole W; ``pieces(i, j)``).
         """
         pr, pc = self.grid.pr, self.grid.pc
         cols = self._columns(batch)
+        rowpar = self.row_parallel(batch)
         for l in range(len(self.layouts) - 1, -1, -1):
             lay = self.layouts[l]
+            if rowpar and l == len(self.layouts) - 1:
+                prev = self.layouts[l - 1]
+                dz_prev = self.name(prev.name, "dz", step)
+                own = {c: xr[0] for c, (_, xr) in inputs[l].items()}
+                grads, pieces = R.backward(g, self, lay, prev, own, wparts[l], dz, dz_prev, step)
+                block_fn(g, lay, l, grads, wparts[l], pieces)
+                dz = dz_prev
+                continue
             # dW pieces, reduce-scattered over the row onto the slice owners; the
             # piece a cell keeps for itself is computed by the reducing task
             def dw_piece(src, dst, lay=lay, l=l, dz=dz):
@@ -345,10 +385,11 @@ class Engine:
         ctx, x_in = self._inputs(g, x_keys, w_names, step, batch)
         (_, w_names), (front_v, v_names) = self._split(w_names), self._split(v_names)
         inputs, wparts, act = self._forward(g, x_in, w_names, step, batch)
-        logits = self._gather_acts(g, self.layouts[-1], act, self._columns(batch))
+        logits = self._logits(g, act, wparts, batch, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         new_w, new_v = [], []
+        front_clipped = []
 
         clipped = []  # with clipping: (lay, old w, old v, w, v, dw_args), updated at the end
 
@@ -371,8 +412,14 @@ class Engine:
             new_w.append(w_name)
             new_v.append(v_name)
 
-        dimg = self._backward(g, inputs, wparts, dz, step, update, w_names, batch)
-        front_clipped = []
+        def update_blocks(g, lay, l, grads, wk, pieces):  # a row-parallel output layer
+            w, v = U.blocks_update(g, self, rule, step, lay, lay.name, grads, wk, pieces,
+                                   lambda i: lay.rows[i], v_names[l], front_clipped)
+            new_w.append(w)
+            new_v.append(v)
+
+        dimg = self._backward(g, inputs, wparts, dz, step, update, w_names, batch,
+                              update_blocks)
         if self.front is not None:
             fw, fv = self._front_update(g, ctx, dimg, front_v, step, rule, front_clipped)
             new_w += fw
@@ -387,23 +434,10 @@ class Engine:
         new_w, new_v = [], []
 
         def update(g, lay, c, grads, wk, pieces, rows):
-            wl = lay.weights
-            v_name = self.name(lay.name, "v", step)
-            w_name = self.name(lay.name, "w", step)
-            if rule.clip is not None:
-                clipped.append((wl, lay.name, grads, wk, pieces, rows, v_names[c], w_name,
-                                v_name))
-                new_w.append(w_name)
-                new_v.append(v_name)
-                return
-            for i, j in self.grid.cells():
-                (r0, r1), (c0, c1) = rows(i), wl.wcols[j]
-                old_v = None if v_names[c] is None else TaskRef((v_names[c], i, j))
-                U.block_update(g, self.binding.worker(i, j), rule, TaskRef(wk[(i, j)]), r0, r1,
-                               c0, c1, wl.n_decay(j), old_v, TaskRef(grads[(i, j)]),
-                               pieces(i, j), (w_name, i, j), (v_name, i, j))
-            new_w.append(w_name)
-            new_v.append(v_name)
+            w, v = U.blocks_update(g, self, rule, step, lay.weights, lay.name, grads, wk,
+                                   pieces, rows, v_names[c], clipped)
+            new_w.append(w)
+            new_v.append(v)
 
         self.front.backward(g, ctx, dimg, step, update)
         return new_w, new_v
@@ -417,7 +451,7 @@ class Engine:
         ctx, x_in = self._inputs(g, x_keys, w_names, step, batch)
         _, w_names = self._split(w_names)
         inputs, wparts, act = self._forward(g, x_in, w_names, step, batch)
-        logits = self._gather_acts(g, self.layouts[-1], act, self._columns(batch))
+        logits = self._logits(g, act, wparts, batch, step)
         dz, stats = self._loss(g, logits, y_keys, batch, step)
         pr, pc = self.grid.pr, self.grid.pc
         names = []
@@ -430,17 +464,19 @@ class Engine:
                           *dw_args(i, jj))
             names.append(gname)
 
-        dimg = self._backward(g, inputs, wparts, dz, step, reduce, w_names, batch)
-        if self.front is not None:
-            def reduce_front(g, lay, c, grads, wk, pieces, rows):
-                gname = self.name(lay.name, "grad", step)
-                for i, j in self.grid.cells():
-                    (r0, r1), (c0, c1) = rows(i), lay.weights.wcols[j]
-                    g.add((gname, i, j), self.binding.worker(i, j), K.block_reduce,
-                          TaskRef(grads[(i, j)]), r0, r1, c0, c1, *pieces(i, j))
-                names.append(gname)
+        def reduce_blocks(g, wl, name, grads, pieces, rows):  # replicated weight matrices
+            gname = self.name(name, "grad", step)
+            for i, j in self.grid.cells():
+                g.add((gname, i, j), self.binding.worker(i, j), K.block_reduce,
+                      TaskRef(grads[(i, j)]), *rows(i), *wl.wcols[j], *pieces(i, j))
+            names.append(gname)
 
-            self.front.backward(g, ctx, dimg, step, reduce_front)
+        dimg = self._backward(g, inputs, wparts, dz, step, reduce, w_names, batch,
+                              lambda g, lay, l, grads, wk, pieces: reduce_blocks(
+                                  g, lay, lay.name, grads, pieces, lambda i: lay.rows[i]))
+        if self.front is not None:
+            self.front.backward(g, ctx, dimg, step, lambda g, lay, c, grads, wk, pieces, rows:
+                                reduce_blocks(g, lay.weights, lay.name, grads, pieces, rows))
         return g, names[::-1], stats
 
     def forward(self, x_keys, w_names, step, y_keys=None, g=None, batch=None):
@@ -451,12 +487,12 @@ class Engine:
         """
         g = StepGraph() if g is None else g
         _, x_in = self._inputs(g, x_keys, w_names, step, batch)
-        _, _, act = self._forward(g, x_in, self._split(w_names)[1], step, batch)
-        logits = self._gather_acts(g, self.layouts[-1], act, self._columns(batch),
-                                   dests={(0, j) for j in range(self.grid.pc)})
+        _, wparts, act = self._forward(g, x_in, self._split(w_names)[1], step, batch)
+        logits = self._logits(g, act, wparts, batch, step,
+                              dests={(0, j) for j in range(self.grid.pc)})
         stats = [] if y_keys is None else self._stats(g, logits, y_keys, step)
         pieces = [logits[(0, j)] for j in range(self.grid.pc)]
-        if self.grid.pr == 1:
+        if len(pieces[0]) == 1:
             return g, [p[0].key for p in pieces], stats
         # the logits rows gathered on row 0 (fwd_gather of the last layer)
         xg = self.name(self.layouts[-1].name, "xgather", step)

@@ -81,6 +81,8 @@ TASK_SPAN = {
     "y": "input",
     "fetch": "to_host",
     "cw": "w_gather",
+    "logits": "forward",  # a row-parallel output layer's partials summed (nn/rowpar.py)
+    "dwl": "backward",  # its partial of the whole weight gradient
     "xhalo": "halo_fwd",
     "xin": "halo_fwd",
     "inner": "forward",

@@ -28,7 +28,7 @@ from dask_ipar.kernels import adam as KA
 from dask_ipar.kernels import clip as KC
 from dask_ipar.kernels import dense as K
 
-__all__ = ["Rule", "slice_update", "block_update", "clipped_updates"]
+__all__ = ["Rule", "slice_update", "block_update", "blocks_update", "clipped_updates"]
 
 
 @dataclass(frozen=True)
@@ -113,12 +113,34 @@ def block_update(g, worker, rule: Rule, wfull, r0, r1, c0, c1, n_decay, old_v, g
               rule.lr)
 
 
+def blocks_update(g, engine, rule: Rule, step, wl, name, grads, wk, pieces, rows, v_old,
+                  clipped):
+    """The update of every block of a replicated weight matrix (a conv's, or a row-parallel
+    output layer's): block ``(i, j)`` (rows ``rows(i)``, columns ``wl.wcols[j]``) from the
+    cell's partial ``grads[cell]`` plus ``pieces(i, j)``, its gathered copy ``wk[cell]`` and
+    the old state ``v_old`` (a name, None on the first step). With clipping the update
+    waits for the norm: what it needs goes to ``clipped`` (:func:`clipped_updates`).
+    Returns the new ``(w, v)`` names of layer ``name``."""
+    w_name, v_name = engine.name(name, "w", step), engine.name(name, "v", step)
+    if rule.clip is not None:
+        clipped.append((wl, name, grads, wk, pieces, rows, v_old, w_name, v_name))
+        return w_name, v_name
+    for i, j in engine.grid.cells():
+        (r0, r1), (c0, c1) = rows(i), wl.wcols[j]
+        old = None if v_old is None else TaskRef((v_old, i, j))
+        block_update(g, engine.binding.worker(i, j), rule, TaskRef(wk[(i, j)]), r0, r1, c0, c1,
+                     wl.n_decay(j), old, TaskRef(grads[(i, j)]), pieces(i, j), (w_name, i, j),
+                     (v_name, i, j))
+    return w_name, v_name
+
+
 def clipped_updates(g, engine, rule: Rule, step, dense, front):
     """The update tasks of a clipped step, after the backward has added every gradient.
 
     ``dense``: ``(lay, w_name_old, v_name_old, w_name, v_name, dw_args)`` per dense layer;
-    ``front``: ``(wl, grads, wk, pieces, rows, v_name_old, w_name, v_name)`` per conv layer
-    (as the front's backward hands them to its update callback).
+    ``front``: ``(wl, name, grads, wk, pieces, rows, v_name_old, w_name, v_name)`` per
+    replicated weight matrix (:func:`blocks_update`: conv layers, a row-parallel output
+    layer).
     """
     from dask_ipar.nn import collectives as C
 

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 from dask_ipar.cost import (FC, LOOPBACK_MACHINE, Machine, batch_layer_phases,
                             dense_layer_phases, engine_alltoall_phases, engine_model_conv_phases,
-                            grad_norm_phase, redistribute_phase, window_halo_phases)
+                            grad_norm_phase, redistribute_phase, row_parallel_phases,
+                            window_halo_phases)
 from dask_ipar.dashboard.render import fmt_ms
 from dask_ipar.nn.graph import phase_of_key
 
@@ -181,10 +182,16 @@ def predict_step(engine, pr, pc, batch, machine, word_bytes, grad_clip=False):
                                                  bias=f.weights.bias), pr * pc, m, name=f.name))
         c, h, w = front.out_shape
         out.append(redistribute_phase(c * h * w, pr, pc, batch, m, name=front.flatten))
+    rowpar = engine.row_parallel(batch)  # the last layer on the rows each cell holds
+    last = len(engine.layouts) - 1
     for k, lay in enumerate(engine.layouts):
-        out.extend(dense_layer_phases(FC(lay.n_in, lay.n_out, bias=lay.bias), pr, pc, batch, m,
+        fc = FC(lay.n_in, lay.n_out, bias=lay.bias)
+        if rowpar and k == last:
+            out.extend(row_parallel_phases(fc, pr, pc, batch, m, name=lay.name))
+            continue
+        out.extend(dense_layer_phases(fc, pr, pc, batch, m,
                                       first_layer=k == 0 and front is None, convention="engine",
-                                      name=lay.name))
+                                      name=lay.name, gather_output=not (rowpar and k == last - 1)))
     if grad_clip:
         out.append(grad_norm_phase(pr * pc, m))
     return out
