@@ -10,7 +10,7 @@ from dask_ipar import SGD, Adam, Dense, Sequential
 from dask_ipar.cost import FC, Machine, dense_layer_phases, row_parallel_output, row_parallel_phases
 from dask_ipar.cost import rowpar as cost_rowpar
 from dask_ipar.layout.grid import Grid
-from dask_ipar.testing import check_mlp, fake_binding, step_graph
+from dask_ipar.testing import check_mlp, step_graph
 
 
 @pytest.fixture

@@ -260,14 +260,12 @@ class Engine:
         return self._gather_acts(g, last, act, cols, dests)
 
     def _loss(self, g: StepGraph, logits: dict, y_keys: dict, batch: int, step: int):
-        """Loss gradient rows on every cell (all of them, row-parallel) and per-column loss
-        statistics on row 0."""
+        """Loss gradient rows on every cell (all, row-parallel); column statistics on row 0."""
         pr, pc = self.grid.pr, self.grid.pc
         last = self.layouts[-1]
         dz = self.name(last.name, "dz", step)
-        rowpar = self.row_parallel(batch)
         for i in range(pr):
-            r0, r1 = (0, last.n_out) if rowpar else last.rows[i]
+            r0, r1 = (0, last.n_out) if self.row_parallel(batch) else last.rows[i]
             for j in range(pc):
                 g.add((dz, i, j), self.binding.worker(i, j), KL.softmax_xent_grad,
                       y_keys[(i, j)], r0, r1, batch, *logits[(i, j)])
