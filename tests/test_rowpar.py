@@ -13,6 +13,15 @@ from dask_ipar.layout.grid import Grid
 from dask_ipar.testing import check_mlp, step_graph
 
 
+#: The test network: 5 classes (at least Pr on every grid), B = 37 (the whole W and its
+#: gradient partial take no more memory than the gathered input on every grid here)
+SIZES = (37, 29, 13, 5)
+
+
+def _layers():
+    return [Dense(29, "relu"), Dense(13, "tanh"), Dense(5)]
+
+
 @pytest.fixture
 def forced(monkeypatch):
     """Row-parallel wherever it may run (the small test networks save few words), with a
@@ -36,8 +45,8 @@ def forced(monkeypatch):
                                            ("2x3", "programs"), ("2x2", "graph"),
                                            ("3x1", "graph")], ids=str)
 def test_row_parallel_matches_reference(client, forced, grid, executor):
-    # 37-29-13-10, B = 23, float64: logits, gradients, finite differences, 4 SGD steps
-    errors = check_mlp(client, grid, steps=4, executor=executor)
+    # 37-29-13-5, B = 37, float64: logits, gradients, finite differences, 4 SGD steps
+    errors = check_mlp(client, grid, sizes=SIZES, batch=37, steps=4, executor=executor)
     assert forced["n"] > 0
     assert errors["finite_difference"] < 1e-6
     assert max(v for k, v in errors.items() if k.startswith(("dW", "db"))) <= 1e-12
@@ -54,16 +63,18 @@ def test_row_parallel_matches_reference(client, forced, grid, executor):
                                        SGD(lr=0.1, momentum=0.9, clip_norm=0.5)], ids=str)
 def test_row_parallel_optimizers_match_the_1p5d_layer(client, monkeypatch, optimizer):
     """Nesterov, Adam and clipped SGD on the row-parallel layer end where the 1.5D layer
-    does (the same steps on the same grid, the decision switched off)."""
-    X = np.random.default_rng(0).standard_normal((23, 37))
-    y = np.random.default_rng(1).integers(0, 10, 23)
-    layers = [Dense(29, "relu"), Dense(13, "tanh"), Dense(10)]
+    does (the same steps on the same grid, the decision switched off), with the form
+    changing from step to step (the state and weights go from one to the other)."""
+    X = np.random.default_rng(0).standard_normal((46, 37))
+    y = np.random.default_rng(1).integers(0, 5, 46)
 
     def run():
-        model = Sequential(layers, input_dim=37, dtype="float64", seed=3)
+        model = Sequential(_layers(), input_dim=37, dtype="float64", seed=3)
         model.distribute(client, "2x2")
         try:
-            model.fit(X, y, epochs=3, batch_size=23, optimizer=optimizer, shuffle=False,
+            # batches of 37 and 9: the last batch's step runs the 1.5D layer (a whole W per
+            # cell would outweigh its gathered input), so the form changes every step
+            model.fit(X, y, epochs=3, batch_size=37, optimizer=optimizer, shuffle=False,
                       diverge_factor=0)
             return model.get_weights()
         finally:
@@ -77,7 +88,8 @@ def test_row_parallel_optimizers_match_the_1p5d_layer(client, monkeypatch, optim
     assert not made
     monkeypatch.setattr(cost_rowpar, "ROW_PARALLEL_MIN_WORDS", -(10 ** 12))
     rowpar = run()
-    assert made
+    assert made  # the batches of 37 (step templates build a graph once and replay it)
+    assert not row_parallel_output(13, 5, True, 2, 2, 9, after_dense=True)  # the last: 1.5D
     for (wa, ba), (wb, bb) in zip(plain, rowpar):
         np.testing.assert_allclose(wb, wa, rtol=1e-11, atol=1e-13)
         np.testing.assert_allclose(bb, ba, rtol=1e-11, atol=1e-13)
@@ -87,20 +99,19 @@ def test_graph_routes_equal_the_phases(monkeypatch):
     """Every grid up to P = 8: the words the graph routes per layer and phase equal
     row_parallel_phases (and dense_layer_phases without the output gather in front)."""
     monkeypatch.setattr(cost_rowpar, "ROW_PARALLEL_MIN_WORDS", -(10 ** 12))
-    sizes, batch = (37, 29, 13, 10), 23
-    for pr, pc in [(2, 1), (3, 1), (4, 1), (8, 1), (2, 2), (3, 2), (2, 4), (4, 2), (2, 3)]:
-        model = Sequential([Dense(29, "relu"), Dense(13, "tanh"), Dense(10)], input_dim=37,
-                           dtype="float64")
+    batch = 37
+    for pr, pc in [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (4, 2), (2, 3)]:
+        model = Sequential(_layers(), input_dim=37, dtype="float64")
         _, g = step_graph(model, Grid(pr, pc), batch)
         routed = g.routed_words()
         m = Machine(word_bytes=8)
         want = (dense_layer_phases(FC(29, 13), pr, pc, batch, m, first_layer=False,
                                    gather_output=False, name="dense1")
-                + row_parallel_phases(FC(13, 10), pr, pc, batch, m, name="dense2"))
+                + row_parallel_phases(FC(13, 5), pr, pc, batch, m, name="dense2"))
         for p in want:
             assert routed.get((p.layer, p.phase), 0) * 8 == p.total_bytes, (pr, pc, p)
         assert routed.get(("dense1", "fwd_gather"), 0) == 0
-    del sizes
+        assert ("dense2", "dx_reduce") not in routed
 
 
 def test_decision():
@@ -115,6 +126,27 @@ def test_decision():
     assert not row_parallel_output(512, 4096, True, 4, 1, 64, after_dense=True)
     # the tiny MLP (64-wide, B = 64, 2 x 2) saves too few words to pay for the messages
     assert not row_parallel_output(64, 10, True, 2, 2, 64, after_dense=True)
+    # a whole W per cell heavier than the gathered input it replaces: not, however forced
+    assert not row_parallel_output(4096, 10, True, 8, 1, 16, after_dense=True)
+
+
+def test_planner_prices_the_form_the_engine_runs():
+    """The planner (both searches) and engine_layer_phases charge the row-parallel phases
+    to the classifier and nothing to the gather in front of it."""
+    from dask_ipar.cost import engine_layer_phases, plan
+
+    layers = [FC(4096, 4096, name="fc0"), FC(4096, 4096, name="fc1"), FC(4096, 10, name="fc2")]
+    m = Machine()
+    want = row_parallel_phases(layers[2], 8, 1, 1024, m, name="fc2")
+    for schemes in (None, ("model",)):
+        res = plan(layers, 8, 1024, m, schemes=schemes)
+        grid = next(g for g in res.feasible if (g.pr, g.pc) == (8, 1))
+        got = {(p.layer, p.phase): p.total_bytes for p in grid.phases}
+        assert all(got[("fc2", p.phase)] == p.total_bytes for p in want), schemes
+        assert got[("fc1", "fwd_gather")] == 0
+    # a layer whose successors are not given is priced as Eq. 8
+    alone = engine_layer_phases(layers[2], "dense", "dense", 8, 1, 1024, m)
+    assert {p.phase: p.total_bytes for p in alone}["dx_reduce"] > 0
 
 
 @pytest.mark.parametrize("activation", ["linear", "relu", "tanh"])

@@ -92,7 +92,7 @@ def engine_refusal(layer, layout: str, state: str, pr: int, pc: int, batch: int)
 def engine_layer_phases(
     layer, layout: str, state: str, pr: int, pc: int, batch: int, machine: Machine, *,
     name: str | None = None, prev_name: str | None = None, first_layer: bool = False,
-    following: tuple = (),
+    following: tuple | None = None,
 ) -> list[PhaseCost]:
     """The phases the engine's training step sends for ``layer`` run in ``layout`` after a
     layer (``prev_name``) of layout ``state`` (engine convention, exact bytes).
@@ -100,7 +100,8 @@ def engine_layer_phases(
     - dense layer: the flatten redistribution when a conv or pooling layer is in front
       (:func:`redistribute_phase` of ``d_in``, named ``layer.flatten`` or the layer's name),
       then Eq. 8 (:func:`dense_layer_phases`; no ``dx_reduce`` for the ``first_layer``);
-      the network's last layer (nothing ``following``) after a dense layer where the engine
+      the network's last layer (``following`` empty: the layers after this one; None, not
+      known, prices Eq. 8) after a dense layer where the engine
       runs it row-parallel (:func:`dask_ipar.cost.rowpar.row_parallel_output`) in that form
       (:func:`~dask_ipar.cost.rowpar.row_parallel_phases`), and the dense layer in front
       of it then without its output gather;
@@ -114,14 +115,14 @@ def engine_layer_phases(
     """
     name = name or layer.name
     if isinstance(layer, FC):
-        if not following and row_parallel_output(layer.d_in, layer.d_out, layer.bias, pr, pc,
+        if following is not None and not following and row_parallel_output(layer.d_in, layer.d_out, layer.bias, pr, pc,
                                                   batch, after_dense=state == "dense"):
             return row_parallel_phases(layer, pr, pc, batch, machine, name=name)
         out = []
         if state in ENGINE_ORDER:
             out.append(redistribute_phase(layer.d_in, pr, pc, batch, machine,
                                           name=layer.flatten or name))
-        nxt = following[0] if len(following) == 1 else None
+        nxt = following[0] if following is not None and len(following) == 1 else None
         gather = not (isinstance(nxt, FC) and row_parallel_output(
             nxt.d_in, nxt.d_out, nxt.bias, pr, pc, batch, after_dense=True))
         return out + dense_layer_phases(layer, pr, pc, batch, machine, first_layer=first_layer,

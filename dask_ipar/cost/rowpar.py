@@ -22,9 +22,9 @@ and the previous layer's output is not gathered (its ``fwd_gather`` moves nothin
 weights stay where the 1.5D layer keeps them (block ``(i, j)``: rows ``i`` over Pr,
 columns ``j`` over Pc), so checkpoints, replicas and the optimizer state are the same in
 both forms, and each step's graph can take either. The engine takes the row-parallel form
-where it moves at least :data:`ROW_PARALLEL_MIN_WORDS` fewer words
-(:func:`row_parallel_output`); it adds messages (the weight phases run over all P), which
-only pay off against enough bytes.
+where it moves at least :data:`ROW_PARALLEL_MIN_WORDS` fewer words and needs no more memory
+per cell (:func:`row_parallel_output`); it adds messages (the weight phases run over all
+P), which only pay off against enough bytes.
 
 Pure Python: no dask.
 """
@@ -60,9 +60,15 @@ def row_parallel_output(n_in: int, n_out: int, bias: bool, pr: int, pc: int, bat
     """Whether the engine runs a network's last dense layer (``n_in`` inputs, ``n_out``
     outputs) row-parallel on a ``pr x pc`` grid with ``batch`` samples per step: only
     after another dense layer (``after_dense``: its input rows are then split over Pr),
-    on ``Pr > 1``, for a known batch, and where it saves at least
-    :data:`ROW_PARALLEL_MIN_WORDS` words (:func:`row_parallel_words`)."""
+    on ``Pr > 1``, for a known batch, where the whole ``W`` and a gradient partial of its
+    size (what each cell then holds) take no more memory than the gathered input the
+    1.5D form holds instead, and where it saves at least :data:`ROW_PARALLEL_MIN_WORDS`
+    words (:func:`row_parallel_words`)."""
     if not after_dense or pr == 1 or batch is None:
+        return False
+    # memory: the whole W and a whole-W gradient partial on every cell, no more than the
+    # gathered input the 1.5D form holds (n_in x b_j), so the 1.5D memory bounds it
+    if 2 * n_out * (n_in + int(bias)) > n_in * (batch // pc):
         return False
     split, rowpar = row_parallel_words(n_in, n_out, bias, pr, pc, batch)
     return split - rowpar >= ROW_PARALLEL_MIN_WORDS
