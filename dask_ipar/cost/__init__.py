@@ -51,8 +51,8 @@ from dask_ipar.cost.simulate import SimResult, SimTask, simulate_programs, simul
 from dask_ipar.cost.planner import (MODES, GridPlan, PlanResult, evaluate_grid, factorizations, network_flops, plan,
                                     price_assignment)
 from dask_ipar.cost.engine import ENGINE_ORDER, engine_layer_phases, engine_layout, engine_refusal
-from dask_ipar.cost.rowpar import (ROW_PARALLEL_MIN_WORDS, row_parallel_output, row_parallel_phases,
-                                   row_parallel_words)
+from dask_ipar.cost.rowpar import (ROW_PARALLEL_MIN_WORDS, dense_form, row_parallel_output,
+                                   row_parallel_phases, row_parallel_words)
 
 __all__ = [
     # step-time simulation of the engine's task graph
@@ -129,4 +129,5 @@ __all__ = [
     "row_parallel_output",
     "row_parallel_phases",
     "row_parallel_words",
+    "dense_form",
 ]

@@ -30,7 +30,7 @@ from dask_ipar.cost.conv import (
 from dask_ipar.cost.layers import FC, Conv2d, Pool2d
 from dask_ipar.cost.machine import Machine
 from dask_ipar.cost.model import PhaseCost, batch_layer_phases, dense_layer_phases, redistribute_phase
-from dask_ipar.cost.rowpar import row_parallel_output, row_parallel_phases
+from dask_ipar.cost.rowpar import dense_form, row_parallel_phases
 
 __all__ = ["ENGINE_ORDER", "engine_layout", "engine_refusal", "engine_layer_phases"]
 
@@ -115,16 +115,13 @@ def engine_layer_phases(
     """
     name = name or layer.name
     if isinstance(layer, FC):
-        if following is not None and not following and row_parallel_output(layer.d_in, layer.d_out, layer.bias, pr, pc,
-                                                  batch, after_dense=state == "dense"):
+        rowpar, gather = dense_form(layer, state == "dense", following, pr, pc, batch)
+        if rowpar:
             return row_parallel_phases(layer, pr, pc, batch, machine, name=name)
         out = []
         if state in ENGINE_ORDER:
             out.append(redistribute_phase(layer.d_in, pr, pc, batch, machine,
                                           name=layer.flatten or name))
-        nxt = following[0] if following is not None and len(following) == 1 else None
-        gather = not (isinstance(nxt, FC) and row_parallel_output(
-            nxt.d_in, nxt.d_out, nxt.bias, pr, pc, batch, after_dense=True))
         return out + dense_layer_phases(layer, pr, pc, batch, machine, first_layer=first_layer,
                                         convention="engine", name=name, gather_output=gather)
     if not isinstance(layer, (Conv2d, Pool2d)):

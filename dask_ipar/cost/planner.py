@@ -33,7 +33,7 @@ from dask_ipar.layout.partition import grid_shapes
 from dask_ipar.cost.conv import domain_layer_phases
 from dask_ipar.cost.engine import ENGINE_ORDER, engine_layer_phases, engine_layout, engine_refusal
 from dask_ipar.cost.replica import network_state_words, replica_memory_bytes, replica_phase
-from dask_ipar.cost.rowpar import row_parallel_output, row_parallel_phases
+from dask_ipar.cost.rowpar import dense_form, row_parallel_phases
 from dask_ipar.cost.model import (
     CONVENTIONS,
     PhaseCost,
@@ -166,18 +166,16 @@ def _options(layer, mode: str, pr: int, pc: int, batch: int, schemes=None) -> li
 
 
 def _layer_phases(layer, scheme, name, pr, pc, batch, machine, first, convention, dx_size,
-                  layers=(), idx=0):
+                  layers=None, idx=0):
     if scheme == "model":
         if convention == "engine" and isinstance(layer, FC):
             # the network's last dense layer as the engine runs it (row-parallel where that
             # moves fewer words), and the one in front of it then without its output gather
-            prev = layers[idx - 1] if idx > 0 else None
-            if idx == len(layers) - 1 and isinstance(prev, FC) and row_parallel_output(
-                    layer.d_in, layer.d_out, layer.bias, pr, pc, batch, after_dense=True):
+            after = idx > 0 and layers is not None and isinstance(layers[idx - 1], FC)
+            rowpar, gather = dense_form(layer, after, None if layers is None else
+                                        tuple(layers[idx + 1:]), pr, pc, batch)
+            if rowpar:
                 return row_parallel_phases(layer, pr, pc, batch, machine, name=name)
-            nxt = layers[idx + 1] if idx == len(layers) - 2 else None
-            gather = not (isinstance(nxt, FC) and row_parallel_output(
-                nxt.d_in, nxt.d_out, nxt.bias, pr, pc, batch, after_dense=True))
             return _matmul_phases(layer, name, pr, pc, batch, machine, first, convention, dx_size,
                                   gather)
         return _matmul_phases(layer, name, pr, pc, batch, machine, first, convention, dx_size)

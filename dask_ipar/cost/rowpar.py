@@ -36,7 +36,7 @@ from dask_ipar.cost.machine import Machine
 from dask_ipar.cost.model import PhaseCost, _ceil_div, _check_grid, _phase
 
 __all__ = ["ROW_PARALLEL_MIN_WORDS", "row_parallel_output", "row_parallel_phases",
-           "row_parallel_words"]
+           "row_parallel_words", "dense_form"]
 
 #: Words a row-parallel output layer must save per step before the engine runs it so
 #: (1 MiB of float32): its weight phases run over all P cells instead of Pc, a few more
@@ -101,3 +101,19 @@ def row_parallel_phases(fc: FC, pr: int, pc: int, batch: int, machine: Machine, 
         _phase(name, "dw_reduce", p, (p - 1) * n_w * w, (p - 1) * big * w, p - 1, machine),
         _phase(name, "w_gather", p, (p - 1) * n_w * w, (n_w - small) * w, p - 1, machine),
     ]
+
+
+def dense_form(layer: FC, after_dense: bool, following, pr: int, pc: int,
+               batch) -> tuple[bool, bool]:
+    """``(row_parallel, gather_output)`` of a dense layer as the engine runs it: whether it
+    is the network's last layer run row-parallel (``following``: the layers after it, None
+    when not known), and whether its output is gathered (not when the next layer is that
+    row-parallel last layer)."""
+    if following is None:
+        return False, True
+    if not following:
+        return row_parallel_output(layer.d_in, layer.d_out, layer.bias, pr, pc, batch,
+                                   after_dense), True
+    nxt = following[0]
+    return False, not (len(following) == 1 and isinstance(nxt, FC) and row_parallel_output(
+        nxt.d_in, nxt.d_out, nxt.bias, pr, pc, batch, after_dense=True))
