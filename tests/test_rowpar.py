@@ -179,3 +179,16 @@ def test_kernels_sum_to_the_whole_layer(activation):
         total = np.asarray(grads[0][1]) + np.asarray(grads[1][1])
         np.testing.assert_allclose(total[:, :7], dz @ x.T, rtol=1e-13)
         np.testing.assert_allclose(total[:, 7], dz.sum(axis=1), rtol=1e-13)
+
+
+@pytest.mark.parametrize("grid", ["4x1", "3x1"])
+def test_row_parallel_run_resumed_after_a_killed_worker_is_bit_equal(client4, forced, tmp_path,
+                                                                     grid):
+    """A worker killed mid-run, the run resumed from its checkpoint: the same float64 bits
+    as the uninterrupted run, with the last layer row-parallel on grids that split its 9
+    inputs and 5 outputs unevenly (the checkpoint test's network and checks)."""
+    from tests.test_checkpoint import test_worker_killed_at_a_random_step_resumes_exactly as run
+
+    rng = np.random.default_rng(42)
+    run(client4, (rng.standard_normal((48, 7)), rng.integers(0, 5, 48)), tmp_path, grid, 100)
+    assert forced["n"] > 0
