@@ -10,16 +10,17 @@ from dask_ipar.cost import load_machine, save_machine
 
 def test_calibrate_measures_every_figure(client, tmp_path):
     lines = []
-    m = calibrate(client, sizes_mib=(1, 2), hops=8, matmul_n=256, tasks=40, block_mib=2,
-                  log=lines.append)
+    m = calibrate(client, sizes_mib=(1, 2), hops=8, tasks=40, block_mib=2,
+                  mix_repeats=1, log=lines.append)
     for name in ("alpha_s", "bandwidth_Bps", "flops_per_s", "cluster_flops_per_s", "task_s",
                  "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
-                 "transfer_cpu_s_per_B"):
+                 "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps"):
         v = getattr(m, name)
         assert v is not None and math.isfinite(v) and v > 0, (name, v)
     assert 1e-5 < m.alpha_s < 1.0 and 1e-5 < m.task_s < 1.0  # seconds, not ms or us
     assert 1e-6 < m.message_s < m.alpha_s  # a program's message skips the scheduler
     assert 1e-12 < m.transfer_cpu_s_per_B < 1e-6  # seconds per byte: 1 TB/s to 1 MB/s
+    assert 1e8 < m.elementwise_Bps < 1e12 and 1e5 < m.exchange_Bps < 1e12  # bytes/s
     assert m.word_bytes == 4
     assert any("per task" in line for line in lines)
     path = tmp_path / "machine.yaml"

@@ -384,3 +384,39 @@ def test_a_domain_conv_sends_its_halo_gradient_while_its_backward_runs(monkeypat
     assert old_late >= old + 0.019  # the backward's halo latency (less a copy) paid
     assert hidden == pytest.approx(lone, abs=1e-9)  # hidden (the forward's by interior first)
     assert old <= lone < 1.05 * old  # the edges computed apart and added cost a little
+
+
+@pytest.mark.fast
+def test_the_programs_model_takes_the_machines_elementwise_and_exchange_rates():
+    """The worker programs' step model charges element-wise work at the machine's measured
+    ``elementwise_Bps`` (the fixed default where None) and sends at ``exchange_Bps`` where
+    that is below the pair rate: the same step as the simulator given those rates
+    directly, and ``exchange_Bps`` above the pair rate changes nothing."""
+    from dask_ipar import Dense, Sequential
+    from dask_ipar.cost import simulate_programs
+    from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS, simulate_engine, step_tasks
+    from dask_ipar.testing import fake_binding
+
+    model = Sequential([Dense(256, "relu"), Dense(10)], input_dim=256)
+    engine = model._make_engine(fake_binding("1x2"))
+    names = [f"w{k}" for k in range(len(engine.param_layouts))]
+    base = Machine(alpha_s=1e-3, bandwidth_Bps=5e8, word_bytes=4, flops_per_s=2e10,
+                   message_s=1e-4)
+
+    def direct(mem_Bps, bandwidth_Bps):  # two steps less one, as the step model runs it
+        kw = dict(flops_per_s=base.flops_per_s, mem_Bps=mem_Bps, bandwidth_Bps=bandwidth_Bps,
+                  latency_s=base.message_s)
+        one, two = (simulate_programs(t, available=a, **kw) for t, a in (
+            step_tasks(engine, names, 32, (256,), "float32", SGD(0.1, 0.9), steps=s)
+            for s in (1, 2)))
+        return two.seconds - one.seconds
+
+    def model_s(m):
+        return simulate_engine(engine, names, 32, (256,), "float32", m, None, SGD(0.1, 0.9),
+                               "programs").seconds
+
+    assert model_s(base) == pytest.approx(direct(ELEMENTWISE_BPS, 5e8))
+    m = base.replace(elementwise_Bps=2e9, exchange_Bps=1e8)
+    assert model_s(m) == pytest.approx(direct(2e9, 1e8))
+    assert model_s(m) > model_s(base)  # slower element-wise work, slower links
+    assert model_s(base.replace(exchange_Bps=5e9)) == pytest.approx(model_s(base))

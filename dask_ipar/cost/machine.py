@@ -143,6 +143,14 @@ class Machine:
         CPU seconds a worker spends per byte it sends or receives (the transport's copies
         and system calls, measured while every worker transfers at once): what moving a
         block takes from the computing when worker processes share a machine's cores.
+    elementwise_Bps : float, optional
+        Bytes per second of the kernels' element-wise work as the step-time model counts
+        it (the engine's own kernels on every worker at once, at each worker's share of
+        the cores); the model's fixed default where None.
+    exchange_Bps : float, optional
+        Bytes per second one worker sends while every worker sends to every other at once
+        (a collective's per-link rate); the step-time model's link rate where below
+        ``bandwidth_Bps``.
     """
 
     alpha_s: float = 2e-6
@@ -157,6 +165,8 @@ class Machine:
     message_s: float | None = None
     round_s: float | None = None
     transfer_cpu_s_per_B: float | None = None
+    elementwise_Bps: float | None = None
+    exchange_Bps: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -170,7 +180,7 @@ class Machine:
             raise ValueError(f"word_bytes: got {self.word_bytes!r}; expected a positive integer such as 4 (float32)")
         for field in ("compute_s_per_iter", "flops_per_s", "cluster_flops_per_s", "task_s",
                       "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
-                      "transfer_cpu_s_per_B"):
+                      "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -217,7 +227,8 @@ calibrate`` measures the real ones."""
 
 _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compute_s_per_iter",
                  "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps",
-                 "message_s", "round_s", "transfer_cpu_s_per_B")
+                 "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
+                 "exchange_Bps")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -226,7 +237,8 @@ def load_machine(path: str | Path) -> Machine:
     Keys: ``alpha_s``, ``bandwidth_Bps`` (a number or a string such as
     ``"6GiB"``), ``word_bytes``, ``flops_per_s``, ``compute_s_per_iter``,
     ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
-    ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``.
+    ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
+    ``exchange_Bps``.
     Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files

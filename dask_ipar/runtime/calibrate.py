@@ -26,6 +26,14 @@ What the engine pays, measured the way the engine pays it:
   what moving blocks takes from the computing where workers share a machine's cores;
   the median of :data:`TRANSFER_REPEATS` exchanges after :data:`TRANSFER_WARMUPS` of the
   same size (the steady state of a run's exchanges, not its first).
+* ``exchange_Bps``: from the same exchanges, the bytes per second one worker sends while
+  every worker sends to every other (what a link gives a collective; below a pair's
+  ``bandwidth_Bps`` where links share a switch or a host: 105 against 120 MB/s on 4
+  emulated 1 Gbit/s hosts, 80 against 120 on 8).
+* ``elementwise_Bps``: the step-time model's rate of the kernels' element-wise work (their
+  counted memory passes, :mod:`dask_ipar.kernels.costs`): the engine's conv, pooling and
+  dense kernels (:mod:`dask_ipar.runtime.kernelmix`) run on every worker at once, their
+  time less their flops at ``flops_per_s``, each worker at its share of the cores.
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -237,22 +245,27 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str):
     sender.release()
     for p in others:
         plugin.receive((f"calibrate.ready-{uid}", peers.index(p)), timeout=300.0)
+    t0 = time.time()
     sender.push((f"calibrate.xfer-{uid}", peers.index(me)), block, others)
     sender.release()  # a block below the merge size would wait for the flush otherwise
     got = 0
     for p in others:
         got += plugin.receive((f"calibrate.xfer-{uid}", peers.index(p)), timeout=300.0).nbytes
     sender.flush()
+    t1 = time.time()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return os.getpid(), cpu, got + block.nbytes * len(others)
+    return os.getpid(), cpu, got + block.nbytes * len(others), t0, t1
 
 
-def transfer_cpu(client, workers, nbytes: int) -> float:
-    """CPU seconds per byte sent or received, every worker of ``workers`` pushing an
-    ``nbytes`` block to every other one at once (:func:`_exchange_cpu`): the workers' CPU
-    time over the bytes that crossed their transports, both ends counted (workers in one
-    process: its CPU time once)."""
+def transfer_cpu(client, workers, nbytes: int) -> tuple[float, float]:
+    """``(CPU seconds per byte, bytes per second each worker sends)``, every worker of
+    ``workers`` pushing an ``nbytes`` block to every other one at once
+    (:func:`_exchange_cpu`): the workers' CPU time over the bytes that crossed their
+    transports, both ends counted (workers in one process: its CPU time once); and the
+    bytes a worker pushed over the median worker's time from its first block out to its
+    last block in (what one link carries while every link is busy, as in a collective:
+    below a pair's rate where the links share a switch, a host's stack or its cores)."""
     from dask_ipar.errors import IparError
     from dask_ipar.runtime.exchange import install_exchange
 
@@ -266,9 +279,31 @@ def transfer_cpu(client, workers, nbytes: int) -> float:
             for k, w in enumerate(workers)]
     out = client.gather(futs)
     cpu: dict = {}
-    for pid, c, _ in out:
+    for pid, c, *_ in out:
         cpu[pid] = max(cpu.get(pid, 0.0), c)
-    return sum(cpu.values()) / sum(b for _, _, b in out)
+    took = float(np.median([t1 - t0 for *_, t0, t1 in out]))
+    sent = max(1, nbytes // 4) * 4 * (len(workers) - 1)
+    return sum(cpu.values()) / sum(b for _, _, b, *_ in out), sent / max(took, 1e-9)
+
+
+def _mix_rate(client, workers, flops_per_s, cluster_flops_per_s, repeats):
+    """The step-time model's element-wise rate (:mod:`dask_ipar.runtime.kernelmix`): the
+    kernel mix run ``repeats`` times on every worker at once, the median worker's time at
+    its share of the cores (the cluster matmul rate over the workers' one-worker rates)."""
+    from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_mix
+
+    def run(reps):
+        futs = [client.submit(kernel_mix, reps, workers=[w], pure=False,
+                              allow_other_workers=False) for w in workers]
+        return client.gather(futs)
+
+    run(1)  # warm: the kernels' first calls allocate and import
+    out = run(repeats)
+    speed = min(1.0, cluster_flops_per_s / (len(workers) * flops_per_s)) \
+        if len(workers) > 1 and cluster_flops_per_s else 1.0
+    flops, mem, _ = out[0]
+    return elementwise_rate(flops, mem, float(np.median([s for _, _, s in out])), flops_per_s,
+                            speed)
 
 
 def program_hop(client, src: str, dst: str, reps: int = 50, direct: bool = True) -> float:
@@ -288,7 +323,7 @@ def program_hop(client, src: str, dst: str, reps: int = 50, direct: bool = True)
 
 
 def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), hops=40,
-              matmul_n=1024, tasks=300, block_mib=16, log=None) -> Machine:
+              matmul_n=1024, tasks=300, block_mib=16, mix_repeats=2, log=None) -> Machine:
     """Measure the alpha-beta machine of ``client``'s cluster (two workers, under a minute).
 
     Parameters
@@ -297,6 +332,9 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
         Two worker addresses to measure between (default: the first two).
     dtype : str
         Dtype of the matmul rate and the word size of the result.
+    mix_repeats : int
+        Rounds of the kernel mix each worker runs for the element-wise rate (one round is
+        about 0.2 s of one core).
     """
     from dask_ipar.runtime.workers import scheduler_workers
 
@@ -349,6 +387,11 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
               for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
+    elementwise = _mix_rate(client, everyone, flops, cluster, mix_repeats)
+    log("element-wise rate of the kernels (conv, pooling and dense kernels, all workers at "
+        "once, at each one's share of the cores): "
+        + ("not measured (the matmul part took the whole time)" if elementwise is None
+           else f"{elementwise / 1e9:.1f} GB/s"))
     cluster_bw = bandwidth
     if len(everyone) > 2:
         _cluster_bandwidth(client, everyone, 2**20, f"{tag}bw")
@@ -371,11 +414,15 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     # after), so two warm the links and the workers' heaps at the size measured
     for _ in range(TRANSFER_WARMUPS):
         transfer_cpu(client, everyone, block_mib * 2**20)
-    cpu_B = float(np.median([transfer_cpu(client, everyone, block_mib * 2**20)
-                             for _ in range(TRANSFER_REPEATS)]))
+    figures = [transfer_cpu(client, everyone, block_mib * 2**20)
+               for _ in range(TRANSFER_REPEATS)]
+    cpu_B = float(np.median([c for c, _ in figures]))
+    exchange = float(np.median([e for _, e in figures]))
     log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once): "
-        f"{cpu_B * 1e9:.2f} ns per byte sent or received")
+        f"{cpu_B * 1e9:.2f} ns per byte sent or received; each worker sent "
+        f"{exchange / 2**20:.0f} MiB/s")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
                    mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,
-                   round_s=round_s, transfer_cpu_s_per_B=cpu_B)
+                   round_s=round_s, transfer_cpu_s_per_B=cpu_B, elementwise_Bps=elementwise,
+                   exchange_Bps=exchange)

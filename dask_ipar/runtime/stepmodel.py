@@ -28,7 +28,8 @@ from dask_ipar.runtime.placement import placement_blocks
 __all__ = ["predict_step_s", "step_tasks", "simulate_engine", "ELEMENTWISE_BPS"]
 
 #: Bytes per second of one worker's elementwise work in the kernels (copies, strided
-#: im2col gathers, in-place sums), the task-graph simulation's default too.
+#: im2col gathers, in-place sums) where the machine has no measured ``elementwise_Bps``
+#: (``dask-ipar calibrate`` measures it), the task-graph simulation's default too.
 ELEMENTWISE_BPS = 5e9
 
 
@@ -116,10 +117,13 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         if machine.cluster_flops_per_s and busy > 1:
             shared = min(1.0, machine.cluster_flops_per_s / (busy * machine.flops_per_s))
 
+        # a link's rate while every link is busy (a collective's), where measured lower
+        link = min(machine.bandwidth_Bps, machine.exchange_Bps or machine.bandwidth_Bps)
+
         def run(tasks, available):
             return simulate_programs(
-                tasks, flops_per_s=machine.flops_per_s, mem_Bps=ELEMENTWISE_BPS,
-                bandwidth_Bps=machine.bandwidth_Bps,
+                tasks, flops_per_s=machine.flops_per_s,
+                mem_Bps=machine.elementwise_Bps or ELEMENTWISE_BPS, bandwidth_Bps=link,
                 latency_s=(machine.message_s if machine.message_s is not None
                            else machine.alpha_s),
                 cores=cores, available=available, shared=shared,

@@ -1,0 +1,95 @@
+"""The engine's own element-wise-heavy kernels as a calibration workload.
+
+``dask-ipar calibrate`` runs :func:`kernel_mix` on every worker at once and turns its time
+into the step-time model's element-wise rate (:func:`elementwise_rate`): the rate at which
+the model's counted memory passes (:mod:`dask_ipar.kernels.costs`) go when every worker
+computes, in the simulator's own terms. A fixed copy benchmark would not do: the kernels'
+strided im2col gathers, pooling windows and in-place sums run at about half of what a
+plain ``a * s + b`` reaches, and worker processes that share cores slow memory-bound work
+more than matmuls (measured on 2 cores: 8 workers, model over measured 1.2-1.6 on the
+CNN's grids with one fixed rate).
+
+The mix: a conv block forward and backward with its 2x2 max pooling (32 channels, 32x32
+images, the CNN benchmark's second stage), and a dense block forward (ReLU, bias) whose
+contraction is short, so that its passes over the output dominate, with the reduce of a
+dX reduce-scatter (two remote pieces summed, then ReLU').
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+__all__ = ["kernel_mix", "elementwise_rate"]
+
+XSHAPE = (16, 32, 32, 64)
+DENSE = (64, 4096, 1024)
+
+
+def _calls(dtype):
+    """``[(kernel, args)]`` of one round of the mix (inputs made once per call)."""
+    from dask_ipar.kernels import conv as CK
+    from dask_ipar.kernels import dense as DK
+
+    rng = np.random.default_rng(0)
+    dt = np.dtype(dtype)
+    x = rng.standard_normal(XSHAPE).astype(dt)
+    wm = rng.standard_normal((32, 32 * 9 + 1)).astype(dt)
+    ws, pad = (32, 32, 3, 3), (1, 1, 1, 1)
+    y = CK.conv_block(x, wm, ws, 1, pad, 1, "relu")
+    p = CK.pool_block(y, 2, None, (0, 0, 0, 0), "max")
+    n_in, rows, b = DENSE
+    w = rng.standard_normal((rows, n_in + 1)).astype(dt)
+    xd = rng.standard_normal((n_in, b)).astype(dt)
+    wk = rng.standard_normal((rows, 2 * rows + 1)).astype(dt)
+    dz = rng.standard_normal((rows, b // 8)).astype(dt)
+    a = np.abs(rng.standard_normal((rows, b // 8))).astype(dt)
+    pieces = [rng.standard_normal((rows, b // 8)).astype(dt) for _ in range(2)]
+    return [
+        (CK.conv_block, (x, wm, ws, 1, pad, 1, "relu")),
+        (CK.conv_block_backward, (x, wm, y, y, ws, 1, pad, 1, "relu", True)),
+        (CK.pool_block, (y, 2, None, (0, 0, 0, 0), "max")),
+        (CK.pool_block_backward, (y, p, 2, None, (0, 0, 0, 0), "max")),
+        (DK.dense_forward, ([(0, n_in + 1)], [(0, n_in)], n_in, "relu", w, xd)),
+        (DK.dz_from_pieces, (a, "relu", [(0, 2 * rows + 1)], 0, rows, dz, wk, *pieces)),
+    ]
+
+
+def kernel_mix(repeats: int, dtype="float32"):
+    """Run the mix ``repeats`` times in this process (with its BLAS threads as they are:
+    a worker's, one per worker thread); returns ``(flops, mem_bytes, seconds)``: the model's flops and memory bytes of
+    the calls (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took."""
+    from dask_ipar.kernels.costs import kernel_cost
+
+    calls = _calls(dtype)
+    itemsize = np.dtype(dtype).itemsize
+
+    def shape(v):
+        return tuple(v.shape) if isinstance(v, np.ndarray) else None
+
+    flops = mem = 0.0
+    for f, args in calls:
+        _, fl, mb = kernel_cost(f, args, shape, itemsize)
+        flops, mem = flops + fl, mem + mb
+    for f, args in calls:  # warm: the first call of a kernel allocates and imports
+        f(*args)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        for f, args in calls:
+            f(*args)
+    seconds = time.perf_counter() - t
+    return flops * repeats, mem * repeats, seconds
+
+
+def elementwise_rate(flops, mem_bytes, seconds, flops_per_s, speed=1.0):
+    """Bytes per second of element-wise work that make the model's time of a kernel-mix
+    run, ``flops / flops_per_s + mem_bytes / rate``, times ``1 / speed`` (each worker's
+    share of the cores while all of them compute: the simulator's processor sharing, the
+    cluster matmul rate over the workers' one-worker rates), equal to the measured
+    ``seconds``. None where the matmul part alone exceeds the measured time (then the
+    model's flops, not its bytes, are off)."""
+    left = seconds * speed - flops / flops_per_s
+    if left <= 0.05 * seconds * speed:
+        return None
+    return mem_bytes / left

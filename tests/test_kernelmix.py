@@ -1,0 +1,38 @@
+"""The kernel mix behind the calibrated element-wise rate (``dask_ipar.runtime.kernelmix``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dask_ipar.kernels.costs import kernel_cost
+from dask_ipar.runtime.kernelmix import _calls, elementwise_rate, kernel_mix
+
+pytestmark = pytest.mark.fast
+
+
+def test_the_mix_counts_its_kernels_model_costs_and_times_them():
+    flops1, mem1, s1 = kernel_mix(1)
+    flops3, mem3, s3 = kernel_mix(3)
+    assert flops3 == pytest.approx(3 * flops1) and mem3 == pytest.approx(3 * mem1)
+    assert 0 < s1 and 0 < s3
+    # the counts are the cost model's own, call by call, as the simulator charges a task
+    want_f = want_m = 0.0
+    for f, args in _calls("float32"):
+        _, fl, mb = kernel_cost(f, args, lambda v: tuple(v.shape)
+                                if isinstance(v, np.ndarray) else None, 4)
+        want_f, want_m = want_f + fl, want_m + mb
+    assert (flops1, mem1) == pytest.approx((want_f, want_m))
+    # the mix is mostly element-wise work: the conv, pooling and short dense kernels
+    assert mem1 > 1e8 and flops1 > 1e8
+
+
+def test_elementwise_rate_makes_the_model_time_equal_the_measured_time():
+    flops, mem, seconds, rate = 1e9, 2e9, 0.5, 2e10
+    for speed in (1.0, 0.25):
+        e = elementwise_rate(flops, mem, seconds, rate, speed)
+        # the simulator's time of the run at that share of the cores
+        assert (flops / rate + mem / e) / speed == pytest.approx(seconds)
+    # the flops alone take the whole time (or more): no rate can be read off
+    assert elementwise_rate(flops, mem, flops / rate, rate) is None
+    assert elementwise_rate(flops, mem, 0.5 * flops / rate, rate) is None
