@@ -14,13 +14,15 @@ def test_calibrate_measures_every_figure(client, tmp_path):
                   mix_repeats=1, log=lines.append)
     for name in ("alpha_s", "bandwidth_Bps", "flops_per_s", "cluster_flops_per_s", "task_s",
                  "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
-                 "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps"):
+                 "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
+                 "direct_message_cpu_s"):
         v = getattr(m, name)
         assert v is not None and math.isfinite(v) and v > 0, (name, v)
     assert 1e-5 < m.alpha_s < 1.0 and 1e-5 < m.task_s < 1.0  # seconds, not ms or us
     assert 1e-6 < m.message_s < m.alpha_s  # a program's message skips the scheduler
     assert 1e-12 < m.transfer_cpu_s_per_B < 1e-6  # seconds per byte: 1 TB/s to 1 MB/s
     assert 1e8 < m.elementwise_Bps < 1e12 and 1e5 < m.exchange_Bps < 1e12  # bytes/s
+    assert 1e-7 < m.direct_message_cpu_s < 1e-2 and 0 <= m.message_cpu_s < 1e-1  # seconds
     assert m.word_bytes == 4
     assert any("per task" in line for line in lines)
     path = tmp_path / "machine.yaml"

@@ -318,3 +318,37 @@ def test_dense_forward_cost_prices_the_path_taken():
         assert out == (4096, b) and flops == 2.0 * 4096 * 4096 * b
         assert mem == 4 * (passes * 4096 * b + extra)
         assert (K.forward_segments(wb, xb, 4096, 4096, b) is None) == (b == 8192)
+
+
+def test_backward_costs_price_the_joins_of_several_slices():
+    """Where a dX piece spans several gathered column slices of W, or a dW slice several
+    row pieces of X, the kernel joins them first (:func:`K.span`: a copy, read and
+    written); the cost model charges that copy, and nothing where one slice holds the
+    range (a view)."""
+    from dask_ipar.kernels.costs import kernel_cost
+
+    def shape(a):
+        return a.shape if isinstance(a, np.ndarray) else None
+
+    rows, b = 64, 8
+    dz = np.zeros((rows, b), np.float32)
+    a = np.zeros((48, b), np.float32)
+    w = [np.zeros((rows, 32), np.float32), np.zeros((rows, 32), np.float32)]
+    wb = ((0, 32), (32, 64))
+    for c0, c1, join in [(0, 32, 0), (8, 56, 2 * rows * 48)]:
+        _, flops, mem = kernel_cost(K.dx_piece, (wb, c0, c1, dz, *w), shape, 4)
+        assert flops == 2.0 * rows * (c1 - c0) * b
+        assert mem == 4 * ((c1 - c0) * b + join)
+    _, _, mem = kernel_cost(K.dz_from_pieces, (a, "relu", wb, 8, 56, dz, *w), shape, 4)
+    assert mem == 4 * ((1 + 4) * 48 * b + 2 * rows * 48)  # written, ReLU', the join
+    x = [np.zeros((32, b), np.float32), np.zeros((32, b), np.float32)]
+    xb = ((0, 32), (32, 64))
+    for c0, c1, join in [(0, 16, 0), (16, 48, 2 * 32 * b)]:
+        _, flops, mem = kernel_cost(K.dw_piece, (dz, xb, c0, c1, 64, *x), shape, 4)
+        assert flops == 2.0 * rows * (c1 - c0) * b
+        assert mem == 4 * (rows * (c1 - c0) + join)
+    # the kernels do join: the joined operand equals the concatenation's range
+    got = K.dx_piece(wb, 8, 56, np.ones((rows, b), np.float32),
+                     *(np.arange(rows * 32, dtype=np.float32).reshape(rows, 32) + k
+                       for k in range(2)))
+    assert got.shape == (48, b)

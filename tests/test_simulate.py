@@ -286,7 +286,7 @@ def test_a_step_within_a_run_overlaps_the_next_all_gather_with_the_backward(grid
     engine = model._make_engine(fake_binding(grid))
     names = [f"w{k}" for k in range(len(engine.param_layouts))]
     # links and cores about equally busy: the overlap is worth most
-    m = Machine(alpha_s=1e-3, bandwidth_Bps=5e8, word_bytes=4, flops_per_s=2e10,
+    m = Machine(alpha_s=1e-3, bandwidth_Bps=1e9, word_bytes=4, flops_per_s=2e10,
                 message_s=1e-4)
     kw = dict(flops_per_s=m.flops_per_s, mem_Bps=5e9, bandwidth_Bps=m.bandwidth_Bps,
               latency_s=m.message_s)
@@ -304,8 +304,9 @@ def test_a_step_within_a_run_overlaps_the_next_all_gather_with_the_backward(grid
     sent = one.transfer_bytes / len(workers)  # every worker sends alike on these grids
     compute = max(one.compute_s.values())
     assert step >= max(sent / m.bandwidth_Bps, compute) * 0.999, (step, sent, compute)
-    if overlaps:
-        assert step < 0.97 * one.seconds, (step, one.seconds)
+    if overlaps:  # (the dX products join the gathered W's slices: most of the backward
+        # is then on the chain the next all-gather waits for, and the overlap is small)
+        assert step < 0.985 * one.seconds, (step, one.seconds)
     else:
         assert step <= 1.05 * one.seconds, (step, one.seconds)
 
@@ -420,3 +421,23 @@ def test_the_programs_model_takes_the_machines_elementwise_and_exchange_rates():
     assert model_s(m) == pytest.approx(direct(2e9, 1e8))
     assert model_s(m) > model_s(base)  # slower element-wise work, slower links
     assert model_s(base.replace(exchange_Bps=5e9)) == pytest.approx(model_s(base))
+
+
+@pytest.mark.fast
+def test_programs_charge_each_message_end_its_fixed_transport_cpu():
+    """On shared cores every message costs its sender and its receiver
+    ``message_cpu_s`` of CPU (a number, or a function of the message's bytes) beside the
+    bytes' own: on one core, one block between two 1-second tasks makes the step 2 s plus
+    both ends' message work; without ``cores`` (unshared cores) nothing is charged."""
+    from dask_ipar.cost import SimTask, simulate_programs
+
+    tasks = [SimTask("a", "A", (), flops=1e9, out_bytes=1000),
+             SimTask("b", "B", ("a",), flops=1e9)]
+    kw = dict(flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e15, latency_s=0.0)
+    assert simulate_programs(tasks, cores=1, **kw).seconds == pytest.approx(2.0)
+    assert simulate_programs(tasks, cores=1, message_cpu_s=0.1, **kw).seconds \
+        == pytest.approx(2.2)
+    by_size = lambda n: 0.1 if n <= 100 else 0.3  # noqa: E731
+    assert simulate_programs(tasks, cores=1, message_cpu_s=by_size, **kw).seconds \
+        == pytest.approx(2.6)
+    assert simulate_programs(tasks, message_cpu_s=0.1, **kw).seconds == pytest.approx(2.0)

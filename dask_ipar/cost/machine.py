@@ -151,6 +151,10 @@ class Machine:
         Bytes per second one worker sends while every worker sends to every other at once
         (a collective's per-link rate); the step-time model's link rate where below
         ``bandwidth_Bps``.
+    direct_message_cpu_s, message_cpu_s : float, optional
+        CPU seconds a worker's transport spends per message on each end beyond
+        ``transfer_cpu_s_per_B`` (framing, system calls, event-loop turns): over the
+        programs' direct links (blocks of at most 64 KiB) and over dask's comms (larger).
     """
 
     alpha_s: float = 2e-6
@@ -167,6 +171,8 @@ class Machine:
     transfer_cpu_s_per_B: float | None = None
     elementwise_Bps: float | None = None
     exchange_Bps: float | None = None
+    direct_message_cpu_s: float | None = None
+    message_cpu_s: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -180,7 +186,8 @@ class Machine:
             raise ValueError(f"word_bytes: got {self.word_bytes!r}; expected a positive integer such as 4 (float32)")
         for field in ("compute_s_per_iter", "flops_per_s", "cluster_flops_per_s", "task_s",
                       "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
-                      "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps"):
+                      "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
+                      "direct_message_cpu_s", "message_cpu_s"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -228,7 +235,7 @@ calibrate`` measures the real ones."""
 _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compute_s_per_iter",
                  "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps",
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
-                 "exchange_Bps")
+                 "exchange_Bps", "direct_message_cpu_s", "message_cpu_s")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -238,7 +245,7 @@ def load_machine(path: str | Path) -> Machine:
     ``"6GiB"``), ``word_bytes``, ``flops_per_s``, ``compute_s_per_iter``,
     ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
-    ``exchange_Bps``.
+    ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``.
     Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files

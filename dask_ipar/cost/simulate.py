@@ -195,7 +195,7 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
 
 def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, cores=None,
                       available=None, task_s=0.0, shared=1.0,
-                      transfer_cpu_s_per_B=0.0, trace=None) -> SimResult:
+                      transfer_cpu_s_per_B=0.0, message_cpu_s=0.0, trace=None) -> SimResult:
     """Simulate one step run as worker programs (``Model.executor = "programs"``).
 
     No scheduler between tasks: each worker runs its own tasks, at each point the first
@@ -212,7 +212,9 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     With ``cores`` given (workers that share a machine's cores), moving a block also costs
     the cores: ``transfer_cpu_s_per_B`` seconds per byte on the sender and on the receiver,
     from when it starts on the link (the transport's copies and system calls, which run as
-    the bytes go; measured by ``dask-ipar calibrate``). Each worker's transfer work is one
+    the bytes go; measured by ``dask-ipar calibrate``), and ``message_cpu_s`` per message on
+    each end (a number, or a function of the message's bytes: the transport's fixed work
+    per message, its framing, system calls and event-loop turns). Each worker's transfer work is one
     more runner in the processor sharing, beside its task, until it is done (``shared``
     applies to it as to tasks); the step ends when every task and every transfer's work is
     done.
@@ -239,6 +241,8 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     events: list = []
     seq = 0
     per_byte = transfer_cpu_s_per_B if cores is not None else 0.0
+    per_message = (message_cpu_s if callable(message_cpu_s) else (lambda _n: message_cpu_s)) \
+        if cores is not None and message_cpu_s else None
     comm = {}  # worker -> seconds of transfer work left (at full speed)
 
     def send(key, src, nbytes, at):
@@ -247,7 +251,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             start = max(at, link_free.get(src, 0.0))
             link_free[src] = start + nbytes / bandwidth_Bps
             transfer += nbytes
-            if per_byte:
+            if per_byte or per_message:
                 heapq.heappush(events, (start, seq, (src, dst, nbytes)))
                 seq += 1
             heapq.heappush(events, (link_free[src] + latency_s, seq, (dst, key)))
@@ -303,7 +307,8 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             if len(ev) == 3:  # a transfer starts: both ends' transport work
                 src, dst, nbytes = ev
                 for w in (src, dst):
-                    comm[w] = comm.get(w, 0.0) + nbytes * per_byte
+                    comm[w] = comm.get(w, 0.0) + nbytes * per_byte \
+                        + (per_message(nbytes) if per_message else 0.0)
             else:
                 here[ev[0]][ev[1]] = now
         for w in [w for w, r in running.items() if r[1] <= 1e-9]:

@@ -76,15 +76,24 @@ def _softmax_xent_stats(labels, *logits):
     return (2,), 0.0, _logits(logits)[1]
 
 
+def _span(bounds, lo, hi, other):
+    """Elements read and written where :func:`dask_ipar.kernels.dense.span` joins the
+    slices overlapping ``lo:hi`` (``other``: the slices' length across): 0 for a view of
+    one slice."""
+    n = sum(1 for b0, b1 in bounds if max(lo, b0) < min(hi, b1))
+    return 2 * (hi - lo) * other if n > 1 else 0
+
+
 def _dx_piece(wb, c0, c1, dz, *w):
     out = (c1 - c0, dz[1])
-    return out, 2.0 * dz[0] * out[0] * out[1], out[0] * out[1]
+    return out, 2.0 * dz[0] * out[0] * out[1], out[0] * out[1] + _span(wb, c0, c1, dz[0])
 
 
 def _dz_from_pieces(a, activation, wb, c0, c1, dz, *rest):
     out = (c1 - c0, dz[1])
     passes = 1 + 3 * (len(rest) - len(wb)) + {"relu": 4, "tanh": 6}.get(activation, 0)
-    return out, 2.0 * dz[0] * out[0] * out[1], passes * out[0] * out[1]
+    return out, 2.0 * dz[0] * out[0] * out[1], \
+        passes * out[0] * out[1] + _span(wb, c0, c1, dz[0])
 
 
 def _dz_from_own(a, activation, own, *remote):
@@ -92,20 +101,24 @@ def _dz_from_own(a, activation, own, *remote):
     return own, 0.0, passes * own[0] * own[1]
 
 
-def _dw(dz, c0, c1, n_in, passes):
+def _dw(dz, c0, c1, n_in, passes, xb=()):
+    """A dW slice's products and passes; ``xb``: the input's row pieces, joined over the
+    slice's rows where several hold them."""
     out = (dz[0], c1 - c0)
-    return out, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1], passes * out[0] * out[1]
+    nw = max(0, min(c1, n_in) - c0)
+    return out, 2.0 * dz[0] * nw * dz[1], \
+        passes * out[0] * out[1] + (_span(xb, c0, c0 + nw, dz[1]) if nw else 0)
 
 
 def _dw_piece(dz, xb, c0, c1, n_in, *x):
-    return _dw(dz, c0, c1, n_in, 1 + 3 * (len(x) - len(xb)))
+    return _dw(dz, c0, c1, n_in, 1 + 3 * (len(x) - len(xb)), xb)
 
 
 def _sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *rest):
     passes = 1 + 3 * (len(rest) - len(xb))
     # in-place scale-and-adds: read two, write one
     passes += (3 if weight_decay and n_decay else 0) + (3 if v is not None else 0)
-    return _dw(dz, c0, c1, n_in, passes)
+    return _dw(dz, c0, c1, n_in, passes, xb)
 
 
 def _sgd_weight(w, v, lr):
@@ -122,12 +135,14 @@ def _sgd_update(w, v, lr, momentum, weight_decay, n_decay, in_place, n_after, dz
         passes = 4 + nrem + (1 if weight_decay and n_decay else 0)
     else:
         passes = 3 + 3 * nrem + (3 if weight_decay and n_decay else 0) + 5
-    return w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1], passes * w[0] * w[1]
+    nw = max(0, min(c1, n_in) - c0)
+    return w, 2.0 * dz[0] * nw * dz[1], \
+        passes * w[0] * w[1] + (_span(xb, c0, c0 + nw, dz[1]) if nw else 0)
 
 
 def _adam_state(w, hp, n_decay, state, dz, xb, c0, c1, n_in, *rest):
     # dW, then the two moments (each read and written) from the gradient (read twice)
-    out, flops, mem = _dw(dz, c0, c1, n_in, 1 + 3 * (len(rest) - len(xb)) + 7)
+    out, flops, mem = _dw(dz, c0, c1, n_in, 1 + 3 * (len(rest) - len(xb)) + 7, xb)
     return (2, *out), flops + 5.0 * out[0] * out[1], mem
 
 
@@ -145,7 +160,9 @@ def _adam_update(w, state, hp, n_decay, lr, t, in_place, n_after, dz, xb, c0, c1
 
 def _nesterov_update(w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1, n_in, *rest):
     passes = 1 + 3 * (len(rest) - len(xb)) + 3 + 3 + 3 + 5
-    return w, 2.0 * dz[0] * max(0, min(c1, n_in) - c0) * dz[1], passes * w[0] * w[1]
+    nw = max(0, min(c1, n_in) - c0)
+    return w, 2.0 * dz[0] * nw * dz[1], \
+        passes * w[0] * w[1] + (_span(xb, c0, c0 + nw, dz[1]) if nw else 0)
 
 
 def _sum_squares(*blocks):

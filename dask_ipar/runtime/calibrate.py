@@ -30,6 +30,12 @@ What the engine pays, measured the way the engine pays it:
   every worker sends to every other (what a link gives a collective; below a pair's
   ``bandwidth_Bps`` where links share a switch or a host: 105 against 120 MB/s on 4
   emulated 1 Gbit/s hosts, 80 against 120 on 8).
+* ``direct_message_cpu_s``, ``message_cpu_s``: the transports' CPU per message on each
+  end beyond the bytes' (framing, system calls, event-loop turns): all-to-all exchanges of
+  4-byte blocks (the direct links) and of 256 KiB blocks (dask's comms). A step's
+  all-to-all phases of mid-sized blocks pay it P - 1 times per worker on shared cores (8
+  workers on 2 cores: an all-to-all of 4-byte blocks took 4 ms, 1.4 ns per byte at 256 KiB
+  against 0.26 at 16 MiB).
 * ``elementwise_Bps``: the step-time model's rate of the kernels' element-wise work (their
   counted memory passes, :mod:`dask_ipar.kernels.costs`): the engine's conv, pooling and
   dense kernels (:mod:`dask_ipar.runtime.kernelmix`) run on every worker at once, their
@@ -258,14 +264,11 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str):
     return os.getpid(), cpu, got + block.nbytes * len(others), t0, t1
 
 
-def transfer_cpu(client, workers, nbytes: int) -> tuple[float, float]:
-    """``(CPU seconds per byte, bytes per second each worker sends)``, every worker of
-    ``workers`` pushing an ``nbytes`` block to every other one at once
-    (:func:`_exchange_cpu`): the workers' CPU time over the bytes that crossed their
-    transports, both ends counted (workers in one process: its CPU time once); and the
-    bytes a worker pushed over the median worker's time from its first block out to its
-    last block in (what one link carries while every link is busy, as in a collective:
-    below a pair's rate where the links share a switch, a host's stack or its cores)."""
+def _exchange(client, workers, nbytes: int) -> tuple[float, float, float]:
+    """Every worker of ``workers`` pushes an ``nbytes`` block to every other one at once
+    (:func:`_exchange_cpu`): ``(CPU seconds, bytes, seconds)``: the workers' CPU time (workers
+    in one process: its CPU time once), the bytes that crossed their transports (both ends
+    counted), and the median worker's time from its first block out to its last block in."""
     from dask_ipar.errors import IparError
     from dask_ipar.runtime.exchange import install_exchange
 
@@ -282,8 +285,41 @@ def transfer_cpu(client, workers, nbytes: int) -> tuple[float, float]:
     for pid, c, *_ in out:
         cpu[pid] = max(cpu.get(pid, 0.0), c)
     took = float(np.median([t1 - t0 for *_, t0, t1 in out]))
-    sent = max(1, nbytes // 4) * 4 * (len(workers) - 1)
-    return sum(cpu.values()) / sum(b for _, _, b, *_ in out), sent / max(took, 1e-9)
+    return sum(cpu.values()), float(sum(b for _, _, b, *_ in out)), took
+
+
+def transfer_cpu(client, workers, nbytes: int) -> tuple[float, float]:
+    """``(CPU seconds per byte, bytes per second each worker sends)``, every worker of
+    ``workers`` pushing an ``nbytes`` block to every other one at once (:func:`_exchange`):
+    the workers' CPU time over the bytes that crossed their transports, both ends counted;
+    and the bytes a worker pushed over the median worker's time from its first block out to
+    its last block in (what one link carries while every link is busy, as in a collective:
+    below a pair's rate where the links share a switch, a host's stack or its cores)."""
+    cpu, nbytes_all, took = _exchange(client, workers, nbytes)
+    sent = max(1, nbytes // 4) * 4 * (len(list(workers)) - 1)
+    return cpu / nbytes_all, sent / max(took, 1e-9)
+
+
+def message_cpu(client, workers, per_byte: float, repeats: int = 3) -> tuple[float, float]:
+    """``(CPU seconds per message end over the direct links, over dask's comms)``: the
+    transports' fixed work per message beyond ``per_byte``, from all-to-all exchanges
+    (:func:`_exchange`) of 4-byte blocks (every message small: the block and the exchange's
+    barrier message per pair) and of 256 KiB blocks (over dask's comms, beside one small
+    barrier message per pair); medians of ``repeats`` after one of each."""
+    from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
+
+    workers = list(workers)
+    ends = 2 * len(workers) * (len(workers) - 1)  # messages of one kind, both ends counted
+    big = max(4 * DIRECT_MAX_BYTES, 1 << 18)
+    out = []
+    for nbytes in (4, big):
+        _exchange(client, workers, nbytes)  # warm: the first exchange of a size costs more
+        runs = np.array([_exchange(client, workers, nbytes)[:2] for _ in range(repeats)])
+        out.append(np.median(runs, axis=0))  # (CPU seconds, bytes)
+    (cpu_s, _), (cpu_b, bytes_b) = out
+    small = cpu_s / (2 * ends)
+    large = max(0.0, (cpu_b - small * ends - per_byte * bytes_b) / ends)
+    return float(small), float(large)
 
 
 def _mix_rate(client, workers, flops_per_s, cluster_flops_per_s, repeats):
@@ -421,8 +457,13 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once): "
         f"{cpu_B * 1e9:.2f} ns per byte sent or received; each worker sent "
         f"{exchange / 2**20:.0f} MiB/s")
+    direct_msg, comms_msg = message_cpu(client, everyone, cpu_B)
+    log(f"transfer CPU per message, each end (all-to-all exchanges of 4-byte and 256 KiB "
+        f"blocks): {direct_msg * 1e6:.0f} us over the direct links, {comms_msg * 1e6:.0f} us "
+        f"over dask's comms")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
                    mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,
                    round_s=round_s, transfer_cpu_s_per_B=cpu_B, elementwise_Bps=elementwise,
-                   exchange_Bps=exchange)
+                   exchange_Bps=exchange, direct_message_cpu_s=direct_msg,
+                   message_cpu_s=comms_msg)

@@ -23,6 +23,7 @@ from dask_ipar.cost import simulate_programs, simulate_step
 from dask_ipar.errors import IparError
 from dask_ipar.layout.partition import split_bounds
 from dask_ipar.nn.graph import StepGraph, sim_tasks
+from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
 from dask_ipar.runtime.placement import placement_blocks
 
 __all__ = ["predict_step_s", "step_tasks", "simulate_engine", "ELEMENTWISE_BPS"]
@@ -119,6 +120,10 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
 
         # a link's rate while every link is busy (a collective's), where measured lower
         link = min(machine.bandwidth_Bps, machine.exchange_Bps or machine.bandwidth_Bps)
+        direct_msg, comms_msg = machine.direct_message_cpu_s, machine.message_cpu_s
+
+        def message_cpu(nbytes):  # each end's fixed work: the transport a block takes
+            return (direct_msg if nbytes <= DIRECT_MAX_BYTES else comms_msg) or 0.0
 
         def run(tasks, available):
             return simulate_programs(
@@ -127,7 +132,8 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
                 latency_s=(machine.message_s if machine.message_s is not None
                            else machine.alpha_s),
                 cores=cores, available=available, shared=shared,
-                transfer_cpu_s_per_B=machine.transfer_cpu_s_per_B or 0.0)
+                transfer_cpu_s_per_B=machine.transfer_cpu_s_per_B or 0.0,
+                message_cpu_s=message_cpu if (direct_msg or comms_msg) else 0.0)
 
         one = run(tasks, available)
         # a step within a run: its weights went to their readers as each new slice of the
