@@ -38,8 +38,8 @@ What the engine pays, measured the way the engine pays it:
   against 0.26 at 16 MiB).
 * ``elementwise_Bps``: the step-time model's rate of the kernels' element-wise work (their
   counted memory passes, :mod:`dask_ipar.kernels.costs`): the engine's conv, pooling and
-  dense kernels (:mod:`dask_ipar.runtime.kernelmix`) run on every worker at once, their
-  time less their flops at ``flops_per_s``, each worker at its share of the cores.
+  dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker, their time less their
+  flops at ``flops_per_s`` (the fastest of three runs, as the matmul rate).
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -322,24 +322,17 @@ def message_cpu(client, workers, per_byte: float, repeats: int = 3) -> tuple[flo
     return float(small), float(large)
 
 
-def _mix_rate(client, workers, flops_per_s, cluster_flops_per_s, repeats):
+def _mix_rate(client, worker, flops_per_s, repeats):
     """The step-time model's element-wise rate (:mod:`dask_ipar.runtime.kernelmix`): the
-    kernel mix run ``repeats`` times on every worker at once, the median worker's time at
-    its share of the cores (the cluster matmul rate over the workers' one-worker rates)."""
+    kernel mix run on one worker while the others idle, ``repeats`` rounds, the fastest of
+    three runs (as ``flops_per_s``; the simulator shares the cores between running tasks
+    with the matmul contention factor, flops and bytes alike)."""
     from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_mix
 
-    def run(reps):
-        futs = [client.submit(kernel_mix, reps, workers=[w], pure=False,
-                              allow_other_workers=False) for w in workers]
-        return client.gather(futs)
-
-    run(1)  # warm: the kernels' first calls allocate and import
-    out = run(repeats)
-    speed = min(1.0, cluster_flops_per_s / (len(workers) * flops_per_s)) \
-        if len(workers) > 1 and cluster_flops_per_s else 1.0
-    flops, mem, _ = out[0]
-    return elementwise_rate(flops, mem, float(np.median([s for _, _, s in out])), flops_per_s,
-                            speed)
+    runs = [client.submit(kernel_mix, repeats, workers=[worker], pure=False,
+                          allow_other_workers=False).result() for _ in range(3)]
+    flops, mem, seconds = min(runs, key=lambda r: r[2])
+    return elementwise_rate(flops, mem, seconds, flops_per_s)
 
 
 def program_hop(client, src: str, dst: str, reps: int = 50, direct: bool = True) -> float:
@@ -369,8 +362,8 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     dtype : str
         Dtype of the matmul rate and the word size of the result.
     mix_repeats : int
-        Rounds of the kernel mix each worker runs for the element-wise rate (one round is
-        about 0.2 s of one core).
+        Rounds of the kernel mix per run for the element-wise rate (one round is about 0.2
+        s of one core; three runs).
     """
     from dask_ipar.runtime.workers import scheduler_workers
 
@@ -423,9 +416,8 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
               for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
-    elementwise = _mix_rate(client, everyone, flops, cluster, mix_repeats)
-    log("element-wise rate of the kernels (conv, pooling and dense kernels, all workers at "
-        "once, at each one's share of the cores): "
+    elementwise = _mix_rate(client, a, flops, mix_repeats)
+    log("element-wise rate of the kernels (conv, pooling and dense kernels, one worker): "
         + ("not measured (the matmul part took the whole time)" if elementwise is None
            else f"{elementwise / 1e9:.1f} GB/s"))
     cluster_bw = bandwidth

@@ -1,18 +1,18 @@
 """The engine's own element-wise-heavy kernels as a calibration workload.
 
-``dask-ipar calibrate`` runs :func:`kernel_mix` on every worker at once and turns its time
-into the step-time model's element-wise rate (:func:`elementwise_rate`): the rate at which
-the model's counted memory passes (:mod:`dask_ipar.kernels.costs`) go when every worker
-computes, in the simulator's own terms. A fixed copy benchmark would not do: the kernels'
-strided im2col gathers, pooling windows and in-place sums run at about half of what a
-plain ``a * s + b`` reaches, and worker processes that share cores slow memory-bound work
-more than matmuls (measured on 2 cores: 8 workers, model over measured 1.2-1.6 on the
-CNN's grids with one fixed rate).
+``dask-ipar calibrate`` runs :func:`kernel_mix` on a worker and turns its time into the
+step-time model's element-wise rate (:func:`elementwise_rate`): the rate at which the
+model's counted memory passes (:mod:`dask_ipar.kernels.costs`) go, in the simulator's own
+terms. A fixed copy benchmark would not do: the kernels' strided im2col gathers, pooling
+windows and in-place sums run at a fraction of what a plain ``a * s + b`` reaches (this
+machine: 15 GB/s of the model's bytes against 50-80 GB/s), and so does a fixed rate in the
+code (5 GB/s: the CNN's conv front priced at 2.3x its measured time).
 
-The mix: a conv block forward and backward with its 2x2 max pooling (32 channels, 32x32
-images, the CNN benchmark's second stage), and a dense block forward (ReLU, bias) whose
-contraction is short, so that its passes over the output dominate, with the reduce of a
-dX reduce-scatter (two remote pieces summed, then ReLU').
+The mix: a conv block forward and backward with its 2x2 max pooling (32 channels, 16
+images of 32 x 64, the size of a strip of the CNN benchmark's second stage: arrays that do
+not stay in cache; at a quarter of that the rate read 22 GB/s), and a dense block forward
+(ReLU, bias) whose contraction is short, so that its passes over the output dominate, with
+the reduce of a dX reduce-scatter (two remote pieces summed, then ReLU').
 """
 
 from __future__ import annotations
@@ -56,10 +56,13 @@ def _calls(dtype):
     ]
 
 
-def kernel_mix(repeats: int, dtype="float32"):
+def kernel_mix(repeats: int, dtype="float32", start_at: float | None = None):
     """Run the mix ``repeats`` times in this process (with its BLAS threads as they are:
-    a worker's, one per worker thread); returns ``(flops, mem_bytes, seconds)``: the model's flops and memory bytes of
-    the calls (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took."""
+    a worker's, one per worker thread); returns ``(flops, mem_bytes, seconds)``: the
+    model's flops and memory bytes of the calls
+    (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took.
+    ``start_at``: a ``time.time()`` to start at (after the warm-up calls; workers that
+    are to run it together)."""
     from dask_ipar.kernels.costs import kernel_cost
 
     calls = _calls(dtype)
@@ -74,6 +77,8 @@ def kernel_mix(repeats: int, dtype="float32"):
         flops, mem = flops + fl, mem + mb
     for f, args in calls:  # warm: the first call of a kernel allocates and imports
         f(*args)
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
     t = time.perf_counter()
     for _ in range(repeats):
         for f, args in calls:
