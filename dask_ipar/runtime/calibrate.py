@@ -86,20 +86,28 @@ def _matmul_rate(n, dtype, repeats):
     return 2.0 * n ** 3 / best
 
 
-def _matmul_work(n, dtype, repeats):
-    """``(flops, start, stop)`` of ``repeats`` matmuls (wall-clock stamps for a cluster rate)."""
+def _wait_until(start_at):
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
+
+
+def _matmul_work(n, dtype, repeats, start_at=None):
+    """``(flops, start, stop)`` of ``repeats`` matmuls (wall-clock stamps for a cluster
+    rate), started at ``start_at`` (a ``time.time()``) where given."""
     a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
     b = a.copy()
+    _wait_until(start_at)
     t0 = time.time()
     for _ in range(repeats):
         a @ b
     return 2.0 * n ** 3 * repeats, t0, time.time()
 
 
-def _mem_work(nbytes, repeats):
+def _mem_work(nbytes, repeats, start_at=None):
     """``(bytes, start, stop)`` of elementwise work into fresh arrays, as the kernels do."""
     a = np.ones(nbytes // 4, np.float32)
     b = a.copy()
+    _wait_until(start_at)
     t0 = time.time()
     for _ in range(repeats):
         c = a * np.float32(0.5)  # read a, write a fresh c
@@ -109,12 +117,15 @@ def _mem_work(nbytes, repeats):
 
 
 def _cluster_rate(client, workers, tag, func, *args):
-    """Total matmul flops per second of every worker computing at the same time."""
+    """Total matmul flops per second of every worker computing at the same time: all of
+    them start at one moment (else the scheduler's dispatch leaves the first ones alone
+    for a while, and the rate over the whole span reads low: 8 workers on 2 cores)."""
     g = StepGraph()
     keys = []
+    start = time.time() + 0.3 + 0.05 * len(workers)  # after the dispatch and the inputs
     for k, w in enumerate(workers):
         key = (f"calibrate.mm-{tag}", k)
-        g.add(key, w, func, *args)
+        g.add(key, w, func, *args, start)
         keys.append(key)
     out = client.gather(client.get(g.to_hlg(f"calibrate-mm-{tag}"), keys, sync=False))
     return sum(f for f, _, _ in out) / (max(e for _, _, e in out) - min(s for _, s, _ in out))
