@@ -26,6 +26,9 @@ What the engine pays, measured the way the engine pays it:
   what moving blocks takes from the computing where workers share a machine's cores;
   the median of :data:`TRANSFER_REPEATS` exchanges after :data:`TRANSFER_WARMUPS` of the
   same size (the steady state of a run's exchanges, not its first).
+* ``bandwidth_Bps`` is raised to ``exchange_Bps`` where the fit reads lower (a link's
+  share of an all-to-all bounds its rate from below; on one host's loopback the fit over
+  dask's transfer logs read 132-264 MiB/s in some runs against 0.9-3 GB/s all-to-all).
 * ``exchange_Bps``: from the same exchanges, the bytes per second one worker sends while
   every worker sends to every other (what a link gives a collective; below a pair's
   ``bandwidth_Bps`` where links share a switch or a host: 105 against 120 MB/s on 4
@@ -460,6 +463,10 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once): "
         f"{cpu_B * 1e9:.2f} ns per byte sent or received; each worker sent "
         f"{exchange / 2**20:.0f} MiB/s")
+    if exchange > bandwidth:  # one link's share of an all-to-all bounds its rate below
+        log(f"bandwidth: the fit over dask's transfer logs ({bandwidth / 2**20:.0f} MiB/s) is "
+            f"below what each link carried in the all-to-all; taking that")
+        bandwidth = exchange
     direct_msg, comms_msg = message_cpu(client, everyone, cpu_B)
     log(f"transfer CPU per message, each end (all-to-all exchanges of 4-byte and 256 KiB "
         f"blocks): {direct_msg * 1e6:.0f} us over the direct links, {comms_msg * 1e6:.0f} us "
