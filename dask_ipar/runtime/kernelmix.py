@@ -56,13 +56,11 @@ def _calls(dtype):
     ]
 
 
-def kernel_mix(repeats: int, dtype="float32", start_at: float | None = None):
+def kernel_mix(repeats: int, dtype="float32"):
     """Run the mix ``repeats`` times in this process (with its BLAS threads as they are:
     a worker's, one per worker thread); returns ``(flops, mem_bytes, seconds)``: the
     model's flops and memory bytes of the calls
-    (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took.
-    ``start_at``: a ``time.time()`` to start at (after the warm-up calls; workers that
-    are to run it together)."""
+    (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took."""
     from dask_ipar.kernels.costs import kernel_cost
 
     calls = _calls(dtype)
@@ -77,8 +75,6 @@ def kernel_mix(repeats: int, dtype="float32", start_at: float | None = None):
         flops, mem = flops + fl, mem + mb
     for f, args in calls:  # warm: the first call of a kernel allocates and imports
         f(*args)
-    if start_at is not None:
-        time.sleep(max(0.0, start_at - time.time()))
     t = time.perf_counter()
     for _ in range(repeats):
         for f, args in calls:
