@@ -145,8 +145,8 @@ class Machine:
         block takes from the computing when worker processes share a machine's cores.
     elementwise_Bps : float, optional
         Bytes per second of the kernels' element-wise work as the step-time model counts
-        it (the engine's own kernels on every worker at once, at each worker's share of
-        the cores); the model's fixed default where None.
+        it (the engine's own kernels on one worker, their flops' time taken off); the
+        model's fixed default where None.
     exchange_Bps : float, optional
         Bytes per second one worker sends while every worker sends to every other at once
         (a collective's per-link rate); the step-time model's link rate where below

@@ -241,8 +241,13 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     events: list = []
     seq = 0
     per_byte = transfer_cpu_s_per_B if cores is not None else 0.0
-    per_message = (message_cpu_s if callable(message_cpu_s) else (lambda _n: message_cpu_s)) \
-        if cores is not None and message_cpu_s else None
+    if cores is None or not message_cpu_s:
+        per_message = None
+    elif callable(message_cpu_s):
+        per_message = message_cpu_s
+    else:
+        def per_message(_nbytes):
+            return message_cpu_s
     comm = {}  # worker -> seconds of transfer work left (at full speed)
 
     def send(key, src, nbytes, at):

@@ -101,13 +101,18 @@ def _dz_from_own(a, activation, own, *remote):
     return own, 0.0, passes * own[0] * own[1]
 
 
-def _dw(dz, c0, c1, n_in, passes, xb=()):
-    """A dW slice's products and passes; ``xb``: the input's row pieces, joined over the
-    slice's rows where several hold them."""
-    out = (dz[0], c1 - c0)
+def _dw_product(dz, xb, c0, c1, n_in):
+    """``(flops, joined elements)`` of a dW slice's product ``dZ [X; 1]^T`` over columns
+    ``c0:c1``: the input's row pieces (``xb``) are joined where several hold the rows."""
     nw = max(0, min(c1, n_in) - c0)
-    return out, 2.0 * dz[0] * nw * dz[1], \
-        passes * out[0] * out[1] + (_span(xb, c0, c0 + nw, dz[1]) if nw else 0)
+    return 2.0 * dz[0] * nw * dz[1], (_span(xb, c0, c0 + nw, dz[1]) if nw else 0)
+
+
+def _dw(dz, c0, c1, n_in, passes, xb=()):
+    """A dW slice's products and passes (``xb``: see :func:`_dw_product`)."""
+    out = (dz[0], c1 - c0)
+    flops, joined = _dw_product(dz, xb, c0, c1, n_in)
+    return out, flops, passes * out[0] * out[1] + joined
 
 
 def _dw_piece(dz, xb, c0, c1, n_in, *x):
@@ -135,9 +140,8 @@ def _sgd_update(w, v, lr, momentum, weight_decay, n_decay, in_place, n_after, dz
         passes = 4 + nrem + (1 if weight_decay and n_decay else 0)
     else:
         passes = 3 + 3 * nrem + (3 if weight_decay and n_decay else 0) + 5
-    nw = max(0, min(c1, n_in) - c0)
-    return w, 2.0 * dz[0] * nw * dz[1], \
-        passes * w[0] * w[1] + (_span(xb, c0, c0 + nw, dz[1]) if nw else 0)
+    flops, joined = _dw_product(dz, xb, c0, c1, n_in)
+    return w, flops, passes * w[0] * w[1] + joined
 
 
 def _adam_state(w, hp, n_decay, state, dz, xb, c0, c1, n_in, *rest):
@@ -160,9 +164,8 @@ def _adam_update(w, state, hp, n_decay, lr, t, in_place, n_after, dz, xb, c0, c1
 
 def _nesterov_update(w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1, n_in, *rest):
     passes = 1 + 3 * (len(rest) - len(xb)) + 3 + 3 + 3 + 5
-    nw = max(0, min(c1, n_in) - c0)
-    return w, 2.0 * dz[0] * nw * dz[1], \
-        passes * w[0] * w[1] + (_span(xb, c0, c0 + nw, dz[1]) if nw else 0)
+    flops, joined = _dw_product(dz, xb, c0, c1, n_in)
+    return w, flops, passes * w[0] * w[1] + joined
 
 
 def _sum_squares(*blocks):

@@ -107,7 +107,8 @@ def _matmul_work(n, dtype, repeats, start_at=None):
 
 
 def _mem_work(nbytes, repeats, start_at=None):
-    """``(bytes, start, stop)`` of elementwise work into fresh arrays, as the kernels do."""
+    """``(bytes, start, stop)`` of elementwise work into fresh arrays, as the kernels do,
+    started at ``start_at`` where given."""
     a = np.ones(nbytes // 4, np.float32)
     b = a.copy()
     _wait_until(start_at)
@@ -243,8 +244,9 @@ def _pingpong(peer: str, reps: int, uid: str, serve: bool, direct: bool = True):
 def _exchange_cpu(peers: list, nbytes: int, uid: str):
     """Run as a task on every worker of ``peers``: push an ``nbytes`` block to every other
     one and take theirs, over what a program uses (its sender, the mailbox); returns
-    ``(process id, CPU seconds of this process, bytes sent and received)`` over the
-    exchange."""
+    ``(process id, CPU seconds of this process, bytes sent and received, start, stop)``
+    over the exchange (``time.time()`` from this worker's first block out to its last block
+    in)."""
     import os
     import resource
 

@@ -10,9 +10,10 @@ code (5 GB/s: the CNN's conv front priced at 2.3x its measured time).
 
 The mix: a conv block forward and backward with its 2x2 max pooling (32 channels, 16
 images of 32 x 64, the size of a strip of the CNN benchmark's second stage: arrays that do
-not stay in cache; at a quarter of that the rate read 22 GB/s), and a dense block forward
-(ReLU, bias) whose contraction is short, so that its passes over the output dominate, with
-the reduce of a dX reduce-scatter (two remote pieces summed, then ReLU').
+not stay in cache; with an eighth of the conv input and a quarter of the dense blocks the
+rate read 22 GB/s), and a dense block forward (ReLU, bias) whose contraction is short, so
+that its passes over the output dominate, with the reduce of a dX reduce-scatter (two
+remote pieces summed, then ReLU').
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def elementwise_rate(flops, mem_bytes, seconds, flops_per_s, speed=1.0):
     run, ``flops / flops_per_s + mem_bytes / rate``, times ``1 / speed`` (each worker's
     share of the cores while all of them compute: the simulator's processor sharing, the
     cluster matmul rate over the workers' one-worker rates), equal to the measured
-    ``seconds``. None where the matmul part alone exceeds the measured time (then the
-    model's flops, not its bytes, are off)."""
+    ``seconds``. None where the matmul part takes 95% of the measured time or more (the
+    rest is then noise, or the model's flops, not its bytes, are off)."""
     left = seconds * speed - flops / flops_per_s
     if left <= 0.05 * seconds * speed:
         return None
