@@ -311,17 +311,21 @@ def blas_env(threads: int) -> dict:
             **REUSE_MEMORY_ENV}
 
 
-def local_cluster(n_workers: int, cores: int):
+def local_cluster(n_workers: int, cores: int, malloc_env: dict | None = None):
     """LocalCluster of worker processes; BLAS threads per worker = max(1, cores // n);
-    the event-loop settings of dask-ipar's own clusters (``QUIET_LOOP_CONFIG``)."""
+    the event-loop settings of dask-ipar's own clusters (``QUIET_LOOP_CONFIG``);
+    ``malloc_env``: the workers' glibc malloc variables instead of ``REUSE_MEMORY_ENV``."""
     import dask
     from distributed import Client, LocalCluster
 
-    from dask_ipar.runtime.cluster import QUIET_LOOP_CONFIG
+    from dask_ipar.runtime.cluster import QUIET_LOOP_CONFIG, REUSE_MEMORY_ENV
 
     threads = max(1, cores // n_workers)
+    env = blas_env(threads)
+    if malloc_env is not None:
+        env = {**{k: v for k, v in env.items() if k not in REUSE_MEMORY_ENV}, **malloc_env}
     with dask.config.set({**QUIET_LOOP_CONFIG,
-                          "distributed.nanny.pre-spawn-environ": blas_env(threads),
+                          "distributed.nanny.pre-spawn-environ": env,
                           "distributed.worker.memory.target": False,
                           "distributed.worker.memory.spill": False,
                           "distributed.worker.memory.pause": False,

@@ -138,26 +138,67 @@ def test_unreachable_scheduler():
 def test_job_script_exports_the_malloc_settings():
     pytest.importorskip("dask_jobqueue")
     s = job_script(_cfg(kind="slurm", **HPC), n_workers=2)
-    assert "export MALLOC_MMAP_THRESHOLD_=33554432" in s
+    assert "export MALLOC_MMAP_MAX_=0" in s and "export MALLOC_ARENA_MAX=1" in s
     assert "export DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL=500ms" in s
     assert "export DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL=2s" in s
-    assert "MALLOC_MMAP_THRESHOLD_" not in job_script(_cfg(kind="slurm", reuse_memory=False,
-                                                           **HPC), n_workers=2)
+    assert "MALLOC_MMAP_MAX_" not in job_script(_cfg(kind="slurm", reuse_memory=False,
+                                                     **HPC), n_workers=2)
+
+
+def _malloc_use(nbytes):
+    """On a worker: glibc's mallinfo2 while an ``nbytes`` array lives and after it is freed:
+    (bytes in mappings of their own, bytes of heap) each time; None where not glibc."""
+    import ctypes
+    import platform
+
+    import numpy as np
+
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):  # glibc < 2.33
+        return None
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = Mallinfo2
+    out = []
+    for _ in range(2):  # the second time: the first one's memory, if it was kept
+        a = np.ones(nbytes // 4, np.float32)
+        live = libc.mallinfo2()
+        del a
+        freed = libc.mallinfo2()
+        out.append(((live.hblkhd, live.arena), (freed.hblkhd, freed.arena)))
+    return out
 
 
 @pytest.mark.parametrize("reuse", [True, False])
 def test_local_workers_keep_freed_memory(reuse):
-    """glibc reads MALLOC_* at process start: the workers must have them from birth."""
+    """glibc reads MALLOC_* at process start: the workers must have them from birth, and
+    with them a 64 MiB array comes from the heap and its memory stays after it is freed."""
     import os
 
+    from dask_ipar.runtime.worker_env import REUSE_MEMORY_ENV
+
+    n = 64 * 2**20
     with make_cluster(_cfg(dashboard=False, reuse_memory=reuse), 1) as client:
-        env = client.run(lambda: {k: os.environ.get(k) for k in
-                                  ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")})
+        env = client.run(lambda: {k: os.environ.get(k) for k in REUSE_MEMORY_ENV})
+        (use,) = client.run(_malloc_use, n).values()
     (got,) = env.values()
     if reuse:
-        assert got == {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "67108864"}
+        assert got == REUSE_MEMORY_ENV
     else:  # dask's own default
-        assert got["MALLOC_MMAP_THRESHOLD_"] is None and got["MALLOC_TRIM_THRESHOLD_"] == "65536"
+        assert got["MALLOC_MMAP_MAX_"] is None and got["MALLOC_TRIM_THRESHOLD_"] == "65536"
+    if use is None:
+        pytest.skip("not glibc >= 2.33: no mallinfo2 to look at")
+    for (mapped, heap), (mapped_freed, heap_freed) in use:
+        if reuse:  # carved from the heap, and the heap keeps it
+            assert mapped < n and heap >= n and heap_freed >= n
+        else:  # a mapping of its own, handed back when freed
+            assert mapped >= n and mapped_freed < n and heap_freed < n
 
 
 @pytest.mark.fast

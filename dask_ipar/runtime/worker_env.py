@@ -98,15 +98,20 @@ def check_n(n_workers) -> None:
         raise IparError(f"number of workers must be a positive integer, got {n_workers!r}.")
 
 
-#: glibc malloc settings of the worker processes (``cluster.reuse_memory``). dask's
-#: default ``MALLOC_TRIM_THRESHOLD_=65536`` returns freed memory to the OS at once and
-#: turns off glibc's adaptive mmap threshold, so every block-sized array of every step is
-#: a fresh ``mmap`` whose pages fault in again; with these, arrays up to 32 MiB come from
-#: the heap and freed memory up to 64 MiB stays for the next step's arrays (measured on 4
-#: workers: MLP steps 7-17% shorter, peak memory per worker within 10%; docs/hpc.md).
+#: glibc malloc settings of the worker processes (``cluster.reuse_memory``): one heap for
+#: every thread (``MALLOC_ARENA_MAX=1``), arrays of any size carved from it instead of a
+#: mapping of their own (``MALLOC_MMAP_MAX_=0``), and freed memory kept for the next step's
+#: arrays (``MALLOC_TRIM_THRESHOLD_`` 1 TiB: never handed back). A worker's resident memory
+#: then stays at its largest step's. Without them every array over 32 MiB (glibc's default)
+#: or over 128 KiB (dask's nanny default, ``MALLOC_TRIM_THRESHOLD_=65536``, which turns off
+#: the adaptive threshold) is a fresh mapping whose pages fault in again at every step; on a
+#: virtual machine that reports free pages to its host that costs up to 5 ms per MiB
+#: (measured: a 268 MB join 1.1-1.5 s fresh, 15-25 ms reused). docs/hpc.md, "Worker memory
+#: reuse", has the measurements.
 REUSE_MEMORY_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
-    "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20),
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(2**40),
     "MALLOC_TOP_PAD_": str(16 * 2**20),
 }
 
@@ -156,20 +161,22 @@ def worker_malloc_env() -> dict | None:
 
     if platform.libc_ver()[0] != "glibc":
         return None
-    return {k: os.environ.get(k) for k in REUSE_MEMORY_ENV}
+    return {k: os.environ.get(k) for k in (*REUSE_MEMORY_ENV, "MALLOC_MMAP_THRESHOLD_")}
 
 
 def malloc_advice(envs: dict) -> str | None:
     """What to tell a user whose workers hand freed memory back to the OS at once, or None.
 
     ``envs``: worker address -> :func:`worker_malloc_env`. A worker started with
-    ``MALLOC_TRIM_THRESHOLD_`` and without ``MALLOC_MMAP_THRESHOLD_`` (what a dask nanny
-    gives the workers it starts) has glibc's adaptive mmap threshold off: every array over
-    128 KiB is a fresh mapping whose pages fault in again, every step.
+    ``MALLOC_TRIM_THRESHOLD_`` and without ``MALLOC_MMAP_THRESHOLD_`` or
+    ``MALLOC_MMAP_MAX_`` (what a dask nanny gives the workers it starts) has glibc's
+    adaptive mmap threshold off: every array over 128 KiB is a fresh mapping whose pages
+    fault in again, every step.
     """
     slow = sorted(w for w, e in envs.items()
                   if e and e.get("MALLOC_TRIM_THRESHOLD_") is not None
-                  and e.get("MALLOC_MMAP_THRESHOLD_") is None)
+                  and e.get("MALLOC_MMAP_THRESHOLD_") is None
+                  and e.get("MALLOC_MMAP_MAX_") is None)
     if not slow:
         return None
     trim = envs[slow[0]]["MALLOC_TRIM_THRESHOLD_"]
@@ -180,8 +187,8 @@ def malloc_advice(envs: dict) -> str | None:
             "steps measured 1.05-1.3x longer; docs/hpc.md, 'Worker memory reuse'). Start "
             f"the workers with {exports} in their environment, as the clusters dask-ipar "
             "starts have them (dask-ipar train --workers N, "
-            "dask_ipar.runtime.cluster.open_client); or leave them where the memory they "
-            "keep (up to 64 MiB per worker) is scarcer than time.")
+            "dask_ipar.runtime.cluster.open_client); or leave them where memory is scarcer "
+            "than time (with them a worker keeps the memory of its largest step).")
 
 
 def malloc_checked(client) -> None:
