@@ -5,8 +5,10 @@
 One process, one BLAS thread, float32, the shapes of ``benchmarks/common.py``'s CNN (3x64x64
 input, 3x3 convs 32-32-64-64 with 2x2 max pooling) for ``--batch`` images: the conv block
 forward and backward, the pooling forward and backward. The model's time of a call is
-``flops / rate + bytes / ELEMENTWISE_BPS`` (:mod:`dask_ipar.kernels.costs`,
-:mod:`dask_ipar.runtime.stepmodel`), the rate the measured matmul rate of the same process.
+``flops / rate + bytes / elementwise`` (:mod:`dask_ipar.kernels.costs`,
+:mod:`dask_ipar.runtime.stepmodel`), the rate the measured matmul rate of the same process,
+``elementwise`` the rate ``dask-ipar calibrate`` measures (its kernel mix, in this process;
+``--elementwise GBPS`` to give one, e.g. ``5`` for the default ``ELEMENTWISE_BPS``).
 Prints a markdown table; the ratio column is model / measured.
 """
 
@@ -33,22 +35,29 @@ def main(argv=None):
 
     from dask_ipar.kernels import conv as CK
     from dask_ipar.kernels.costs import kernel_cost
-    from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS
+    from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_mix
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--elementwise", type=float, default=None,
+                    help="GB/s of element-wise work (default: the kernel mix's, measured)")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = []
     with threadpool_limits(1):
         m = rng.standard_normal((1024, 1024), dtype=np.float32)
         rate = 2 * 1024 ** 3 / _median_s(lambda: m @ m, reps=a.reps)
+        if a.elementwise:
+            ew = a.elementwise * 1e9
+        else:  # as calibrate: the fastest of three runs of the mix
+            mixes = [kernel_mix(2) for _ in range(3)]
+            ew = elementwise_rate(*min(mixes, key=lambda r: r[2]), rate)
 
         def cost(func, *args):
             shape = lambda v: tuple(v.shape) if isinstance(v, np.ndarray) else None  # noqa: E731
             _, flops, nbytes = kernel_cost(func, args, shape, 4)
-            return flops / rate + nbytes / ELEMENTWISE_BPS
+            return flops / rate + nbytes / ew
 
         c, h = 3, 64
         for k, o in enumerate((32, 32, 64, 64)):
@@ -70,7 +79,7 @@ def main(argv=None):
                 rows.append((name, meas, cost(f, *args)))
             c, h = o, h // 2
     print(f"matmul rate {rate / 1e9:.1f} GFLOP/s (one thread), elementwise "
-          f"{ELEMENTWISE_BPS / 1e9:.0f} GB/s, batch {a.batch}\n")
+          f"{ew / 1e9:.1f} GB/s, batch {a.batch}\n")
     print("| kernel | measured (ms) | model (ms) | model / measured |")
     print("|---|---|---|---|")
     for name, meas, model in rows:

@@ -229,11 +229,18 @@ def test_simulated_grids_without_a_cluster_match_the_distributed_model(client):
             got = simulate_layers(layers, (512,), "2x2", 32, m, cores=2, executor=ex,
                                   optimizer=SGD()).seconds
             assert got == pytest.approx(want)
-        # several steps per program share the submission's round trip (programs only)
-        one = model.predict_step_s(32, m, cores=2, executor="programs").seconds
-        eight = model.predict_step_s(32, m, cores=2, executor="programs",
-                                     steps_per_program=8).seconds
-        assert one - eight == pytest.approx(m.round_s * 7 / 8)
+        # several steps per program share the submission's round trip and its last
+        # step's push (programs only): k steps take A + (k - 1) M, A a submission of one
+        # step (its round trip included), M a step within a program
+        def per_step(k, mach=m):
+            return model.predict_step_s(32, mach, cores=2, executor="programs",
+                                        steps_per_program=k).seconds
+
+        one, two, eight = per_step(1), per_step(2), per_step(8)
+        within = 2 * two - one
+        assert eight == pytest.approx((one + 7 * within) / 8)
+        assert 0 < within < one
+        assert one - per_step(1, m.replace(round_s=0.0)) == pytest.approx(m.round_s)
         assert model.predict_step_s(32, m, executor="graph", steps_per_program=8).seconds \
             == model.predict_step_s(32, m, executor="graph").seconds
     finally:
@@ -270,13 +277,17 @@ def test_rank_grids_picks_conv_schemes_the_engine_runs():
 
 @pytest.mark.fast
 @pytest.mark.parametrize("grid,overlaps", [("1x2", True), ("1x4", True), ("2x2", False)])
-def test_a_step_within_a_run_overlaps_the_next_all_gather_with_the_backward(grid, overlaps):
+def test_a_submitted_step_ends_with_its_push_and_steps_within_a_program_overlap_it(
+        grid, overlaps):
     """Worker programs push each new weight block to its readers as soon as it exists
-    (``train_step(more=True)``, ``fit`` within an epoch), so a step within a run, what the
-    programs' step model returns (two steps' makespan less one's), is no shorter than its
-    busiest link's sends or its cores' work, and on pure batch, where the all-gather and
-    the reduce-scatter are of the whole weights, shorter than a step alone (its links idle
-    while it computes); two steps move twice one step's bytes."""
+    (``train_step(more=True)``, ``fit``), and a program ends when its pushes are done, so a
+    step submitted alone (what the step model returns) is a step whose weights are in
+    place at the start and whose new weights reach their readers by its end: the bytes of
+    a step alone, no less time than its busiest link's sends or its cores' work, and no
+    less than a step within a program of several (two steps' makespan less one's), where
+    the next step's forward may overlap the push; on pure batch (the all-gather and the
+    reduce-scatter of the whole weights) shorter than a step that all-gathers its weights
+    at its start, since the push overlaps the backward."""
     from dask_ipar import Dense, Sequential
     from dask_ipar.cost import simulate_programs
     from dask_ipar.runtime.stepmodel import simulate_engine, step_tasks
@@ -297,18 +308,26 @@ def test_a_step_within_a_run_overlaps_the_next_all_gather_with_the_backward(grid
         runs[steps] = (simulate_programs(tasks, available=available, **kw), tasks)
     (one, tasks1), (two, _) = runs[1], runs[2]
     assert two.transfer_bytes == 2 * one.transfer_bytes > 0
-    step = simulate_engine(engine, names, 32, (512,), "float32", m, None, SGD(0.1, 0.9),
-                           "programs").seconds
-    assert step == pytest.approx(two.seconds - one.seconds)
+    alone = simulate_engine(engine, names, 32, (512,), "float32", m, None, SGD(0.1, 0.9),
+                            "programs")
+    within = two.seconds - one.seconds
+    assert alone.transfer_bytes == one.transfer_bytes
+    assert simulate_engine(engine, names, 32, (512,), "float32", m, None, SGD(0.1, 0.9),
+                           "programs", steps_per_program=4).seconds \
+        == pytest.approx((alone.seconds + 3 * within) / 4)
     workers = {t.worker for t in tasks1}
     sent = one.transfer_bytes / len(workers)  # every worker sends alike on these grids
     compute = max(one.compute_s.values())
-    assert step >= max(sent / m.bandwidth_Bps, compute) * 0.999, (step, sent, compute)
-    if overlaps:  # (the dX products join the gathered W's slices: most of the backward
-        # is then on the chain the next all-gather waits for, and the overlap is small)
-        assert step < 0.985 * one.seconds, (step, one.seconds)
+    for step in (alone.seconds, within):
+        assert step >= max(sent / m.bandwidth_Bps, compute) * 0.999, (step, sent, compute)
+    assert within <= 1.001 * alone.seconds, (within, alone.seconds)
+    # the push goes as each new slice exists, beside the backward of the layers below; a
+    # step whose weights were all-gathered at its start (what one step alone simulates)
+    # waits for them first
+    if overlaps:
+        assert alone.seconds < 0.985 * one.seconds, (alone.seconds, one.seconds)
     else:
-        assert step <= 1.05 * one.seconds, (step, one.seconds)
+        assert alone.seconds <= 1.05 * one.seconds, (alone.seconds, one.seconds)
 
 
 def _domain_conv_graph(backward: bool):
@@ -395,7 +414,8 @@ def test_the_programs_model_takes_the_machines_elementwise_and_exchange_rates():
     directly, and ``exchange_Bps`` above the pair rate changes nothing."""
     from dask_ipar import Dense, Sequential
     from dask_ipar.cost import simulate_programs
-    from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS, simulate_engine, step_tasks
+    from dask_ipar.runtime.stepmodel import (ELEMENTWISE_BPS, _with_push, simulate_engine,
+                                             step_tasks)
     from dask_ipar.testing import fake_binding
 
     model = Sequential([Dense(256, "relu"), Dense(10)], input_dim=256)
@@ -404,13 +424,13 @@ def test_the_programs_model_takes_the_machines_elementwise_and_exchange_rates():
     base = Machine(alpha_s=1e-3, bandwidth_Bps=5e8, word_bytes=4, flops_per_s=2e10,
                    message_s=1e-4)
 
-    def direct(mem_Bps, bandwidth_Bps):  # two steps less one, as the step model runs it
+    def direct(mem_Bps, bandwidth_Bps):  # a step alone with its push, as the model runs it
         kw = dict(flops_per_s=base.flops_per_s, mem_Bps=mem_Bps, bandwidth_Bps=bandwidth_Bps,
                   latency_s=base.message_s)
-        one, two = (simulate_programs(t, available=a, **kw) for t, a in (
-            step_tasks(engine, names, 32, (256,), "float32", SGD(0.1, 0.9), steps=s)
-            for s in (1, 2)))
-        return two.seconds - one.seconds
+        tasks, available = step_tasks(engine, names, 32, (256,), "float32", SGD(0.1, 0.9),
+                                      steps=2)
+        return simulate_programs(_with_push(tasks, available), available=available,
+                                 **kw).seconds
 
     def model_s(m):
         return simulate_engine(engine, names, 32, (256,), "float32", m, None, SGD(0.1, 0.9),

@@ -8,9 +8,10 @@ batch's blocks shaped as the run places them. Two executors, two simulations: a 
 graph (:func:`dask_ipar.cost.simulate_step`: a scheduler hop per task, the latency and
 throughput views) and worker programs (:func:`dask_ipar.cost.simulate_programs`: each
 worker's tasks in the step's order, blocks pushed as they exist, processor sharing on
-the cores, the transports' CPU on shared cores; a step within a run, two steps' makespan
-less one's, since the programs push a step's new weights to their readers as they exist
-when another step follows).
+the cores, the transports' CPU on shared cores; a submission's step ends when its
+programs have pushed the new weights to the next step's readers, and the next
+submission starts after it; within a submission of several steps a step's forward
+overlaps the push before it, two steps' makespan less one's).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def predict_step_s(model, batch: int, machine, *, cores: int | None = None, opti
                    executor: str | None = None, steps_per_program: int = 1):
     """Predicted seconds of one training step of ``model`` (distributed) on its grid, run
     ``steps_per_program`` steps per submission (the submission's round trip, the
-    machine's ``round_s``, is shared by its steps).
+    machine's ``round_s``, and the push of its last step's weights are shared by its
+    steps).
 
     ``machine`` is a :class:`dask_ipar.cost.Machine` from ``dask-ipar calibrate``
     (``alpha_s`` = seconds per dependent hop, ``message_s`` = one way between worker
@@ -91,19 +93,38 @@ def predict_step_s(model, batch: int, machine, *, cores: int | None = None, opti
     :class:`dask_ipar.cost.SimResult`.
     """
     shape = model.input_shape if model.engine.front is not None else (model.input_dim,)
-    r = simulate_engine(model.engine, model._w, batch, shape, model.dtype, machine, cores,
-                        optimizer, executor or model.executor)
-    if (executor or model.executor) == "programs" and machine.round_s:  # a k-th each
-        shared = machine.round_s * (1 - 1 / steps_per_program)
-        r = dataclasses.replace(r, seconds=r.seconds - shared)
-    return r
+    return simulate_engine(model.engine, model._w, batch, shape, model.dtype, machine, cores,
+                           optimizer, executor or model.executor,
+                           steps_per_program=steps_per_program)
+
+
+def _step_of(key) -> int:
+    name = key[0] if isinstance(key, tuple) else key
+    return int(str(name).rsplit("-s", 1)[1])
+
+
+def _with_push(tasks, available):
+    """Two steps' tasks cut to a step in steady state that ends with its push: the first
+    step's readers of the weights find them in place (the step before pushed them), and
+    each task of the second step becomes a free task on its worker that reads only the
+    first step's blocks, so the new weights travel to their readers and nothing of the
+    second step runs."""
+    first = {t.key for t in tasks if _step_of(t.key) == 0}
+
+    def cut(t):
+        if t.key in first:  # the blocks held elsewhere at the start: already pushed here
+            return dataclasses.replace(t, deps=tuple(
+                d for d in t.deps if d not in available or available[d][0] == t.worker))
+        return dataclasses.replace(t, deps=tuple(d for d in t.deps if d in first),
+                                   flops=0.0, mem_bytes=0.0, out_bytes=0.0)
+    return [cut(t) for t in tasks]
 
 
 def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, optimizer,
-                    executor):
+                    executor, steps_per_program: int = 1):
     """Simulated step of ``engine`` (a :class:`~dask_ipar.cost.SimResult`), as
-    ``executor`` runs it; the arguments as for :func:`step_tasks` and
-    :func:`predict_step_s`."""
+    ``executor`` runs it, ``steps_per_program`` steps per submission (worker programs);
+    the arguments as for :func:`step_tasks` and :func:`predict_step_s`."""
     if not machine.flops_per_s:
         raise IparError("the machine needs flops_per_s (run `dask-ipar calibrate`).")
     if executor not in ("programs", "graph"):
@@ -135,18 +156,20 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
                 transfer_cpu_s_per_B=machine.transfer_cpu_s_per_B or 0.0,
                 message_cpu_s=message_cpu if (direct_msg or comms_msg) else 0.0)
 
-        one = run(tasks, available)
-        # a step within a run: its weights went to their readers as each new slice of the
-        # step before existed (``train_step(more=True)``, ``fit`` within an epoch, several
-        # steps per program), so its all-gather overlaps that step's backward: two steps'
-        # makespan less one step's
-        two = run(*step_tasks(engine, w_names, batch, input_shape, dtype, optimizer, steps=2))
-        r = dataclasses.replace(
-            two, seconds=two.seconds - one.seconds, latency_s=two.seconds - one.seconds,
-            transfer_bytes=two.transfer_bytes - one.transfer_bytes,
-            compute_s={w: s - one.compute_s.get(w, 0.0) for w, s in two.compute_s.items()})
-        # the step's submission and results: one round trip outside the programs
-        return dataclasses.replace(r, seconds=r.seconds + (machine.round_s or 0.0))
+        # a submission ends when its programs have pushed the last step's new weights to
+        # their readers (``train_step(more=True)``, ``fit``: each program flushes its sends
+        # before it ends), and the next submission's programs start after it; within a
+        # submission of several steps a step's forward overlaps the push of the weights
+        # before it: two steps' makespan less one's
+        two_tasks, two_avail = step_tasks(engine, w_names, batch, input_shape, dtype,
+                                          optimizer, steps=2)
+        pushed = run(_with_push(two_tasks, two_avail), two_avail)
+        seconds = pushed.seconds + (machine.round_s or 0.0)
+        if steps_per_program > 1:
+            one, two = run(tasks, available), run(two_tasks, two_avail)
+            seconds += (steps_per_program - 1) * (two.seconds - one.seconds)
+            seconds /= steps_per_program
+        return dataclasses.replace(pushed, seconds=seconds, latency_s=seconds)
     return simulate_step(tasks, flops_per_s=machine.flops_per_s,
                          bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
                          cores=cores, available=available, task_s=machine.task_s or 0.0,
