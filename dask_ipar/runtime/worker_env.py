@@ -101,8 +101,9 @@ def check_n(n_workers) -> None:
 #: glibc malloc settings of the worker processes (``cluster.reuse_memory``): one heap for
 #: every thread (``MALLOC_ARENA_MAX=1``), arrays of any size carved from it instead of a
 #: mapping of their own (``MALLOC_MMAP_MAX_=0``), and freed memory kept for the next step's
-#: arrays (``MALLOC_TRIM_THRESHOLD_`` 1 TiB: never handed back). A worker's resident memory
-#: then stays at its largest step's. Without them every array over 32 MiB (glibc's default)
+#: arrays (``MALLOC_TRIM_THRESHOLD_`` 1 TiB: glibc never trims it): a worker's resident
+#: memory stays at its largest step's until it idles 2 s, when it hands the memory back
+#: (:mod:`dask_ipar.runtime.release`). Without them every array over 32 MiB (glibc's default)
 #: or over 128 KiB (dask's nanny default, ``MALLOC_TRIM_THRESHOLD_=65536``, which turns off
 #: the adaptive threshold) is a fresh mapping whose pages fault in again at every step; on a
 #: virtual machine that reports free pages to its host that costs up to 5 ms per MiB

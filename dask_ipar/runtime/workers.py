@@ -227,7 +227,9 @@ def bind_grid(grid: Grid, client, workers: list[str] | None = None) -> GridBindi
 
     The first binding on a cluster dask-ipar did not start checks the workers' malloc
     settings and logs advice where they slow every step
-    (:func:`dask_ipar.runtime.worker_env.check_malloc`).
+    (:func:`dask_ipar.runtime.worker_env.check_malloc`); the first on any cluster has
+    workers that keep freed memory hand it back when they idle
+    (:mod:`dask_ipar.runtime.release`).
     """
     grid = parse_grid(grid)
     if workers is None:
@@ -238,7 +240,9 @@ def bind_grid(grid: Grid, client, workers: list[str] | None = None) -> GridBindi
             f"Start the cluster with at least {grid.size} workers (--workers {grid.size}) "
             f"or choose a smaller grid whose Pr*Pc <= {len(workers)}."
         )
+    from dask_ipar.runtime.release import install_release
     from dask_ipar.runtime.worker_env import check_malloc
 
     check_malloc(client, workers[: grid.size])  # once per cluster: advice, never an error
+    install_release(client)  # kept memory goes back when a worker idles
     return GridBinding(grid, tuple(workers[: grid.size]))
