@@ -60,3 +60,30 @@ def test_idle_workers_hand_kept_memory_back(reuse):
     else:  # glibc hands it back at once; nothing for the plugin to do
         assert not active and count == 0
         assert kept_now < 0.25 * n, (base, after)
+
+
+@pytest.mark.fast
+def test_release_is_installed_once_per_cluster_even_at_a_reused_address():
+    """An emulated sweep starts its 4- and 8-host schedulers at one address: the second
+    cluster's workers need the plugin too (keyed by the scheduler's id)."""
+    import uuid
+
+    from dask_ipar.runtime.release import RELEASE_NAME, install_release
+
+    calls = []
+
+    class FakeClient:
+        def __init__(self, sid):
+            self.sid = sid
+            self.scheduler = type("S", (), {"address": "tcp://10.213.0.1:8786"})()
+
+        def scheduler_info(self):
+            return {"id": self.sid}
+
+        def register_plugin(self, plugin, name):
+            calls.append((self.sid, name))
+
+    first, second = (f"Scheduler-{uuid.uuid4()}" for _ in range(2))
+    for sid in (first, first, second, second):
+        install_release(FakeClient(sid))
+    assert calls == [(first, RELEASE_NAME), (second, RELEASE_NAME)]

@@ -94,13 +94,16 @@ class MemoryRelease(WorkerPlugin):
 
 def install_release(client) -> None:
     """Register :class:`MemoryRelease` on ``client``'s workers (and those that join later),
-    once per scheduler."""
-    addr = getattr(getattr(client, "scheduler", None), "address", None)
-    if addr in _INSTALLED:
+    once per cluster (:func:`dask_ipar.runtime.worker_env.cluster_key`: an emulated sweep
+    starts its 4- and 8-host schedulers at one address)."""
+    from dask_ipar.runtime.worker_env import cluster_key
+
+    key = cluster_key(client)
+    if key in _INSTALLED:
         return
     done = client.register_plugin(MemoryRelease(), name=RELEASE_NAME)
     if hasattr(done, "close") and hasattr(done, "send"):  # an asynchronous client: not here
         done.close()
         return
-    if addr:
-        _INSTALLED.add(addr)
+    if key:
+        _INSTALLED.add(key)

@@ -13,7 +13,7 @@ import os
 from dask_ipar.config import DEFAULTS
 from dask_ipar.errors import IparError
 
-__all__ = ["config_seconds", "QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEMORY_ENV", "BLAS_THREAD_VARS",
+__all__ = ["config_seconds", "QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEMORY_ENV", "BLAS_THREAD_VARS", "cluster_key",
            "blas_environ",
            "config_environ", "config_exports", "worker_environment", "cluster_section",
            "check_n", "worker_malloc_env", "malloc_advice", "check_malloc", "malloc_checked"]
@@ -192,21 +192,32 @@ def malloc_advice(envs: dict) -> str | None:
             "than time (with them a worker keeps the memory of its largest step).")
 
 
+def cluster_key(client):
+    """Which cluster ``client`` talks to, for once-per-cluster work: its scheduler's id
+    (a scheduler started later at the same address is another cluster), else its address,
+    else None."""
+    try:
+        sid = client.scheduler_info().get("id")
+    except Exception:  # no identity yet (an asynchronous client not started)
+        sid = None
+    return sid or getattr(getattr(client, "scheduler", None), "address", None)
+
+
 def malloc_checked(client) -> None:
     """No malloc advice for ``client``'s cluster (one dask-ipar started as configured)."""
-    addr = getattr(getattr(client, "scheduler", None), "address", None)
-    if addr:
-        _MALLOC_CHECKED.add(addr)
+    key = cluster_key(client)
+    if key:
+        _MALLOC_CHECKED.add(key)
 
 
 def check_malloc(client, workers, log=None) -> str | None:
     """Ask ``workers`` for their malloc settings, once per scheduler, and log
     :func:`malloc_advice` (a warning of the ``dask_ipar`` logger, or ``log``) where they
     hand freed memory back at once; returns the advice (None: none, or already given)."""
-    addr = getattr(getattr(client, "scheduler", None), "address", None)
-    if not addr or addr in _MALLOC_CHECKED:
+    key = cluster_key(client)
+    if not key or key in _MALLOC_CHECKED:
         return None
-    _MALLOC_CHECKED.add(addr)
+    _MALLOC_CHECKED.add(key)
     try:
         envs = client.run(worker_malloc_env, workers=list(workers))
     except Exception:  # advice only: a worker that cannot answer is no error here
