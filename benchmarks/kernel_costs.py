@@ -8,7 +8,8 @@ forward and backward, the pooling forward and backward. The model's time of a ca
 ``flops / rate + bytes / elementwise`` (:mod:`dask_ipar.kernels.costs`,
 :mod:`dask_ipar.runtime.stepmodel`), the rate the measured matmul rate of the same process,
 ``elementwise`` the rate ``dask-ipar calibrate`` measures (its kernel mix, in this process;
-``--elementwise GBPS`` to give one, e.g. ``5`` for the default ``ELEMENTWISE_BPS``).
+``--elementwise GBPS`` to give one, e.g. ``5`` for the default ``ELEMENTWISE_BPS``, also
+used where the mix's time is nearly all flops).
 Prints a markdown table; the ratio column is model / measured.
 """
 
@@ -36,6 +37,7 @@ def main(argv=None):
     from dask_ipar.kernels import conv as CK
     from dask_ipar.kernels.costs import kernel_cost
     from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_mix
+    from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -52,7 +54,7 @@ def main(argv=None):
             ew = a.elementwise * 1e9
         else:  # as calibrate: the fastest of three runs of the mix
             mixes = [kernel_mix(2) for _ in range(3)]
-            ew = elementwise_rate(*min(mixes, key=lambda r: r[2]), rate)
+            ew = elementwise_rate(*min(mixes, key=lambda r: r[2]), rate) or ELEMENTWISE_BPS
 
         def cost(func, *args):
             shape = lambda v: tuple(v.shape) if isinstance(v, np.ndarray) else None  # noqa: E731

@@ -129,7 +129,10 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         raise IparError("the machine needs flops_per_s (run `dask-ipar calibrate`).")
     if executor not in ("programs", "graph"):
         raise IparError(f"executor: got {executor!r}; expected 'programs' or 'graph'.")
-    tasks, available = step_tasks(engine, w_names, batch, input_shape, dtype, optimizer)
+
+    def one_step():
+        return step_tasks(engine, w_names, batch, input_shape, dtype, optimizer)
+
     if executor == "programs":
         workers = engine.binding.grid.size
         busy = min(workers, cores or workers)
@@ -166,10 +169,11 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         pushed = run(_with_push(two_tasks, two_avail), two_avail)
         seconds = pushed.seconds + (machine.round_s or 0.0)
         if steps_per_program > 1:
-            one, two = run(tasks, available), run(two_tasks, two_avail)
+            one, two = run(*one_step()), run(two_tasks, two_avail)
             seconds += (steps_per_program - 1) * (two.seconds - one.seconds)
             seconds /= steps_per_program
         return dataclasses.replace(pushed, seconds=seconds, latency_s=seconds)
+    tasks, available = one_step()
     return simulate_step(tasks, flops_per_s=machine.flops_per_s,
                          bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
                          cores=cores, available=available, task_s=machine.task_s or 0.0,

@@ -189,7 +189,7 @@ def malloc_advice(envs: dict) -> str | None:
             f"the workers with {exports} in their environment, as the clusters dask-ipar "
             "starts have them (dask-ipar train --workers N, "
             "dask_ipar.runtime.cluster.open_client); or leave them where memory is scarcer "
-            "than time (with them a worker keeps the memory of its largest step).")
+            "than time (with them a worker keeps the memory of its largest step until it idles).")
 
 
 def cluster_key(client):
