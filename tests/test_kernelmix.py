@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dask_ipar.kernels.costs import kernel_cost
-from dask_ipar.runtime.kernelmix import _calls, elementwise_rate, kernel_mix
+from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_calls, kernel_mix
 
 pytestmark = pytest.mark.fast
 
@@ -18,7 +18,7 @@ def test_the_mix_counts_its_kernels_model_costs_and_times_them():
     assert 0 < s1 and 0 < s3
     # the counts are the cost model's own, call by call, as the simulator charges a task
     want_f = want_m = 0.0
-    for f, args in _calls("float32"):
+    for f, args in kernel_calls("float32"):
         _, fl, mb = kernel_cost(f, args, lambda v: tuple(v.shape)
                                 if isinstance(v, np.ndarray) else None, 4)
         want_f, want_m = want_f + fl, want_m + mb

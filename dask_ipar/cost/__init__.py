@@ -47,7 +47,8 @@ from dask_ipar.cost.conv import (
     engine_model_conv_phases,
 )
 from dask_ipar.cost.networks import NETWORKS, alexnet, count_params, from_units, get_network, mlp, resnet50, vgg16
-from dask_ipar.cost.simulate import SimResult, SimTask, simulate_programs, simulate_step
+from dask_ipar.cost.simulate import (SimResult, SimTask, fair_rates, simulate_programs,
+                                     simulate_step)
 from dask_ipar.cost.planner import (MODES, GridPlan, PlanResult, evaluate_grid, factorizations, network_flops, plan,
                                     price_assignment)
 from dask_ipar.cost.engine import ENGINE_ORDER, engine_layer_phases, engine_layout, engine_refusal
@@ -60,6 +61,7 @@ __all__ = [
     "SimResult",
     "simulate_step",
     "simulate_programs",
+    "fair_rates",
     # machine
     "Machine",
     "PAPER_MACHINE",

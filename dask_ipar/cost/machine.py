@@ -151,6 +151,12 @@ class Machine:
         Bytes per second one worker sends while every worker sends to every other at once
         (a collective's per-link rate); the step-time model's link rate where below
         ``bandwidth_Bps``.
+    busy_exchange_Bps : float, optional
+        The same while every worker also runs the engine's kernels beside it: a
+        link's rate while a step's kernels fill the cores, where the transports wait for
+        them (on 4 emulated 1 Gbit/s hosts sharing 2 cores: about 0.7 of
+        ``exchange_Bps``); the step-time model's link rate while as many kernels run as
+        there are cores.
     direct_message_cpu_s, message_cpu_s : float, optional
         CPU seconds a worker's transport spends per message on each end beyond
         ``transfer_cpu_s_per_B`` (framing, system calls, event-loop turns): over the
@@ -173,6 +179,7 @@ class Machine:
     exchange_Bps: float | None = None
     direct_message_cpu_s: float | None = None
     message_cpu_s: float | None = None
+    busy_exchange_Bps: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -187,7 +194,7 @@ class Machine:
         for field in ("compute_s_per_iter", "flops_per_s", "cluster_flops_per_s", "task_s",
                       "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
                       "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
-                      "direct_message_cpu_s", "message_cpu_s"):
+                      "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -235,7 +242,8 @@ calibrate`` measures the real ones."""
 _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compute_s_per_iter",
                  "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps",
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
-                 "exchange_Bps", "direct_message_cpu_s", "message_cpu_s")
+                 "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
+                 "busy_exchange_Bps")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -245,7 +253,7 @@ def load_machine(path: str | Path) -> Machine:
     ``"6GiB"``), ``word_bytes``, ``flops_per_s``, ``compute_s_per_iter``,
     ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
-    ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``.
+    ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``.
     Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files

@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-__all__ = ["SimTask", "SimResult", "simulate_step", "simulate_programs"]
+__all__ = ["SimTask", "SimResult", "simulate_step", "simulate_programs", "fair_rates"]
 
 
 @dataclass(frozen=True)
@@ -193,18 +193,51 @@ def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, co
                      critical_compute_s=overlap)
 
 
+def fair_rates(flows, capacity: float) -> list:
+    """Max-min fair rates of ``flows`` (``(sender, receiver)`` pairs) over links that carry
+    ``capacity`` bytes per second out of each sender and into each receiver: the rates
+    rise together until a link is full; its flows keep that rate and the others rise on
+    (progressive filling). Returns one rate per flow, in order."""
+    users: dict = {}  # link ("out", w) or ("in", w) -> indices of its flows still rising
+    for i, (src, dst) in enumerate(flows):
+        users.setdefault(("out", src), set()).add(i)
+        users.setdefault(("in", dst), set()).add(i)
+    left = dict.fromkeys(users, float(capacity))
+    rates = [0.0] * len(flows)
+    while users:
+        link = min(users, key=lambda k: left[k] / len(users[k]))
+        share = left[link] / len(users[link])
+        for i in users.pop(link):
+            rates[i] = share
+            for other in (("out", flows[i][0]), ("in", flows[i][1])):
+                if other in users:
+                    users[other].discard(i)
+                    left[other] -= share
+                    if not users[other]:
+                        del users[other]
+    return rates
+
+
 def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, cores=None,
                       available=None, task_s=0.0, shared=1.0,
-                      transfer_cpu_s_per_B=0.0, message_cpu_s=0.0, trace=None) -> SimResult:
+                      transfer_cpu_s_per_B=0.0, message_cpu_s=0.0, busy_bandwidth_Bps=None,
+                      trace=None) -> SimResult:
     """Simulate one step run as worker programs (``Model.executor = "programs"``).
 
     No scheduler between tasks: each worker runs its own tasks, at each point the first
     one in the step's global order (the order of ``tasks``) whose inputs have all arrived,
     as :mod:`dask_ipar.runtime.programs` does. A result another worker reads is pushed to
-    it when it exists, once per worker: the sender's link sends one block at a time
-    (``nbytes / bandwidth_Bps`` each, in the order they exist) and the block arrives
-    ``latency_s`` after it left. Running tasks share the ``cores`` (processor sharing:
-    each runs at ``min(1, cores / running)`` of one core's speed, times ``shared`` when
+    it when it exists, once per worker, as the programs' sender does: every block in
+    flight at once, each a flow from its sender to its reader. A worker's link carries
+    ``bandwidth_Bps`` out and ``bandwidth_Bps`` in (a host's link, limited each way), and
+    the flows share them max-min fairly (:func:`fair_rates`, as TCP flows do: a receiver
+    that three senders push to at once takes each at a third of its link); a block
+    arrives ``latency_s`` after its last byte left. With ``cores`` and
+    ``busy_bandwidth_Bps`` given, the links carry ``busy_bandwidth_Bps`` instead while as
+    many tasks run as there are cores (the transports then wait for the cores: measured by
+    ``dask-ipar calibrate`` as ``busy_exchange_Bps``).
+
+    Running tasks share the ``cores`` (processor sharing: each runs at ``min(1, cores / running)`` of one core's speed, times ``shared`` when
     more than one runs: what the cores lose to each other, the cluster rate of
     ``dask-ipar calibrate`` over the cores times the one-worker rate); a task alone takes
     ``task_s + flops / flops_per_s + mem_bytes / mem_Bps``.
@@ -234,12 +267,13 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             src = by_key[d].worker if d in by_key else available.get(d, (t.worker, 0))[0]
             if src != t.worker:
                 readers.setdefault(d, set()).add(t.worker)
-    link_free = {}
     transfer = 0.0
-    # heap of (time, seq, (receiving worker, key)): a block arrives; or (time, seq,
-    # (sender, receiver, bytes)): its transfer starts on the link (the transport's work)
+    # heap of (time, seq, (receiving worker, key)): a block arrives
     events: list = []
     seq = 0
+    flows: list = []  # blocks on the links: [sender, receiver, key, bytes left, rate]
+    rated = True  # the flows' rates are those of the flows now in flight
+    busy_links = False  # as many tasks run as there are cores: the links' busy rate
     per_byte = transfer_cpu_s_per_B if cores is not None else 0.0
     if cores is None or not message_cpu_s:
         per_message = None
@@ -250,17 +284,23 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             return message_cpu_s
     comm = {}  # worker -> seconds of transfer work left (at full speed)
 
+    def arrive(dst, key, at):
+        nonlocal seq
+        heapq.heappush(events, (at + latency_s, seq, (dst, key)))
+        seq += 1
+
     def send(key, src, nbytes, at):
-        nonlocal seq, transfer
+        nonlocal rated, transfer
         for dst in sorted(readers.get(key, ())):
-            start = max(at, link_free.get(src, 0.0))
-            link_free[src] = start + nbytes / bandwidth_Bps
             transfer += nbytes
-            if per_byte or per_message:
-                heapq.heappush(events, (start, seq, (src, dst, nbytes)))
-                seq += 1
-            heapq.heappush(events, (link_free[src] + latency_s, seq, (dst, key)))
-            seq += 1
+            for w in (src, dst) if (per_byte or per_message) else ():  # both ends' work
+                comm[w] = comm.get(w, 0.0) + nbytes * per_byte \
+                    + (per_message(nbytes) if per_message else 0.0)
+            if nbytes > 0:
+                flows.append([src, dst, key, float(nbytes), 0.0])
+                rated = False
+            else:
+                arrive(dst, key, at)
 
     for key, (src, nbytes) in available.items():  # inputs in place at time 0
         here.setdefault(src, {})[key] = 0.0
@@ -288,8 +328,17 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                     work = task_s + t.flops / flops_per_s + t.mem_bytes / mem_Bps
                     running[w] = [key, work, now]
                     busy[w] += work
-        if not running and not events and not comm:
+        if not running and not events and not comm and not flows:
             raise ValueError("the programs wait for a block that never comes")
+        busy_now = busy_bandwidth_Bps is not None and cores is not None \
+            and len(running) >= cores
+        if busy_now != busy_links:
+            busy_links, rated = busy_now, False
+        if not rated:
+            cap = busy_bandwidth_Bps if busy_links else bandwidth_Bps
+            for f, r in zip(flows, fair_rates([(f[0], f[1]) for f in flows], cap)):
+                f[4] = r
+            rated = True
         n = len(running) + len(comm)
         speed = 1.0 if cores is None else min(1.0, cores / max(n, 1))
         # what the cores lose to each other while more than one runs (the transports'
@@ -299,7 +348,18 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
         ends = {w: now + c / speed for w, c in comm.items()}
         t_done = min([t_done, *ends.values()])
         t_next = events[0][0] if events else float("inf")
-        step_to = min(t_done, t_next)
+        t_flow = min((now + f[3] / f[4] for f in flows), default=float("inf"))
+        step_to = min(t_done, t_next, t_flow)
+        if flows:
+            left = []
+            for f in flows:
+                f[3] -= (step_to - now) * f[4]
+                if f[3] <= 1e-6 * max(f[4], 1.0):  # its last byte left (a microsecond's)
+                    arrive(f[1], f[2], step_to)
+                    rated = False
+                else:
+                    left.append(f)
+            flows[:] = left
         for r in running.values():
             r[1] -= (step_to - now) * speed
         for w, end in ends.items():
@@ -308,14 +368,8 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                 del comm[w]
         now = step_to
         while events and events[0][0] <= now:
-            _, _, ev = heapq.heappop(events)
-            if len(ev) == 3:  # a transfer starts: both ends' transport work
-                src, dst, nbytes = ev
-                for w in (src, dst):
-                    comm[w] = comm.get(w, 0.0) + nbytes * per_byte \
-                        + (per_message(nbytes) if per_message else 0.0)
-            else:
-                here[ev[0]][ev[1]] = now
+            _, _, (dst, key) = heapq.heappop(events)
+            here[dst][key] = now
         for w in [w for w, r in running.items() if r[1] <= 1e-9]:
             key, _, start = running.pop(w)
             if trace is not None:

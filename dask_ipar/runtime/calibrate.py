@@ -57,12 +57,18 @@ from dask._task_spec import TaskRef
 
 from dask_ipar.cost import Machine
 from dask_ipar.nn.graph import StepGraph
+from dask_ipar.runtime.linkprobe import (
+    BUSY_REPEATS,
+    TRANSFER_REPEATS,
+    TRANSFER_WARMUPS,
+    busy_exchange,
+    message_cpu,
+    program_hop,
+    transfer_cpu,
+)
 
-__all__ = ["calibrate", "TRANSFER_WARMUPS", "TRANSFER_REPEATS"]
+__all__ = ["calibrate", "program_hop"]
 
-#: Exchanges of the measured size before the transfer CPU is timed, and how many are timed.
-TRANSFER_WARMUPS = 2
-TRANSFER_REPEATS = 5
 
 
 def _tiny(*deps):
@@ -208,136 +214,6 @@ def _hop_time(client, a, b, hops, tag):
     return (time.perf_counter() - t) / hops
 
 
-def _pingpong(peer: str, reps: int, uid: str, serve: bool, direct: bool = True):
-    """One side of a ping-pong of a 4-byte block between two worker programs, run as a
-    task on each worker: the ``serve`` side answers each block it receives; the other
-    sends, waits for the answer, and returns the round trips' median. Both use what a
-    program uses (its sender, the mailbox, a waiting thread); ``direct=False``: dask's comms
-    instead of the direct links."""
-    from distributed import get_worker
-
-    from dask_ipar.runtime.exchange import plugin_of
-    from dask_ipar.runtime.sender import Sender
-
-    worker = get_worker()
-    plugin = plugin_of(worker)
-    sender = Sender(plugin, worker, direct=direct)
-    block = np.zeros(1, dtype=np.float32)
-    ping = [(f"calibrate.ping-{uid}-s{k}", 0) for k in range(reps)]
-    pong = [(f"calibrate.pong-{uid}-s{k}", 0) for k in range(reps)]
-    rtt = []
-    for k in range(reps):
-        if serve:
-            plugin.receive(ping[k], timeout=60.0)
-            sender.push(pong[k], block, [peer])
-            sender.release()
-        else:
-            t0 = time.perf_counter()
-            sender.push(ping[k], block, [peer])
-            sender.release()
-            plugin.receive(pong[k], timeout=60.0)
-            rtt.append(time.perf_counter() - t0)
-    sender.flush()
-    return float(np.median(rtt[1:])) if rtt else None
-
-
-def _exchange_cpu(peers: list, nbytes: int, uid: str):
-    """Run as a task on every worker of ``peers``: push an ``nbytes`` block to every other
-    one and take theirs, over what a program uses (its sender, the mailbox); returns
-    ``(process id, CPU seconds of this process, bytes sent and received, start, stop)``
-    over the exchange (``time.time()`` from this worker's first block out to its last block
-    in)."""
-    import os
-    import resource
-
-    from distributed import get_worker
-
-    from dask_ipar.runtime.exchange import plugin_of
-    from dask_ipar.runtime.sender import Sender
-
-    worker = get_worker()
-    plugin = plugin_of(worker)
-    sender = Sender(plugin, worker)
-    me = worker.address
-    others = [p for p in peers if p != me]
-    block = np.ones(max(1, nbytes // 4), dtype=np.float32)
-    r0 = resource.getrusage(resource.RUSAGE_SELF)
-    # a barrier: no large block leaves before every worker's window is open
-    sender.push((f"calibrate.ready-{uid}", peers.index(me)), np.zeros(1, np.float32), others)
-    sender.release()
-    for p in others:
-        plugin.receive((f"calibrate.ready-{uid}", peers.index(p)), timeout=300.0)
-    t0 = time.time()
-    sender.push((f"calibrate.xfer-{uid}", peers.index(me)), block, others)
-    sender.release()  # a block below the merge size would wait for the flush otherwise
-    got = 0
-    for p in others:
-        got += plugin.receive((f"calibrate.xfer-{uid}", peers.index(p)), timeout=300.0).nbytes
-    sender.flush()
-    t1 = time.time()
-    r1 = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return os.getpid(), cpu, got + block.nbytes * len(others), t0, t1
-
-
-def _exchange(client, workers, nbytes: int) -> tuple[float, float, float]:
-    """Every worker of ``workers`` pushes an ``nbytes`` block to every other one at once
-    (:func:`_exchange_cpu`): ``(CPU seconds, bytes, seconds)``: the workers' CPU time (workers
-    in one process: its CPU time once), the bytes that crossed their transports (both ends
-    counted), and the median worker's time from its first block out to its last block in."""
-    from dask_ipar.errors import IparError
-    from dask_ipar.runtime.exchange import install_exchange
-
-    workers = list(workers)
-    if len(workers) < 2:
-        raise IparError(f"the transfer CPU needs at least 2 workers; got {len(workers)}.")
-    install_exchange(client)
-    uid = f"{time.time_ns():x}"
-    futs = [client.submit(_exchange_cpu, list(workers), nbytes, uid, workers=[w], pure=False,
-                          allow_other_workers=False, key=f"calibrate.exchange-{uid}-{k}")
-            for k, w in enumerate(workers)]
-    out = client.gather(futs)
-    cpu: dict = {}
-    for pid, c, *_ in out:
-        cpu[pid] = max(cpu.get(pid, 0.0), c)
-    took = float(np.median([t1 - t0 for *_, t0, t1 in out]))
-    return sum(cpu.values()), float(sum(b for _, _, b, *_ in out)), took
-
-
-def transfer_cpu(client, workers, nbytes: int) -> tuple[float, float]:
-    """``(CPU seconds per byte, bytes per second each worker sends)``, every worker of
-    ``workers`` pushing an ``nbytes`` block to every other one at once (:func:`_exchange`):
-    the workers' CPU time over the bytes that crossed their transports, both ends counted;
-    and the bytes a worker pushed over the median worker's time from its first block out to
-    its last block in (what one link carries while every link is busy, as in a collective:
-    below a pair's rate where the links share a switch, a host's stack or its cores)."""
-    cpu, nbytes_all, took = _exchange(client, workers, nbytes)
-    sent = max(1, nbytes // 4) * 4 * (len(list(workers)) - 1)
-    return cpu / nbytes_all, sent / max(took, 1e-9)
-
-
-def message_cpu(client, workers, per_byte: float, repeats: int = 3) -> tuple[float, float]:
-    """``(CPU seconds per message end over the direct links, over dask's comms)``: the
-    transports' fixed work per message beyond ``per_byte``, from all-to-all exchanges
-    (:func:`_exchange`) of 4-byte blocks (every message small: the block and the exchange's
-    barrier message per pair) and of 256 KiB blocks (over dask's comms, beside one small
-    barrier message per pair); medians of ``repeats`` after one of each."""
-    from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
-
-    workers = list(workers)
-    ends = 2 * len(workers) * (len(workers) - 1)  # messages of one kind, both ends counted
-    big = max(4 * DIRECT_MAX_BYTES, 1 << 18)
-    out = []
-    for nbytes in (4, big):
-        _exchange(client, workers, nbytes)  # warm: the first exchange of a size costs more
-        runs = np.array([_exchange(client, workers, nbytes)[:2] for _ in range(repeats)])
-        out.append(np.median(runs, axis=0))  # (CPU seconds, bytes)
-    (cpu_s, _), (cpu_b, bytes_b) = out
-    small = cpu_s / (2 * ends)
-    large = max(0.0, (cpu_b - small * ends - per_byte * bytes_b) / ends)
-    return float(small), float(large)
-
-
 def _mix_rate(client, worker, flops_per_s, repeats):
     """The step-time model's element-wise rate (:mod:`dask_ipar.runtime.kernelmix`): the
     kernel mix run on one worker while the others idle, ``repeats`` rounds, the fastest of
@@ -349,22 +225,6 @@ def _mix_rate(client, worker, flops_per_s, repeats):
                           allow_other_workers=False).result() for _ in range(3)]
     flops, mem, seconds = min(runs, key=lambda r: r[2])
     return elementwise_rate(flops, mem, seconds, flops_per_s)
-
-
-def program_hop(client, src: str, dst: str, reps: int = 50, direct: bool = True) -> float:
-    """Seconds of one hop of a 4-byte block from one worker program to another, ``src``
-    to ``dst``: half the median round trip of a ping-pong between a task on each (the
-    blocking send and receive that gloo's ping-pong times). ``direct=False``: over dask's
-    comms instead of the programs' direct links."""
-    from dask_ipar.runtime.exchange import install_exchange
-
-    install_exchange(client)
-    uid = f"{time.time_ns():x}"
-    futs = [client.submit(_pingpong, peer, reps, uid, serve, direct, workers=[me], pure=False,
-                          allow_other_workers=False, key=f"calibrate.pingpong-{uid}-{serve}")
-            for me, peer, serve in ((dst, src, True), (src, dst, False))]
-    rtt = client.gather(futs)[1]
-    return rtt / 2
 
 
 def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), hops=40,
@@ -469,6 +329,11 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
         log(f"bandwidth: the fit over dask's transfer logs ({bandwidth / 2**20:.0f} MiB/s) is "
             f"below what each link carried in the all-to-all; taking that")
         bandwidth = exchange
+    busy_exchange(client, everyone, block_mib * 2**20)  # warm the computing threads
+    busy = float(np.median([busy_exchange(client, everyone, block_mib * 2**20)
+                            for _ in range(BUSY_REPEATS)]))
+    log(f"exchange beside computing (the same, every worker also running the kernel mix): "
+        f"each worker sent {busy / 2**20:.0f} MiB/s")
     direct_msg, comms_msg = message_cpu(client, everyone, cpu_B)
     log(f"transfer CPU per message, each end (all-to-all exchanges of 4-byte and 256 KiB "
         f"blocks): {direct_msg * 1e6:.0f} us over the direct links, {comms_msg * 1e6:.0f} us "
@@ -477,5 +342,5 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
                    mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,
                    round_s=round_s, transfer_cpu_s_per_B=cpu_B, elementwise_Bps=elementwise,
-                   exchange_Bps=exchange, direct_message_cpu_s=direct_msg,
+                   exchange_Bps=exchange, busy_exchange_Bps=busy, direct_message_cpu_s=direct_msg,
                    message_cpu_s=comms_msg)

@@ -22,13 +22,13 @@ import time
 
 import numpy as np
 
-__all__ = ["kernel_mix", "elementwise_rate"]
+__all__ = ["kernel_mix", "kernel_calls", "elementwise_rate"]
 
 XSHAPE = (16, 32, 32, 64)
 DENSE = (64, 4096, 1024)
 
 
-def _calls(dtype):
+def kernel_calls(dtype):
     """``[(kernel, args)]`` of one round of the mix (inputs made once per call)."""
     from dask_ipar.kernels import conv as CK
     from dask_ipar.kernels import dense as DK
@@ -64,7 +64,7 @@ def kernel_mix(repeats: int, dtype="float32"):
     (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took."""
     from dask_ipar.kernels.costs import kernel_cost
 
-    calls = _calls(dtype)
+    calls = kernel_calls(dtype)
     itemsize = np.dtype(dtype).itemsize
 
     def shape(v):

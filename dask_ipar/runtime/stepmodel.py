@@ -144,6 +144,8 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
 
         # a link's rate while every link is busy (a collective's), where measured lower
         link = min(machine.bandwidth_Bps, machine.exchange_Bps or machine.bandwidth_Bps)
+        # and while the kernels fill the cores, where measured
+        busy_link = min(link, machine.busy_exchange_Bps) if machine.busy_exchange_Bps else None
         direct_msg, comms_msg = machine.direct_message_cpu_s, machine.message_cpu_s
 
         def message_cpu(nbytes):  # each end's fixed work: the transport a block takes
@@ -157,7 +159,8 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
                            else machine.alpha_s),
                 cores=cores, available=available, shared=shared,
                 transfer_cpu_s_per_B=machine.transfer_cpu_s_per_B or 0.0,
-                message_cpu_s=message_cpu if (direct_msg or comms_msg) else 0.0)
+                message_cpu_s=message_cpu if (direct_msg or comms_msg) else 0.0,
+                busy_bandwidth_Bps=busy_link)
 
         # a submission ends when its programs have pushed the last step's new weights to
         # their readers (``train_step(more=True)``, ``fit``: each program flushes its sends
