@@ -6,7 +6,7 @@
 For each ``PxRATE``: the emulated cluster of :mod:`netcluster` (P dask workers and P gloo
 ranks, each a host of its own behind a ``tc tbf`` link of RATE), a 64 MiB transfer to check
 the link, then ``--rounds`` times back to back: the programs' hop over their direct links
-(``dask_ipar.runtime.calibrate.program_hop``: half the median round trip of 50 ping-pongs
+(``dask_ipar.runtime.linkprobe.program_hop``: half the median round trip of 50 ping-pongs
 between a task on each of two workers), the same over dask's comms, and gloo's
 (``benchmarks/peers.py pingpong``: half the median of 50 blocking send/receive round trips
 between ranks 0 and 1). The verdict compares the medians over the rounds: the peer sweep's

@@ -15,7 +15,7 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     for name in ("alpha_s", "bandwidth_Bps", "flops_per_s", "cluster_flops_per_s", "task_s",
                  "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
                  "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
-                 "direct_message_cpu_s"):
+                 "direct_message_cpu_s", "busy_exchange_Bps"):
         v = getattr(m, name)
         assert v is not None and math.isfinite(v) and v > 0, (name, v)
     assert 1e-5 < m.alpha_s < 1.0 and 1e-5 < m.task_s < 1.0  # seconds, not ms or us
@@ -24,6 +24,12 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert 1e8 < m.elementwise_Bps < 1e12 and 1e5 < m.exchange_Bps < 1e12  # bytes/s
     assert 1e-7 < m.direct_message_cpu_s < 1e-2 and 0 <= m.message_cpu_s < 1e-1  # seconds
     assert m.word_bytes == 4
+    # beside the kernels the links carry no more than alone (a generous margin: noise)
+    assert m.busy_exchange_Bps < 1.5 * m.exchange_Bps
+    # a message behind an all-to-all's 32 MiB blocks: not faster than an idle one's hop;
+    # None only where the links emptied before five round trips
+    assert m.loaded_message_s is None or m.loaded_message_s > 0.5 * m.message_s, \
+        (m.loaded_message_s, m.message_s)
     assert any("per task" in line for line in lines)
     path = tmp_path / "machine.yaml"
     save_machine(m, path)

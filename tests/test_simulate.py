@@ -167,6 +167,30 @@ def test_programs_push_blocks_over_links_the_flows_share_fairly():
 
 
 @pytest.mark.fast
+def test_a_small_block_waits_behind_the_blocks_its_links_carry():
+    """``loaded_latency_s``: a block that leaves while its sender's or its reader's link
+    carries other blocks arrives that long after its last byte (the links' queues), others
+    after ``latency_s``. A 4 MB block A -> B takes 4 s at 1 MB/s; a 4-byte block A -> C
+    made at 1 s arrives 0.5 s later (A's link is busy), one D -> C at 1 s after 0.01 s."""
+    from dask_ipar.cost import simulate_programs
+
+    tasks = [SimTask("big", "A", (), out_bytes=4e6), SimTask("x", "A", (), flops=1e9,
+                                                              out_bytes=4),
+             SimTask("y", "D", (), flops=1e9, out_bytes=4),
+             SimTask("b", "B", ("big",)), SimTask("c", "C", ("x",)), SimTask("e", "C", ("y",))]
+    kw = dict(flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e6, latency_s=0.01)
+    ends = {}
+    for loaded in (None, 0.5):
+        trace = []
+        simulate_programs(tasks, **kw, loaded_latency_s=loaded, trace=trace)
+        ends[loaded] = {k: e for _, k, _, e in trace}
+    assert ends[None]["c"] == pytest.approx(1.01, abs=1e-4)
+    assert ends[0.5]["c"] == pytest.approx(1.5, abs=1e-4)
+    assert ends[0.5]["e"] == pytest.approx(1.01, abs=1e-4) == ends[None]["e"]
+    assert ends[0.5]["b"] == pytest.approx(4.01, abs=1e-3)
+
+
+@pytest.mark.fast
 def test_fair_rates_fill_the_links_max_min():
     """Progressive filling, hand-computed on links of 1 out of and 1 into each worker."""
     from dask_ipar.cost import fair_rates
@@ -195,7 +219,7 @@ def test_links_carry_their_busy_rate_while_the_kernels_fill_the_cores():
               available={"w": ("A", 1e6)})
     assert simulate_programs(tasks, **kw).seconds == pytest.approx(2.0)
     trace = []
-    r = simulate_programs(tasks, **kw, cores=1, busy_bandwidth_Bps=0.5e6, trace=trace)
+    simulate_programs(tasks, **kw, cores=1, busy_bandwidth_Bps=0.5e6, trace=trace)
     assert dict((k, e) for _, k, _, e in trace)["c"] == pytest.approx(2.0)
     # a shorter task leaves the rest of the block to the full rate: 0.5 MB in the first
     # second, the other 0.5 MB in 0.5 s

@@ -157,6 +157,10 @@ class Machine:
         them (on 4 emulated 1 Gbit/s hosts sharing 2 cores: about 0.7 of
         ``exchange_Bps``); the step-time model's link rate while as many kernels run as
         there are cores.
+    loaded_message_s : float, optional
+        ``message_s`` while every link carries an all-to-all's large blocks (half a 4-byte
+        ping-pong's round trip beside it): a small block waits behind the bytes the links'
+        queues hold (3-7 ms on emulated 1 Gbit/s hosts, against 0.06 ms idle).
     direct_message_cpu_s, message_cpu_s : float, optional
         CPU seconds a worker's transport spends per message on each end beyond
         ``transfer_cpu_s_per_B`` (framing, system calls, event-loop turns): over the
@@ -180,6 +184,7 @@ class Machine:
     direct_message_cpu_s: float | None = None
     message_cpu_s: float | None = None
     busy_exchange_Bps: float | None = None
+    loaded_message_s: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -194,7 +199,8 @@ class Machine:
         for field in ("compute_s_per_iter", "flops_per_s", "cluster_flops_per_s", "task_s",
                       "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
                       "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
-                      "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps"):
+                      "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps",
+                      "loaded_message_s"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -243,7 +249,7 @@ _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compu
                  "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps",
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
                  "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
-                 "busy_exchange_Bps")
+                 "busy_exchange_Bps", "loaded_message_s")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -253,7 +259,7 @@ def load_machine(path: str | Path) -> Machine:
     ``"6GiB"``), ``word_bytes``, ``flops_per_s``, ``compute_s_per_iter``,
     ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
-    ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``.
+    ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``, ``loaded_message_s``.
     Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files

@@ -221,7 +221,7 @@ def fair_rates(flows, capacity: float) -> list:
 def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, cores=None,
                       available=None, task_s=0.0, shared=1.0,
                       transfer_cpu_s_per_B=0.0, message_cpu_s=0.0, busy_bandwidth_Bps=None,
-                      trace=None) -> SimResult:
+                      loaded_latency_s=None, trace=None) -> SimResult:
     """Simulate one step run as worker programs (``Model.executor = "programs"``).
 
     No scheduler between tasks: each worker runs its own tasks, at each point the first
@@ -235,7 +235,10 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     arrives ``latency_s`` after its last byte left. With ``cores`` and
     ``busy_bandwidth_Bps`` given, the links carry ``busy_bandwidth_Bps`` instead while as
     many tasks run as there are cores (the transports then wait for the cores: measured by
-    ``dask-ipar calibrate`` as ``busy_exchange_Bps``).
+    ``dask-ipar calibrate`` as ``busy_exchange_Bps``). With ``loaded_latency_s`` given, a
+    block that leaves while its sender's or its reader's link carries other blocks arrives
+    that long after its last byte instead (it waits behind the bytes the links' queues hold:
+    ``loaded_message_s``, a ping-pong beside an all-to-all).
 
     Running tasks share the ``cores`` (processor sharing: each runs at ``min(1, cores / running)`` of one core's speed, times ``shared`` when
     more than one runs: what the cores lose to each other, the cluster rate of
@@ -271,7 +274,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     # heap of (time, seq, (receiving worker, key)): a block arrives
     events: list = []
     seq = 0
-    flows: list = []  # blocks on the links: [sender, receiver, key, bytes left, rate]
+    flows: list = []  # blocks on the links: [sender, receiver, key, bytes left, rate, latency]
     rated = True  # the flows' rates are those of the flows now in flight
     busy_links = False  # as many tasks run as there are cores: the links' busy rate
     per_byte = transfer_cpu_s_per_B if cores is not None else 0.0
@@ -284,10 +287,16 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             return message_cpu_s
     comm = {}  # worker -> seconds of transfer work left (at full speed)
 
-    def arrive(dst, key, at):
+    def arrive(dst, key, at, latency):
         nonlocal seq
-        heapq.heappush(events, (at + latency_s, seq, (dst, key)))
+        heapq.heappush(events, (at + latency, seq, (dst, key)))
         seq += 1
+
+    def latency_of(src, dst):
+        """A block's latency: ``loaded_latency_s`` where its links already carry others."""
+        if loaded_latency_s is not None and any(f[0] == src or f[1] == dst for f in flows):
+            return max(latency_s, loaded_latency_s)
+        return latency_s
 
     def send(key, src, nbytes, at):
         nonlocal rated, transfer
@@ -296,11 +305,12 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             for w in (src, dst) if (per_byte or per_message) else ():  # both ends' work
                 comm[w] = comm.get(w, 0.0) + nbytes * per_byte \
                     + (per_message(nbytes) if per_message else 0.0)
+            latency = latency_of(src, dst)
             if nbytes > 0:
-                flows.append([src, dst, key, float(nbytes), 0.0])
+                flows.append([src, dst, key, float(nbytes), 0.0, latency])
                 rated = False
             else:
-                arrive(dst, key, at)
+                arrive(dst, key, at, latency)
 
     for key, (src, nbytes) in available.items():  # inputs in place at time 0
         here.setdefault(src, {})[key] = 0.0
@@ -355,7 +365,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             for f in flows:
                 f[3] -= (step_to - now) * f[4]
                 if f[3] <= 1e-6 * max(f[4], 1.0):  # its last byte left (a microsecond's)
-                    arrive(f[1], f[2], step_to)
+                    arrive(f[1], f[2], step_to, f[5])
                     rated = False
                 else:
                     left.append(f)

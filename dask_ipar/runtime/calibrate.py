@@ -59,9 +59,11 @@ from dask_ipar.cost import Machine
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.linkprobe import (
     BUSY_REPEATS,
+    LOADED_REPEATS,
     TRANSFER_REPEATS,
     TRANSFER_WARMUPS,
     busy_exchange,
+    loaded_hop,
     message_cpu,
     program_hop,
     transfer_cpu,
@@ -334,6 +336,12 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
                             for _ in range(BUSY_REPEATS)]))
     log(f"exchange beside computing (the same, every worker also running the kernel mix): "
         f"each worker sent {busy / 2**20:.0f} MiB/s")
+    loaded = [loaded_hop(client, everyone) for _ in range(LOADED_REPEATS)]
+    loaded = [h for h in loaded if h is not None]
+    loaded_s = float(np.median(loaded)) if loaded else None
+    log("message beside an all-to-all (one way, a 4-byte block while every worker pushes "
+        "32 MiB to every other): " + ("not measured (the links emptied too soon)"
+                                      if loaded_s is None else f"{loaded_s * 1e3:.2f} ms"))
     direct_msg, comms_msg = message_cpu(client, everyone, cpu_B)
     log(f"transfer CPU per message, each end (all-to-all exchanges of 4-byte and 256 KiB "
         f"blocks): {direct_msg * 1e6:.0f} us over the direct links, {comms_msg * 1e6:.0f} us "
@@ -342,5 +350,6 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
                    mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,
                    round_s=round_s, transfer_cpu_s_per_B=cpu_B, elementwise_Bps=elementwise,
-                   exchange_Bps=exchange, busy_exchange_Bps=busy, direct_message_cpu_s=direct_msg,
+                   exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
+                   direct_message_cpu_s=direct_msg,
                    message_cpu_s=comms_msg)

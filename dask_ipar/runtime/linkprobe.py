@@ -4,6 +4,7 @@ Its one job: time what the programs' links do, with what a program uses (its
 :class:`~dask_ipar.runtime.sender.Sender`, the exchange plugin's mailbox):
 
 * :func:`program_hop`: one hop of a 4-byte block (half a ping-pong's round trip);
+* :func:`loaded_hop`: the same while every link carries an all-to-all's large blocks;
 * :func:`transfer_cpu`: every worker pushing a block to every other at once: the CPU
   per byte the transports spend, and each link's rate (``exchange_Bps``);
 * :func:`busy_exchange`: the same while every worker also computes (``busy_exchange_Bps``);
@@ -16,14 +17,16 @@ import time
 
 import numpy as np
 
-__all__ = ["program_hop", "transfer_cpu", "busy_exchange", "message_cpu", "TRANSFER_WARMUPS",
-           "TRANSFER_REPEATS", "BUSY_REPEATS"]
+__all__ = ["program_hop", "loaded_hop", "transfer_cpu", "busy_exchange", "message_cpu", "TRANSFER_WARMUPS",
+           "TRANSFER_REPEATS", "BUSY_REPEATS", "LOADED_REPEATS"]
 
 #: Exchanges of the measured size before the transfer CPU is timed, and how many are timed.
 TRANSFER_WARMUPS = 2
 TRANSFER_REPEATS = 5
 #: Exchanges beside computing (``busy_exchange_Bps``) timed after one warm-up.
 BUSY_REPEATS = 3
+#: Loaded ping-pongs (``loaded_message_s``): their median.
+LOADED_REPEATS = 3
 
 
 def _pingpong(peer: str, reps: int, uid: str, serve: bool, direct: bool = True):
@@ -185,6 +188,90 @@ def message_cpu(client, workers, per_byte: float, repeats: int = 3) -> tuple[flo
     small = cpu_s / (2 * ends)
     large = max(0.0, (cpu_b - small * ends - per_byte * bytes_b) / ends)
     return float(small), float(large)
+
+
+def _loaded_pingpong(peers: list, nbytes: int, uid: str, reps: int):
+    """Run as a task on every worker of ``peers``: push an ``nbytes`` block to every other
+    one (the links' load), and meanwhile, on the first two, a ping-pong of a 4-byte block
+    over the direct links (as :func:`_pingpong`) for as long as the blocks are still on
+    their way, at most ``reps`` round trips. Returns the round trips the first worker timed
+    while every block was still on its way (the others return ``[]``)."""
+    import threading
+
+    from distributed import get_worker
+
+    from dask_ipar.runtime.exchange import plugin_of
+    from dask_ipar.runtime.sender import Sender
+
+    worker = get_worker()
+    plugin = plugin_of(worker)
+    bulk, small = Sender(plugin, worker, direct=False), Sender(plugin, worker)
+    me = worker.address
+    i = peers.index(me)
+    others = [p for p in peers if p != me]
+    small.push((f"calibrate.ready-{uid}", i), np.zeros(1, np.float32), others)
+    small.release()
+    for p in others:
+        plugin.receive((f"calibrate.ready-{uid}", peers.index(p)), timeout=300.0)
+    bulk.push((f"calibrate.load-{uid}", i), np.ones(max(1, nbytes // 4), np.float32), others)
+    done = threading.Event()
+
+    def take():
+        try:
+            for p in others:
+                plugin.receive((f"calibrate.load-{uid}", peers.index(p)), timeout=300.0)
+        finally:
+            done.set()
+
+    taker = threading.Thread(target=take, name="calibrate-load", daemon=True)
+    taker.start()
+    rtt = []
+    if i < 2:
+        peer, block = peers[1 - i], np.zeros(1, np.float32)
+        time.sleep(0.02)  # the flows under way
+        for k in range(reps + 1):
+            last = k == reps or (i == 0 and done.is_set())
+            if i == 0:
+                t0 = time.perf_counter()
+                small.push((f"calibrate.lping-{uid}-s{k}", 0), np.ones(1, np.float32)
+                           if last else block, [peer])
+                small.release()
+                if last:
+                    break
+                plugin.receive((f"calibrate.lpong-{uid}-s{k}", 0), timeout=60.0)
+                if not done.is_set():  # every block still on its way: a loaded round trip
+                    rtt.append(time.perf_counter() - t0)
+                time.sleep(0.005)
+            else:
+                got = plugin.receive((f"calibrate.lping-{uid}-s{k}", 0), timeout=60.0)
+                if got[0]:  # the last ping: no answer
+                    break
+                small.push((f"calibrate.lpong-{uid}-s{k}", 0), block, [peer])
+                small.release()
+    taker.join()
+    bulk.flush()
+    small.flush()
+    return rtt
+
+
+def loaded_hop(client, workers, nbytes: int = 32 * 2**20, reps: int = 30) -> float | None:
+    """Seconds of one hop of a 4-byte block between two worker programs over the direct
+    links while every worker of ``workers`` pushes an ``nbytes`` block to every other one
+    (the links full, as in a step's collectives): half the median of the round trips timed
+    while the blocks were still on their way (:func:`_loaded_pingpong`); None where fewer
+    than 5 were (the links too fast for ``nbytes``). What a small block waits, beyond
+    :func:`program_hop`, behind the bytes the links' queues hold."""
+    from dask_ipar.runtime.exchange import install_exchange
+
+    install_exchange(client)
+    workers = list(workers)
+    uid = f"{time.time_ns():x}"
+    futs = [client.submit(_loaded_pingpong, workers, nbytes, uid, reps, workers=[w],
+                          pure=False, allow_other_workers=False,
+                          key=f"calibrate.loadedhop-{uid}-{k}")
+            for k, w in enumerate(workers)]
+    rtt = client.gather(futs)[0]
+    return float(np.median(rtt)) / 2 if len(rtt) >= 5 else None
 
 
 def program_hop(client, src: str, dst: str, reps: int = 50, direct: bool = True) -> float:
