@@ -33,6 +33,11 @@ What the engine pays, measured the way the engine pays it:
   every worker sends to every other (what a link gives a collective; below a pair's
   ``bandwidth_Bps`` where links share a switch or a host: 105 against 120 MB/s on 4
   emulated 1 Gbit/s hosts, 80 against 120 on 8).
+* ``busy_exchange_Bps``: the same exchange while every worker also runs the kernel mix
+  (:func:`~dask_ipar.runtime.linkprobe.busy_exchange`): a link's rate while a step's
+  kernels fill the cores.
+* ``loaded_message_s``: ``message_s`` while every worker pushes 32 MiB to every other
+  (:func:`~dask_ipar.runtime.linkprobe.loaded_hop`): a small block behind the links' queues.
 * ``direct_message_cpu_s``, ``message_cpu_s``: the transports' CPU per message on each
   end beyond the bytes' (framing, system calls, event-loop turns): all-to-all exchanges of
   4-byte blocks (the direct links) and of 256 KiB blocks (dask's comms). A step's
