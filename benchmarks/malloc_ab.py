@@ -7,8 +7,8 @@ variables of (a) dask's nanny default (``MALLOC_TRIM_THRESHOLD_=65536``), (b) da
 settings before 2026-12-04 (heap up to 32 MiB, 64 MiB kept), (c) ``REUSE_MEMORY_ENV`` (one
 heap, no per-array mappings, freed memory kept until the worker idles). On each: the
 benchmarks' MLPs on pure batch and on 4x1 and the CNN on 2x2 (worker programs), median of
-``--steps`` steps after a warm-up, and the largest worker's peak RSS (VmHWM). ``--rounds`` interleaves the three,
-because this machine's speed moves within minutes. Prints a markdown table: medians over
+``--steps`` steps after a warm-up, and the largest worker's peak RSS (VmHWM). ``--rounds``
+interleaves the three, because this machine's speed moves within minutes. Prints a markdown table: medians over
 the rounds, and each setting's ratio to (c).
 """
 

@@ -154,9 +154,9 @@ class Machine:
     busy_exchange_Bps : float, optional
         The same while every worker also runs the engine's kernels beside it: a
         link's rate while a step's kernels fill the cores, where the transports wait for
-        them (on 4 emulated 1 Gbit/s hosts sharing 2 cores: about 0.7 of
-        ``exchange_Bps``); the step-time model's link rate while as many kernels run as
-        there are cores.
+        them (emulated 1 Gbit/s hosts sharing 2 cores: 0.75-0.85 of ``exchange_Bps`` on
+        4, 0.64 on 8); the step-time model's link rate while as many kernels run as there
+        are cores.
     loaded_message_s : float, optional
         ``message_s`` while every link carries an all-to-all's large blocks (half a 4-byte
         ping-pong's round trip beside it): a small block waits behind the bytes the links'
@@ -259,8 +259,8 @@ def load_machine(path: str | Path) -> Machine:
     ``"6GiB"``), ``word_bytes``, ``flops_per_s``, ``compute_s_per_iter``,
     ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
-    ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``, ``loaded_message_s``.
-    Missing keys take the paper machine's values.
+    ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
+    ``loaded_message_s``. Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files
 

@@ -240,9 +240,10 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     that long after its last byte instead (it waits behind the bytes the links' queues hold:
     ``loaded_message_s``, a ping-pong beside an all-to-all).
 
-    Running tasks share the ``cores`` (processor sharing: each runs at ``min(1, cores / running)`` of one core's speed, times ``shared`` when
-    more than one runs: what the cores lose to each other, the cluster rate of
-    ``dask-ipar calibrate`` over the cores times the one-worker rate); a task alone takes
+    Running tasks share the ``cores`` (processor sharing: each runs at
+    ``min(1, cores / running)`` of one core's speed, times ``shared`` when more than one
+    runs: what the cores lose to each other, the cluster rate of ``dask-ipar calibrate``
+    over the cores times the one-worker rate); a task alone takes
     ``task_s + flops / flops_per_s + mem_bytes / mem_Bps``.
 
     With ``cores`` given (workers that share a machine's cores), moving a block also costs

@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-__all__ = ["program_hop", "loaded_hop", "transfer_cpu", "busy_exchange", "message_cpu", "TRANSFER_WARMUPS",
-           "TRANSFER_REPEATS", "BUSY_REPEATS", "LOADED_REPEATS"]
+__all__ = ["program_hop", "loaded_hop", "transfer_cpu", "busy_exchange", "message_cpu",
+           "TRANSFER_WARMUPS", "TRANSFER_REPEATS", "BUSY_REPEATS", "LOADED_REPEATS"]
 
 #: Exchanges of the measured size before the transfer CPU is timed, and how many are timed.
 TRANSFER_WARMUPS = 2
@@ -62,6 +62,22 @@ def _pingpong(peer: str, reps: int, uid: str, serve: bool, direct: bool = True):
     return float(np.median(rtt[1:])) if rtt else None
 
 
+def _barrier(plugin, sender, peers: list, me: str, uid: str) -> None:
+    """Return once every worker of ``peers`` has reached it (``me``: this one; a 4-byte
+    block to and from each other one): no large block leaves before every worker's window
+    is open."""
+    others = [p for p in peers if p != me]
+    sender.push((f"calibrate.ready-{uid}", peers.index(me)), np.zeros(1, np.float32), others)
+    sender.release()
+    for p in others:
+        plugin.receive((f"calibrate.ready-{uid}", peers.index(p)), timeout=300.0)
+
+
+def _sent_bytes(nbytes: int, workers) -> int:
+    """Bytes one worker pushes in an all-to-all of ``nbytes`` blocks (float32 blocks)."""
+    return max(1, nbytes // 4) * 4 * (len(list(workers)) - 1)
+
+
 def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     """Run as a task on every worker of ``peers``: push an ``nbytes`` block to every other
     one and take theirs, over what a program uses (its sender, the mailbox); returns
@@ -86,11 +102,7 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     others = [p for p in peers if p != me]
     block = np.ones(max(1, nbytes // 4), dtype=np.float32)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
-    # a barrier: no large block leaves before every worker's window is open
-    sender.push((f"calibrate.ready-{uid}", peers.index(me)), np.zeros(1, np.float32), others)
-    sender.release()
-    for p in others:
-        plugin.receive((f"calibrate.ready-{uid}", peers.index(p)), timeout=300.0)
+    _barrier(plugin, sender, peers, me, uid)
     stop = threading.Event()
     if busy:
         from dask_ipar.runtime.kernelmix import kernel_calls
@@ -136,8 +148,9 @@ def _exchange(client, workers, nbytes: int, busy: bool = False) -> tuple[float, 
         raise IparError(f"the transfer CPU needs at least 2 workers; got {len(workers)}.")
     install_exchange(client)
     uid = f"{time.time_ns():x}"
-    futs = [client.submit(_exchange_cpu, list(workers), nbytes, uid, busy, workers=[w], pure=False,
-                          allow_other_workers=False, key=f"calibrate.exchange-{uid}-{k}")
+    futs = [client.submit(_exchange_cpu, list(workers), nbytes, uid, busy, workers=[w],
+                          pure=False, allow_other_workers=False,
+                          key=f"calibrate.exchange-{uid}-{k}")
             for k, w in enumerate(workers)]
     out = client.gather(futs)
     cpu: dict = {}
@@ -155,17 +168,16 @@ def transfer_cpu(client, workers, nbytes: int) -> tuple[float, float]:
     its last block in (what one link carries while every link is busy, as in a collective:
     below a pair's rate where the links share a switch, a host's stack or its cores)."""
     cpu, nbytes_all, took = _exchange(client, workers, nbytes)
-    sent = max(1, nbytes // 4) * 4 * (len(list(workers)) - 1)
-    return cpu / nbytes_all, sent / max(took, 1e-9)
+    return cpu / nbytes_all, _sent_bytes(nbytes, workers) / max(took, 1e-9)
 
 
 def busy_exchange(client, workers, nbytes: int) -> float:
     """Bytes per second each worker sends while every worker of ``workers`` pushes an
-    ``nbytes`` block to every other one at once and also computes (a thread multiplying
-    the engine's kernels for the whole exchange, :func:`_exchange_cpu`): a link's rate while a step's
-    kernels fill the cores (its transport then waits for them)."""
+    ``nbytes`` block to every other one at once and also computes (a thread running the
+    engine's kernels for the whole exchange, :func:`_exchange_cpu`): a link's rate while a
+    step's kernels fill the cores (its transport then waits for them)."""
     _, _, took = _exchange(client, workers, nbytes, busy=True)
-    return max(1, nbytes // 4) * 4 * (len(list(workers)) - 1) / max(took, 1e-9)
+    return _sent_bytes(nbytes, workers) / max(took, 1e-9)
 
 
 def message_cpu(client, workers, per_byte: float, repeats: int = 3) -> tuple[float, float]:
@@ -209,10 +221,7 @@ def _loaded_pingpong(peers: list, nbytes: int, uid: str, reps: int):
     me = worker.address
     i = peers.index(me)
     others = [p for p in peers if p != me]
-    small.push((f"calibrate.ready-{uid}", i), np.zeros(1, np.float32), others)
-    small.release()
-    for p in others:
-        plugin.receive((f"calibrate.ready-{uid}", peers.index(p)), timeout=300.0)
+    _barrier(plugin, small, peers, me, uid)
     bulk.push((f"calibrate.load-{uid}", i), np.ones(max(1, nbytes // 4), np.float32), others)
     done = threading.Event()
 
