@@ -542,3 +542,64 @@ def test_programs_charge_each_message_end_its_fixed_transport_cpu():
     assert simulate_programs(tasks, cores=1, message_cpu_s=by_size, **kw).seconds \
         == pytest.approx(2.6)
     assert simulate_programs(tasks, message_cpu_s=0.1, **kw).seconds == pytest.approx(2.0)
+
+
+@pytest.mark.fast
+def test_dask_work_outside_the_programs_takes_its_share_of_shared_cores():
+    """Where workers share cores, a submitted step's own dask work (``start_cpu_s`` per
+    worker from its start) and dask's background work (``background_cores`` per worker
+    all along) take their share of them; with a core per worker (``cores`` not given)
+    neither is charged."""
+    from dask_ipar.cost import SimTask, simulate_programs
+
+    kw = dict(flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e15, latency_s=0.0)
+    two = [SimTask("a", "A", (), flops=1e9), SimTask("b", "B", (), flops=1e9)]
+    assert simulate_programs(two, cores=2, **kw).seconds == pytest.approx(1.0)
+    # each worker's 0.5 s of step work beside its 1 s task: four runners on two cores at
+    # half speed until the step work is done at 1 s (tasks half done), then the tasks alone
+    assert simulate_programs(two, cores=2, start_cpu_s=0.5, **kw).seconds \
+        == pytest.approx(1.5)
+    # a quarter core per worker all along: the tasks share 1.5 cores, 0.75 each
+    assert simulate_programs(two, cores=2, background_cores=0.25, **kw).seconds \
+        == pytest.approx(1 / 0.75)
+    # both: 4 runners on 1.5 cores (0.375 each) until the step work is done at 4/3 s (the
+    # tasks have 0.5 s left), then the tasks at 0.75 each: 2/3 s more
+    assert simulate_programs(two, cores=2, start_cpu_s=0.5, background_cores=0.25,
+                             **kw).seconds == pytest.approx(4 / 3 + 2 / 3)
+    # unshared cores: nothing charged
+    assert simulate_programs(two, start_cpu_s=0.5, background_cores=0.25, **kw).seconds \
+        == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="background_cores"):
+        simulate_programs(two, cores=2, background_cores=1.0, **kw)
+
+
+def test_the_programs_model_takes_dask_work_from_the_machine():
+    """The worker programs' step model passes the machine's ``step_cpu_s`` and
+    ``background_cores`` to the simulator: the same step as the simulator given them
+    directly; on shared cores they lengthen the step, without ``cores`` they do not."""
+    from dask_ipar import Dense, Sequential
+    from dask_ipar.cost import simulate_programs
+    from dask_ipar.runtime.stepmodel import (ELEMENTWISE_BPS, _with_push, simulate_engine,
+                                             step_tasks)
+    from dask_ipar.testing import fake_binding
+
+    model = Sequential([Dense(512, "relu"), Dense(10)], input_dim=512)
+    engine = model._make_engine(fake_binding("1x2"))
+    names = [f"w{k}" for k in range(len(engine.param_layouts))]
+    base = Machine(alpha_s=1e-3, bandwidth_Bps=5e8, word_bytes=4, flops_per_s=2e10,
+                   message_s=1e-4)
+    dask_work = base.replace(step_cpu_s=0.01, background_cores=0.1)
+
+    def model_s(m, cores):
+        return simulate_engine(engine, names, 256, (512,), "float32", m, cores, SGD(0.1, 0.9),
+                               "programs").seconds
+
+    tasks, available = step_tasks(engine, names, 256, (512,), "float32", SGD(0.1, 0.9),
+                                  steps=2)
+    direct = simulate_programs(_with_push(tasks, available), available=available,
+                               flops_per_s=2e10, mem_Bps=ELEMENTWISE_BPS, bandwidth_Bps=5e8,
+                               latency_s=1e-4, cores=1, start_cpu_s=0.01,
+                               background_cores=0.1).seconds
+    assert model_s(dask_work, 1) == pytest.approx(direct)
+    assert model_s(dask_work, 1) > model_s(base, 1)
+    assert model_s(dask_work, None) == pytest.approx(model_s(base, None))

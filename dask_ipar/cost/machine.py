@@ -165,6 +165,18 @@ class Machine:
         CPU seconds a worker's transport spends per message on each end beyond
         ``transfer_cpu_s_per_B`` (framing, system calls, event-loop turns): over the
         programs' direct links (blocks of at most 64 KiB) and over dask's comms (larger).
+    step_cpu_s : float, optional
+        CPU seconds per worker that one submitted training step costs outside its worker
+        programs: the scheduler's and the client's work for its dask tasks, its batch and
+        its results, and the workers' event loops' (real steps of a small network with a
+        scattered batch; 12 ms on 2 emulated hosts sharing 2 cores, 9 ms on 4); where the
+        workers share cores, the step-time model takes it from them at each step's start.
+    background_cores : float, optional
+        Cores' worth of CPU per worker that the cluster's processes take outside the tasks
+        while the workers compute (the workers' event loops, heartbeats and dask's
+        profiler, the scheduler, the client: 0.023-0.035 per worker on emulated hosts
+        sharing 2 cores); where the workers share cores, the step-time model leaves them
+        ``cores - workers * background_cores``.
     """
 
     alpha_s: float = 2e-6
@@ -185,6 +197,8 @@ class Machine:
     message_cpu_s: float | None = None
     busy_exchange_Bps: float | None = None
     loaded_message_s: float | None = None
+    step_cpu_s: float | None = None
+    background_cores: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -200,7 +214,7 @@ class Machine:
                       "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
                       "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
                       "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps",
-                      "loaded_message_s"):
+                      "loaded_message_s", "step_cpu_s", "background_cores"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -249,7 +263,7 @@ _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compu
                  "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps",
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
                  "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
-                 "busy_exchange_Bps", "loaded_message_s")
+                 "busy_exchange_Bps", "loaded_message_s", "step_cpu_s", "background_cores")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -260,7 +274,8 @@ def load_machine(path: str | Path) -> Machine:
     ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
     ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
-    ``loaded_message_s``. Missing keys take the paper machine's values.
+    ``loaded_message_s``, ``step_cpu_s``, ``background_cores``. Missing keys take the paper
+    machine's values.
     """
     import yaml  # lazy: only needed for machine files
 

@@ -221,7 +221,8 @@ def fair_rates(flows, capacity: float) -> list:
 def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, cores=None,
                       available=None, task_s=0.0, shared=1.0,
                       transfer_cpu_s_per_B=0.0, message_cpu_s=0.0, busy_bandwidth_Bps=None,
-                      loaded_latency_s=None, trace=None) -> SimResult:
+                      loaded_latency_s=None, start_cpu_s=0.0, background_cores=0.0,
+                      trace=None) -> SimResult:
     """Simulate one step run as worker programs (``Model.executor = "programs"``).
 
     No scheduler between tasks: each worker runs its own tasks, at each point the first
@@ -256,6 +257,15 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     applies to it as to tasks); the step ends when every task and every transfer's work is
     done.
 
+    Also with ``cores`` given, dask's own work takes its share of them: ``start_cpu_s``
+    seconds per worker from the step's start (what a submitted step costs the scheduler,
+    the client and the workers' event loops outside the programs: its dask tasks, its
+    batch, its results; added to each worker's transfer work), and ``background_cores``
+    per worker all along (the event loops' periodic work, heartbeats, dask's profiler, the
+    scheduler's, while the workers compute): the tasks and transfers share ``cores -
+    workers * background_cores``. Both measured by ``dask-ipar calibrate``
+    (:mod:`dask_ipar.runtime.stepprobe`).
+
     Returns a :class:`SimResult` whose ``seconds`` is the step's makespan. ``trace``, a
     list, receives ``(worker, key, start, end)`` of every task (where a step's time goes).
     """
@@ -287,6 +297,16 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
         def per_message(_nbytes):
             return message_cpu_s
     comm = {}  # worker -> seconds of transfer work left (at full speed)
+    free = cores
+    if cores is not None:
+        if start_cpu_s:  # a submitted step's work outside the programs
+            comm.update(dict.fromkeys(workers, float(start_cpu_s)))
+        free = cores - len(workers) * background_cores
+        if free <= 0:
+            raise ValueError(f"background_cores: {background_cores!r} per worker over "
+                             f"{len(workers)} workers leaves none of the {cores} cores to the "
+                             "step; expected a small fraction of a core (dask-ipar calibrate "
+                             "measures it)")
 
     def arrive(dst, key, at, latency):
         nonlocal seq
@@ -351,7 +371,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                 f[4] = r
             rated = True
         n = len(running) + len(comm)
-        speed = 1.0 if cores is None else min(1.0, cores / max(n, 1))
+        speed = 1.0 if cores is None else min(1.0, free / max(n, 1))
         # what the cores lose to each other while more than one runs (the transports'
         # copies contend for the memory system too; the emulated sweeps fit better so)
         speed *= shared if n > 1 else 1.0

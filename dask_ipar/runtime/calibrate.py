@@ -44,6 +44,12 @@ What the engine pays, measured the way the engine pays it:
   all-to-all phases of mid-sized blocks pay it P - 1 times per worker on shared cores (8
   workers on 2 cores: an all-to-all of 4-byte blocks took 4 ms, 1.4 ns per byte at 256 KiB
   against 0.26 at 16 MiB).
+* ``background_cores``: the CPU per worker, in cores, that the workers' other threads
+  (event loops, heartbeats, dask's profiler), the scheduler and the client take while
+  every worker computes; ``step_cpu_s``: the CPU per worker one submitted training step
+  costs outside its programs (its dask tasks, its scattered batch, its results), from
+  real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`). What dask itself
+  takes from the cores where the workers share them.
 * ``elementwise_Bps``: the step-time model's rate of the kernels' element-wise work (their
   counted memory passes, :mod:`dask_ipar.kernels.costs`): the engine's conv, pooling and
   dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker, their time less their
@@ -73,6 +79,7 @@ from dask_ipar.runtime.linkprobe import (
     program_hop,
     transfer_cpu,
 )
+from dask_ipar.runtime.stepprobe import background_cores, in_process, step_cpu
 
 __all__ = ["calibrate", "program_hop"]
 
@@ -351,10 +358,20 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     log(f"transfer CPU per message, each end (all-to-all exchanges of 4-byte and 256 KiB "
         f"blocks): {direct_msg * 1e6:.0f} us over the direct links, {comms_msg * 1e6:.0f} us "
         f"over dask's comms")
+    background = step_s = None
+    if in_process(client, everyone):
+        log("dask's own CPU: not measured (workers in the client's process)")
+    else:
+        background = background_cores(client, everyone)
+        log(f"dask's own CPU while the workers compute (their event loops, the scheduler, "
+            f"the client): {background:.3f} of a core per worker")
+        step_s = step_cpu(client, everyone, background)
+        log(f"CPU of a submitted step outside its programs (real steps of a small network, "
+            f"its batch scattered): {step_s * 1e3:.1f} ms per worker")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
                    mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,
                    round_s=round_s, transfer_cpu_s_per_B=cpu_B, elementwise_Bps=elementwise,
                    exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
-                   direct_message_cpu_s=direct_msg,
-                   message_cpu_s=comms_msg)
+                   direct_message_cpu_s=direct_msg, message_cpu_s=comms_msg,
+                   step_cpu_s=step_s, background_cores=background)

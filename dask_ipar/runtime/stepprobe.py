@@ -1,0 +1,142 @@
+"""Probes of what a cluster's processes spend outside the tasks, for
+:func:`~dask_ipar.runtime.calibrate.calibrate`.
+
+Its one job: measure the CPU that dask itself takes from the cores a step's kernels run
+on, where the workers, the scheduler and the client share a machine's cores (a
+workstation's ``LocalCluster``, the emulated clusters of the benchmarks):
+
+* :func:`background_cores`: the CPU the workers' event loops (heartbeats, dask's
+  profiler, the comms), the scheduler and the client take per second while every worker
+  computes (``background_cores``, per worker);
+* :func:`step_cpu`: the CPU one submitted training step costs outside its worker
+  programs (the scheduler's and the client's work for the step's dask tasks, its batch
+  and its results; each worker's event loop receiving them), measured on real steps of a
+  small network whose batch is scattered to the workers as a training batch is
+  (``step_cpu_s``, per worker).
+
+On the emulated 4-host cluster (2 cores): 0.02-0.025 of a core per worker while computing,
+against a step of the issue's CNN whose worker programs computed at most 0.88 of the
+cores; a scattered step cost 25 ms of CPU over 4 workers outside the programs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+__all__ = ["background_cores", "step_cpu", "in_process", "PROBE_WIDTHS", "PROBE_BATCH", "PROBE_STEPS"]
+
+#: The probe network of :func:`step_cpu`: one dense layer, so that its programs exchange
+#: a few small messages only (their CPU is the model's message CPU, not the step's), and
+#: a batch of 2 MiB, above ``Sequential.embed_bytes``, scattered to the workers as a
+#: training batch is.
+PROBE_WIDTHS = (64, 10)
+PROBE_BATCH = 8192
+#: Steps timed (after two untimed ones), as ``fit`` runs them: each says another follows.
+PROBE_STEPS = 20
+
+
+def _own_cpu() -> tuple:
+    """``(process id, CPU seconds of this process so far, all of its threads)``."""
+    return os.getpid(), time.process_time()
+
+
+def _driver_cpu(client) -> float:
+    """CPU seconds so far of the scheduler's process and the client's, once where they are
+    one process (a ``LocalCluster`` runs its scheduler in the client's process)."""
+    mine, sched = _own_cpu(), client.run_on_scheduler(_own_cpu)
+    return mine[1] + (sched[1] if sched[0] != mine[0] else 0.0)
+
+
+def in_process(client, workers) -> bool:
+    """Whether any of ``workers`` runs in the client's process (threads, not processes:
+    their CPU cannot be told from the client's, and the probes are skipped)."""
+    pids = client.run(os.getpid, workers=list(workers))
+    return os.getpid() in pids.values()
+
+
+def _computing_cpu(seconds: float) -> tuple:
+    """Run as a task: compute for ``seconds`` (the engine's kernels); returns ``(this
+    process's CPU seconds outside this thread, this thread's, the wall seconds)``."""
+    from dask_ipar.runtime.kernelmix import kernel_calls
+
+    calls = kernel_calls("float32")
+    p0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+    while time.perf_counter() - w0 < seconds:
+        for f, args in calls:
+            f(*args)
+    p1, t1, w1 = time.process_time(), time.thread_time(), time.perf_counter()
+    return (p1 - p0) - (t1 - t0), t1 - t0, w1 - w0
+
+
+def background_cores(client, workers, seconds: float = 1.0) -> float:
+    """Cores' worth of CPU per worker that the workers' other threads, the scheduler and
+    the client take while every worker computes for ``seconds`` (the engine's kernels in
+    one task each): their CPU seconds over the wall seconds, over the workers."""
+    workers = list(workers)
+    client.gather([client.submit(_computing_cpu, 0.05, workers=[w], pure=False,
+                                 allow_other_workers=False) for w in workers])  # warm
+    d0 = _driver_cpu(client)
+    t0 = time.perf_counter()
+    runs = client.gather([client.submit(_computing_cpu, seconds, workers=[w], pure=False,
+                                        allow_other_workers=False) for w in workers])
+    wall = time.perf_counter() - t0
+    others = sum(r[0] for r in runs) + _driver_cpu(client) - d0
+    return float(others / wall / len(workers))
+
+
+def _loop_cpu() -> float:
+    """CPU seconds of this worker process outside its task threads so far (the threads
+    of dask's executors, by the names dask gives them)."""
+    import threading
+
+    tasks = 0.0
+    for t in threading.enumerate():
+        if "Dask-Default-Threads" in t.name:
+            try:
+                tasks += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (OSError, ProcessLookupError):  # the thread ended meanwhile
+                pass
+    return time.process_time() - tasks
+
+
+def step_cpu(client, workers, background: float = 0.0, steps: int = PROBE_STEPS) -> float:
+    """CPU seconds per worker that one submitted training step costs outside its worker
+    programs: the probe network (:data:`PROBE_WIDTHS`, a batch of :data:`PROBE_BATCH`
+    samples) trained on a ``1 x P`` grid of ``workers`` as worker programs, ``steps``
+    steps; the scheduler's and the client's CPU and each worker's outside its task threads,
+    less ``background`` cores per worker over the steps' wall time (measured apart:
+    :func:`background_cores`), over the steps and the workers."""
+    from distributed import wait
+
+    from dask_ipar import SGD, Dense, Sequential
+
+    workers = list(workers)
+    p = len(workers)
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((PROBE_BATCH, PROBE_WIDTHS[0]), dtype=np.float32)
+    y = rng.integers(0, PROBE_WIDTHS[-1], PROBE_BATCH)
+    model = Sequential([Dense(w) for w in PROBE_WIDTHS[1:]], input_dim=PROBE_WIDTHS[0],
+                       dtype="float32", seed=0)
+    opt = SGD(lr=0.01, momentum=0.9)
+    try:
+        model.distribute(client, f"1x{p}", workers=workers)
+        model.executor = "programs"
+        for _ in range(2):
+            client.gather(model.train_step(X, y, opt, more=True))
+        w0 = client.run(_loop_cpu, workers=workers)
+        d0 = _driver_cpu(client)
+        t0 = time.perf_counter()
+        for k in range(steps):
+            client.gather(model.train_step(X, y, opt, more=k < steps - 1))
+        # the last step's backward and update run on after its loss came back
+        wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
+        wall = time.perf_counter() - t0
+        d1 = _driver_cpu(client)
+        w1 = client.run(_loop_cpu, workers=workers)
+    finally:
+        model.close()
+    spent = d1 - d0 + sum(w1[w] - w0[w] for w in workers)
+    return float(max(0.0, spent - background * p * wall) / steps / p)
