@@ -488,22 +488,29 @@ def test_a_domain_conv_sends_its_halo_gradient_while_its_backward_runs(monkeypat
 
 
 @pytest.mark.fast
+def _dense_1x2(width):
+    """The engine of a ``width``-``width``-10 MLP on a placeholder 1x2 grid, its weight
+    names, and a machine with a flop rate and a programs' hop."""
+    from dask_ipar import Dense, Sequential
+    from dask_ipar.testing import fake_binding
+
+    model = Sequential([Dense(width, "relu"), Dense(10)], input_dim=width)
+    engine = model._make_engine(fake_binding("1x2"))
+    names = [f"w{k}" for k in range(len(engine.param_layouts))]
+    return engine, names, Machine(alpha_s=1e-3, bandwidth_Bps=5e8, word_bytes=4,
+                                  flops_per_s=2e10, message_s=1e-4)
+
+
 def test_the_programs_model_takes_the_machines_elementwise_and_exchange_rates():
     """The worker programs' step model charges element-wise work at the machine's measured
     ``elementwise_Bps`` (the fixed default where None) and sends at ``exchange_Bps`` where
     that is below the pair rate: the same step as the simulator given those rates
     directly, and ``exchange_Bps`` above the pair rate changes nothing."""
-    from dask_ipar import Dense, Sequential
     from dask_ipar.cost import simulate_programs
     from dask_ipar.runtime.stepmodel import (ELEMENTWISE_BPS, _with_push, simulate_engine,
                                              step_tasks)
-    from dask_ipar.testing import fake_binding
 
-    model = Sequential([Dense(256, "relu"), Dense(10)], input_dim=256)
-    engine = model._make_engine(fake_binding("1x2"))
-    names = [f"w{k}" for k in range(len(engine.param_layouts))]
-    base = Machine(alpha_s=1e-3, bandwidth_Bps=5e8, word_bytes=4, flops_per_s=2e10,
-                   message_s=1e-4)
+    engine, names, base = _dense_1x2(256)
 
     def direct(mem_Bps, bandwidth_Bps):  # a step alone with its push, as the model runs it
         kw = dict(flops_per_s=base.flops_per_s, mem_Bps=mem_Bps, bandwidth_Bps=bandwidth_Bps,
@@ -577,17 +584,11 @@ def test_the_programs_model_takes_dask_work_from_the_machine():
     """The worker programs' step model passes the machine's ``step_cpu_s`` and
     ``background_cores`` to the simulator: the same step as the simulator given them
     directly; on shared cores they lengthen the step, without ``cores`` they do not."""
-    from dask_ipar import Dense, Sequential
     from dask_ipar.cost import simulate_programs
     from dask_ipar.runtime.stepmodel import (ELEMENTWISE_BPS, _with_push, simulate_engine,
                                              step_tasks)
-    from dask_ipar.testing import fake_binding
 
-    model = Sequential([Dense(512, "relu"), Dense(10)], input_dim=512)
-    engine = model._make_engine(fake_binding("1x2"))
-    names = [f"w{k}" for k in range(len(engine.param_layouts))]
-    base = Machine(alpha_s=1e-3, bandwidth_Bps=5e8, word_bytes=4, flops_per_s=2e10,
-                   message_s=1e-4)
+    engine, names, base = _dense_1x2(512)
     dask_work = base.replace(step_cpu_s=0.01, background_cores=0.1)
 
     def model_s(m, cores):

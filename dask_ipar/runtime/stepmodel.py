@@ -8,9 +8,9 @@ batch's blocks shaped as the run places them. Two executors, two simulations: a 
 graph (:func:`dask_ipar.cost.simulate_step`: a scheduler hop per task, the latency and
 throughput views) and worker programs (:func:`dask_ipar.cost.simulate_programs`: each
 worker's tasks in the step's order, blocks pushed as they exist, processor sharing on
-the cores, the transports' CPU on shared cores; a submission's step ends when its
-programs have pushed the new weights to the next step's readers, and the next
-submission starts after it; within a submission of several steps a step's forward
+the cores, the transports' CPU and dask's own work on shared cores; a submission's step
+ends when its programs have pushed the new weights to the next step's readers, and the
+next submission starts after it; within a submission of several steps a step's forward
 overlaps the push before it, two steps' makespan less one's).
 """
 
