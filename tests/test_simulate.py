@@ -487,7 +487,6 @@ def test_a_domain_conv_sends_its_halo_gradient_while_its_backward_runs(monkeypat
     assert old <= lone < 1.05 * old  # the edges computed apart and added cost a little
 
 
-@pytest.mark.fast
 def _dense_1x2(width):
     """The engine of a ``width``-``width``-10 MLP on a placeholder 1x2 grid, its weight
     names, and a machine with a flop rate and a programs' hop."""
@@ -501,6 +500,7 @@ def _dense_1x2(width):
                                   flops_per_s=2e10, message_s=1e-4)
 
 
+@pytest.mark.fast
 def test_the_programs_model_takes_the_machines_elementwise_and_exchange_rates():
     """The worker programs' step model charges element-wise work at the machine's measured
     ``elementwise_Bps`` (the fixed default where None) and sends at ``exchange_Bps`` where
@@ -554,8 +554,8 @@ def test_programs_charge_each_message_end_its_fixed_transport_cpu():
 @pytest.mark.fast
 def test_dask_work_outside_the_programs_takes_its_share_of_shared_cores():
     """Where workers share cores, a submitted step's own dask work (``start_cpu_s`` per
-    worker from its start) and dask's background work (``background_cores`` per worker
-    all along) take their share of them; with a core per worker (``cores`` not given)
+    worker from its start) and dask's background work (``background_cores`` in all, all
+    along) take their share of them; with a core per worker (``cores`` not given)
     neither is charged."""
     from dask_ipar.cost import SimTask, simulate_programs
 
@@ -566,20 +566,23 @@ def test_dask_work_outside_the_programs_takes_its_share_of_shared_cores():
     # half speed until the step work is done at 1 s (tasks half done), then the tasks alone
     assert simulate_programs(two, cores=2, start_cpu_s=0.5, **kw).seconds \
         == pytest.approx(1.5)
-    # a quarter core per worker all along: the tasks share 1.5 cores, 0.75 each
-    assert simulate_programs(two, cores=2, background_cores=0.25, **kw).seconds \
+    # half a core in all, all along: the tasks share 1.5 cores, 0.75 each
+    assert simulate_programs(two, cores=2, background_cores=0.5, **kw).seconds \
         == pytest.approx(1 / 0.75)
     # both: 4 runners on 1.5 cores (0.375 each) until the step work is done at 4/3 s (the
     # tasks have 0.5 s left), then the tasks at 0.75 each: 2/3 s more
-    assert simulate_programs(two, cores=2, start_cpu_s=0.5, background_cores=0.25,
+    assert simulate_programs(two, cores=2, start_cpu_s=0.5, background_cores=0.5,
                              **kw).seconds == pytest.approx(4 / 3 + 2 / 3)
     # unshared cores: nothing charged
-    assert simulate_programs(two, start_cpu_s=0.5, background_cores=0.25, **kw).seconds \
+    assert simulate_programs(two, start_cpu_s=0.5, background_cores=0.5, **kw).seconds \
         == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="background_cores"):
-        simulate_programs(two, cores=2, background_cores=1.0, **kw)
+    for bad in (dict(background_cores=2.0), dict(background_cores=-0.1),
+                dict(start_cpu_s=-1.0)):
+        with pytest.raises(ValueError, match="background_cores"):
+            simulate_programs(two, cores=2, **bad, **kw)
 
 
+@pytest.mark.fast
 def test_the_programs_model_takes_dask_work_from_the_machine():
     """The worker programs' step model passes the machine's ``step_cpu_s`` and
     ``background_cores`` to the simulator: the same step as the simulator given them

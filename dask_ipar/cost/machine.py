@@ -169,14 +169,15 @@ class Machine:
         CPU seconds per worker that one submitted training step costs outside its worker
         programs: the scheduler's and the client's work for its dask tasks, its batch and
         its results, and the workers' event loops' (real steps of a small network with a
-        scattered batch; 12 ms on 2 emulated hosts sharing 2 cores, 9 ms on 4); where the
-        workers share cores, the step-time model takes it from them at each step's start.
+        scattered batch; 7-9 ms per worker on 2, 4 and 8 emulated hosts sharing 2 cores);
+        where the workers share cores, the step-time model takes it from them at each
+        submission's start.
     background_cores : float, optional
-        Cores' worth of CPU per worker that the cluster's processes take outside the tasks
-        while the workers compute (the workers' event loops, heartbeats and dask's
-        profiler, the scheduler, the client: 0.023-0.035 per worker on emulated hosts
-        sharing 2 cores); where the workers share cores, the step-time model leaves them
-        ``cores - workers * background_cores``.
+        Cores' worth of CPU that the cluster's processes take outside the tasks while the
+        workers compute, over the whole cluster (the workers' event loops, heartbeats and
+        dask's profiler, the scheduler, the client: 0.066, 0.09 and 0.12 on 2, 4 and 8
+        emulated hosts sharing 2 cores); where the workers share cores, the step-time
+        model leaves them ``cores - background_cores``.
     """
 
     alpha_s: float = 2e-6

@@ -261,9 +261,9 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     seconds per worker from the step's start (what a submitted step costs the scheduler,
     the client and the workers' event loops outside the programs: its dask tasks, its
     batch, its results; added to each worker's transfer work), and ``background_cores``
-    per worker all along (the event loops' periodic work, heartbeats, dask's profiler, the
+    in all, all along (the event loops' periodic work, heartbeats, dask's profiler, the
     scheduler's, while the workers compute): the tasks and transfers share ``cores -
-    workers * background_cores``. Both measured by ``dask-ipar calibrate``
+    background_cores``. Both measured by ``dask-ipar calibrate``
     (:mod:`dask_ipar.runtime.stepprobe`).
 
     Returns a :class:`SimResult` whose ``seconds`` is the step's makespan. ``trace``, a
@@ -297,16 +297,15 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
         def per_message(_nbytes):
             return message_cpu_s
     comm = {}  # worker -> seconds of transfer work left (at full speed)
+    if start_cpu_s < 0 or not 0 <= background_cores < (cores or float("inf")):
+        raise ValueError(f"start_cpu_s {start_cpu_s!r}, background_cores {background_cores!r}: "
+                         f"expected seconds >= 0, and cores >= 0 that leave some of the "
+                         f"{cores} cores to the step")
     free = cores
     if cores is not None:
         if start_cpu_s:  # a submitted step's work outside the programs
             comm.update(dict.fromkeys(workers, float(start_cpu_s)))
-        free = cores - len(workers) * background_cores
-        if free <= 0:
-            raise ValueError(f"background_cores: {background_cores!r} per worker over "
-                             f"{len(workers)} workers leaves none of the {cores} cores to the "
-                             "step; expected a small fraction of a core (dask-ipar calibrate "
-                             "measures it)")
+        free = cores - background_cores
 
     def arrive(dst, key, at, latency):
         nonlocal seq

@@ -44,9 +44,9 @@ What the engine pays, measured the way the engine pays it:
   all-to-all phases of mid-sized blocks pay it P - 1 times per worker on shared cores (8
   workers on 2 cores: an all-to-all of 4-byte blocks took 4 ms, 1.4 ns per byte at 256 KiB
   against 0.26 at 16 MiB).
-* ``background_cores``: the CPU per worker, in cores, that the workers' other threads
-  (event loops, heartbeats, dask's profiler), the scheduler and the client take while
-  every worker computes; ``step_cpu_s``: the CPU per worker one submitted training step
+* ``background_cores``: the CPU, in cores over the whole cluster, that the workers' other
+  threads (event loops, heartbeats, dask's profiler), the scheduler and the client take
+  while every worker computes; ``step_cpu_s``: the CPU per worker one submitted training step
   costs outside its programs (its dask tasks, its scattered batch, its results), from
   real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`). What dask itself
   takes from the cores where the workers share them.
@@ -79,7 +79,7 @@ from dask_ipar.runtime.linkprobe import (
     program_hop,
     transfer_cpu,
 )
-from dask_ipar.runtime.stepprobe import background_cores, in_process, step_cpu
+from dask_ipar.runtime.stepprobe import background_cores, measurable, step_cpu
 
 __all__ = ["calibrate", "program_hop"]
 
@@ -359,12 +359,13 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
         f"blocks): {direct_msg * 1e6:.0f} us over the direct links, {comms_msg * 1e6:.0f} us "
         f"over dask's comms")
     background = step_s = None
-    if in_process(client, everyone):
-        log("dask's own CPU: not measured (workers in the client's process)")
+    if not measurable(client, everyone):
+        log("dask's own CPU: not measured (workers in the client's process, or no thread "
+            "CPU clock on this platform)")
     else:
         background = background_cores(client, everyone)
         log(f"dask's own CPU while the workers compute (their event loops, the scheduler, "
-            f"the client): {background:.3f} of a core per worker")
+            f"the client): {background:.3f} of a core in all")
         step_s = step_cpu(client, everyone, background)
         log(f"CPU of a submitted step outside its programs (real steps of a small network, "
             f"its batch scattered): {step_s * 1e3:.1f} ms per worker")

@@ -5,33 +5,38 @@ Its one job: measure the CPU that dask itself takes from the cores a step's kern
 on, where the workers, the scheduler and the client share a machine's cores (a
 workstation's ``LocalCluster``, the emulated clusters of the benchmarks):
 
-* :func:`background_cores`: the CPU the workers' event loops (heartbeats, dask's
-  profiler, the comms), the scheduler and the client take per second while every worker
-  computes (``background_cores``, per worker);
+* :func:`background_cores`: the CPU the workers' other threads (their event loops:
+  heartbeats, dask's profiler, the comms), the scheduler and the client take per second
+  while every worker computes, in cores, over the whole cluster (``background_cores``);
 * :func:`step_cpu`: the CPU one submitted training step costs outside its worker
   programs (the scheduler's and the client's work for the step's dask tasks, its batch
   and its results; each worker's event loop receiving them), measured on real steps of a
   small network whose batch is scattered to the workers as a training batch is
   (``step_cpu_s``, per worker).
 
-On the emulated 4-host cluster (2 cores): 0.02-0.025 of a core per worker while computing,
-against a step of the issue's CNN whose worker programs computed at most 0.88 of the
-cores; a scattered step cost 25 ms of CPU over 4 workers outside the programs.
+On the emulated clusters of 2, 4 and 8 hosts sharing 2 cores: 0.066, 0.088-0.092 and 0.12
+of a core in all while computing; a scattered step 8.1-8.7, 7.2-8.1 and 7.2 ms per worker.
+
+Both read a process's CPU clock and its task threads' (``time.pthread_getcpuclockid``: not
+on every platform, :func:`measurable` says) and tell processes apart by host and process
+id: workers that are threads of the client's process cannot be told from it.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import numpy as np
 
-__all__ = ["background_cores", "step_cpu", "in_process", "PROBE_WIDTHS", "PROBE_BATCH", "PROBE_STEPS"]
+__all__ = ["background_cores", "step_cpu", "measurable", "PROBE_WIDTHS", "PROBE_BATCH",
+           "PROBE_STEPS"]
 
-#: The probe network of :func:`step_cpu`: one dense layer, so that its programs exchange
-#: a few small messages only (their CPU is the model's message CPU, not the step's), and
-#: a batch of 2 MiB, above ``Sequential.embed_bytes``, scattered to the workers as a
-#: training batch is.
+#: The probe network of :func:`step_cpu`: one dense layer (at least as many inputs as
+#: workers, so that its weight's columns split over them), so that its programs exchange a
+#: few small messages only, and a batch of 2 MiB at 64 inputs, above
+#: ``Sequential.embed_bytes``, scattered to the workers as a training batch is.
 PROBE_WIDTHS = (64, 10)
 PROBE_BATCH = 8192
 #: Steps timed (after two untimed ones), as ``fit`` runs them: each says another follows.
@@ -39,8 +44,8 @@ PROBE_STEPS = 20
 
 
 def _own_cpu() -> tuple:
-    """``(process id, CPU seconds of this process so far, all of its threads)``."""
-    return os.getpid(), time.process_time()
+    """``((host, process id), CPU seconds of this process so far, all of its threads)``."""
+    return (socket.gethostname(), os.getpid()), time.process_time()
 
 
 def _driver_cpu(client) -> float:
@@ -50,11 +55,14 @@ def _driver_cpu(client) -> float:
     return mine[1] + (sched[1] if sched[0] != mine[0] else 0.0)
 
 
-def in_process(client, workers) -> bool:
-    """Whether any of ``workers`` runs in the client's process (threads, not processes:
-    their CPU cannot be told from the client's, and the probes are skipped)."""
-    pids = client.run(os.getpid, workers=list(workers))
-    return os.getpid() in pids.values()
+def measurable(client, workers) -> bool:
+    """Whether the probes can tell dask's own CPU here: a thread CPU clock on this
+    platform, and none of ``workers`` a thread of the client's process (a
+    ``LocalCluster(processes=False)``)."""
+    if not hasattr(time, "pthread_getcpuclockid"):
+        return False
+    mine = _own_cpu()[0]
+    return all(who != mine for who, _ in client.run(_own_cpu, workers=list(workers)).values())
 
 
 def _computing_cpu(seconds: float) -> tuple:
@@ -72,9 +80,9 @@ def _computing_cpu(seconds: float) -> tuple:
 
 
 def background_cores(client, workers, seconds: float = 1.0) -> float:
-    """Cores' worth of CPU per worker that the workers' other threads, the scheduler and
-    the client take while every worker computes for ``seconds`` (the engine's kernels in
-    one task each): their CPU seconds over the wall seconds, over the workers."""
+    """Cores' worth of CPU that the workers' other threads, the scheduler and the client
+    take in all while every worker computes for ``seconds`` (the engine's kernels in one
+    task each): their CPU seconds over the wall seconds."""
     workers = list(workers)
     client.gather([client.submit(_computing_cpu, 0.05, workers=[w], pure=False,
                                  allow_other_workers=False) for w in workers])  # warm
@@ -84,7 +92,7 @@ def background_cores(client, workers, seconds: float = 1.0) -> float:
                                         allow_other_workers=False) for w in workers])
     wall = time.perf_counter() - t0
     others = sum(r[0] for r in runs) + _driver_cpu(client) - d0
-    return float(others / wall / len(workers))
+    return float(others / wall)
 
 
 def _loop_cpu() -> float:
@@ -97,7 +105,7 @@ def _loop_cpu() -> float:
         if "Dask-Default-Threads" in t.name:
             try:
                 tasks += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-            except (OSError, ProcessLookupError):  # the thread ended meanwhile
+            except OSError:  # the thread ended meanwhile
                 pass
     return time.process_time() - tasks
 
@@ -107,18 +115,22 @@ def step_cpu(client, workers, background: float = 0.0, steps: int = PROBE_STEPS)
     programs: the probe network (:data:`PROBE_WIDTHS`, a batch of :data:`PROBE_BATCH`
     samples) trained on a ``1 x P`` grid of ``workers`` as worker programs, ``steps``
     steps; the scheduler's and the client's CPU and each worker's outside its task threads,
-    less ``background`` cores per worker over the steps' wall time (measured apart:
-    :func:`background_cores`), over the steps and the workers."""
+    less ``background`` cores (the whole cluster's, measured apart:
+    :func:`background_cores`) over the steps' wall time, over the steps and the workers.
+    It includes the CPU of the probe's own few messages (a 10-row weight's gradient
+    summed over the workers: at ``direct_message_cpu_s`` each end, under 1 ms per worker
+    and step on 8 emulated hosts)."""
     from distributed import wait
 
     from dask_ipar import SGD, Dense, Sequential
 
     workers = list(workers)
     p = len(workers)
+    n_in = max(PROBE_WIDTHS[0], p)
     rng = np.random.default_rng(0)
-    X = rng.standard_normal((PROBE_BATCH, PROBE_WIDTHS[0]), dtype=np.float32)
+    X = rng.standard_normal((PROBE_BATCH, n_in), dtype=np.float32)
     y = rng.integers(0, PROBE_WIDTHS[-1], PROBE_BATCH)
-    model = Sequential([Dense(w) for w in PROBE_WIDTHS[1:]], input_dim=PROBE_WIDTHS[0],
+    model = Sequential([Dense(w) for w in PROBE_WIDTHS[1:]], input_dim=n_in,
                        dtype="float32", seed=0)
     opt = SGD(lr=0.01, momentum=0.9)
     try:
@@ -139,4 +151,4 @@ def step_cpu(client, workers, background: float = 0.0, steps: int = PROBE_STEPS)
     finally:
         model.close()
     spent = d1 - d0 + sum(w1[w] - w0[w] for w in workers)
-    return float(max(0.0, spent - background * p * wall) / steps / p)
+    return float(max(0.0, spent - background * wall) / steps / p)
