@@ -352,6 +352,9 @@ def test_rank_grids_picks_conv_schemes_the_engine_runs():
         if c.grid.pr == 4:
             assert conv.parallel != "model"
     assert all(a.seconds <= b.seconds for a, b in zip(ranked, ranked[1:]))
+    # a machine whose dask background takes every core: said, not "no grid runs it"
+    with pytest.raises(IparError, match="background_cores"):
+        rank_grids(layers, (3, 16, 16), 4, 8, m.replace(background_cores=2.0), cores=2)
 
 
 @pytest.mark.fast

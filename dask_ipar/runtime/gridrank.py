@@ -82,6 +82,12 @@ def rank_grids(layers, input_shape, procs: int, batch: int, machine, *, cores=No
     """Every grid of ``procs`` processes (or ``grids``) the engine runs the network on,
     with each CNN's best conv schemes there, fastest simulated step first: a list of
     :class:`GridChoice`. ``machine`` needs ``flops_per_s`` (``dask-ipar calibrate``)."""
+    if cores is not None and (machine.background_cores or 0.0) >= cores:
+        raise IparError(
+            f"the machine's background_cores ({machine.background_cores:g}: dask's own CPU "
+            f"while the workers compute) leaves none of the {cores} cores to the step; "
+            "calibrate the machine on this cluster (dask-ipar calibrate) or lower it in the "
+            "machine file.")
     out = []
     for grid in (grids or factorizations(procs)):
         grid = parse_grid(grid)
