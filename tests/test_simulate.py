@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dask_ipar.cost import Machine, SimTask, simulate_step
@@ -610,3 +611,37 @@ def test_the_programs_model_takes_dask_work_from_the_machine():
     assert model_s(dask_work, 1) == pytest.approx(direct)
     assert model_s(dask_work, 1) > model_s(base, 1)
     assert model_s(dask_work, None) == pytest.approx(model_s(base, None))
+
+
+@pytest.mark.fast
+def test_the_simulated_step_graph_runs_and_is_what_the_model_costs():
+    """``sim_step_graph`` is the graph ``step_tasks`` costs (the same tasks, dependencies
+    and costs), and its kernels run as they stand on arrays of the external blocks'
+    shapes (what ``benchmarks/step_replay.py`` times): every block of the step's dtype has
+    the bytes the model costs it by (the loss statistics are float64 by design)."""
+    from dask._task_spec import DataNode, TaskRef
+
+    from dask_ipar.nn.graph import sim_tasks
+    from dask_ipar.runtime.stepmodel import sim_step_graph, step_tasks
+
+    engine, names, _ = _dense_1x2(64)
+    opt = SGD(0.1, 0.9)
+    g, external = sim_step_graph(engine, names, 16, (64,), "float32", opt)
+    tasks, available = step_tasks(engine, names, 16, (64,), "float32", opt)
+    again, avail_again = sim_tasks(g, external, 4)
+    assert [(t.key, t.worker, t.deps, t.flops, t.mem_bytes, t.out_bytes) for t in again] \
+        == [(t.key, t.worker, t.deps, t.flops, t.mem_bytes, t.out_bytes) for t in tasks]
+    assert avail_again == available
+    rng = np.random.default_rng(0)
+    vals = {k: rng.standard_normal(s).astype(np.float32) for k, (_, s) in external.items()}
+    by_key = {t.key: t for t in tasks}
+    checked = 0
+    for key, node in g.dsk.items():
+        if isinstance(node, DataNode):
+            vals[key] = node.value
+            continue
+        vals[key] = node({a.key: vals[a.key] for a in node.args if isinstance(a, TaskRef)})
+        if isinstance(vals[key], np.ndarray) and vals[key].dtype == np.float32:
+            checked += 1
+            assert vals[key].nbytes == by_key[key].out_bytes, key
+    assert checked > 10

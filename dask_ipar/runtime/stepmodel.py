@@ -27,7 +27,8 @@ from dask_ipar.nn.graph import StepGraph, sim_tasks
 from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
 from dask_ipar.runtime.placement import placement_blocks
 
-__all__ = ["predict_step_s", "step_tasks", "simulate_engine", "ELEMENTWISE_BPS"]
+__all__ = ["predict_step_s", "step_tasks", "sim_step_graph", "simulate_engine",
+           "ELEMENTWISE_BPS"]
 
 #: Bytes per second of one worker's elementwise work in the kernels (copies, strided
 #: im2col gathers, in-place sums) where the machine has no measured ``elementwise_Bps``
@@ -43,6 +44,16 @@ def step_tasks(engine, w_names, batch: int, input_shape, dtype, optimizer, steps
     ``w_names``: the model's weight names (one per layer with weights, convs first);
     ``input_shape``: ``(C, H, W)`` of a CNN's images or ``(features,)``.
     """
+    g, external = sim_step_graph(engine, w_names, batch, input_shape, dtype, optimizer, steps)
+    return sim_tasks(g, external, np.dtype(dtype).itemsize)
+
+
+def sim_step_graph(engine, w_names, batch: int, input_shape, dtype, optimizer,
+                   steps: int = 1):
+    """The graph :func:`step_tasks` costs: ``(StepGraph, external)``, ``external`` mapping
+    each weight and optimizer-state block the graph reads but does not compute to
+    ``(worker, shape)``; the batch's blocks are in the graph, zeros (only their shapes
+    matter to the model; ``benchmarks/step_replay.py`` runs the graph's kernels)."""
     grid = engine.binding.grid
     if engine.front is not None:
         engine.front.check_batch(batch)
@@ -74,7 +85,7 @@ def step_tasks(engine, w_names, batch: int, input_shape, dtype, optimizer, steps
                 for name, pre in ((wn, ()), (vn, lead)):
                     external[(name, i, j)] = (engine.binding.worker(i, j),
                                               (*pre, r1 - r0, c1 - c0))
-    return sim_tasks(g, external, dtype.itemsize)
+    return g, external
 
 
 def predict_step_s(model, batch: int, machine, *, cores: int | None = None, optimizer,

@@ -1,0 +1,140 @@
+"""A grid's whole training step replayed kernel by kernel in one process, beside the
+step-time model's cost of each kernel (issue 23).
+
+    python benchmarks/step_replay.py [--model cnn] [--workers 8] [--grids 4x2,8x1]
+                                     [--reps 3] [--cold]
+
+Builds the step graph the engine runs for ``--model`` (``cnn``, ``compute`` or ``weight``
+of ``benchmarks/common.py``) on each grid of ``--workers`` processes (the conv schemes
+the planner picks for it), with no cluster, then runs every task of it in the graph's
+order in this process (one BLAS thread, float32, random inputs and weights), ``--reps``
+times; a kernel's time is its fastest. ``--cold``: before each kernel, a pass over a 64
+MiB buffer evicts the caches, as other processes' work does between a kernel and the
+one that made its inputs where worker processes share the cores.
+
+The model's time of a task is ``flops / rate + bytes / elementwise``
+(:mod:`dask_ipar.kernels.costs`), the rate the matmul rate of this process and
+``elementwise`` the kernel mix's (as ``dask-ipar calibrate`` measures both). Prints per
+kernel (layer, task and function, over all workers' tasks) the measured time, the
+model's (its flops and its bytes parts) and measured / model, and the totals: what the
+simulator's kernel costs miss before any sharing of cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import common as C  # noqa: E402
+
+COLD_BYTES = 64 * 2**20
+
+
+def _rates():
+    """``(matmul flops/s, element-wise bytes/s)`` of this process, as calibrate's."""
+    from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_mix
+    from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS
+
+    m = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    m @ m
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        m @ m
+        best = min(best, time.perf_counter() - t)
+    rate = 2 * 1024 ** 3 / best
+    mixes = [kernel_mix(2) for _ in range(3)]
+    return rate, elementwise_rate(*min(mixes, key=lambda r: r[2]), rate) or ELEMENTWISE_BPS
+
+
+def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold: bool):
+    """``{(layer.task, function): [measured s, flops s, bytes s, tasks]}`` of one step."""
+    from dask._task_spec import DataNode, TaskRef
+
+    from dask_ipar import SGD
+    from dask_ipar.cost import Machine
+    from dask_ipar.nn.graph import sim_tasks
+    from dask_ipar.runtime.gridrank import rank_grids
+    from dask_ipar.runtime.stepmodel import sim_step_graph
+    from dask_ipar.testing import fake_binding
+
+    shape = cfg.image if isinstance(cfg, C.CNNConfig) else (cfg.widths[0],)
+    machine = Machine(alpha_s=1e-3, bandwidth_Bps=1.2e8, flops_per_s=rate, elementwise_Bps=ew)
+    chosen = rank_grids(cfg.layers(), shape, workers, cfg.batch, machine, cores=2,
+                        executor="programs", grids=[grid])[0]
+    model = cfg.build_model(chosen.layers if isinstance(cfg, C.CNNConfig) else None)
+    engine = model._make_engine(fake_binding(grid))
+    names = [f"w{k}" for k in range(len(engine.param_layouts))]
+    opt = SGD(lr=0.01, momentum=0.9)
+    g, external = sim_step_graph(engine, names, cfg.batch, shape, "float32", opt)
+    cost = {t.key: t for t in sim_tasks(g, external, 4)[0]}
+    rng = np.random.default_rng(2)
+    ext = {k: (rng.standard_normal(s) * 0.01).astype(np.float32)
+           for k, (_, s) in external.items()}
+    scratch = np.ones(COLD_BYTES // 4, np.float32) if cold else None
+    times = collections.defaultdict(list)
+    for _ in range(reps):
+        vals = dict(ext)
+        for key, node in g.dsk.items():
+            if isinstance(node, DataNode):
+                vals[key] = node.value
+                continue
+            deps = {a.key: vals[a.key] for a in node.args if isinstance(a, TaskRef)}
+            if scratch is not None:
+                scratch += 1.0
+            t = time.perf_counter()
+            vals[key] = node(deps)
+            times[key].append(time.perf_counter() - t)
+    per = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+    for key, ts in times.items():
+        name = (key[0] if isinstance(key, tuple) else key).split("-")[0]
+        p = per[(name, g.dsk[key].func.__name__)]
+        p[0] += min(ts)
+        p[1] += cost[key].flops / rate
+        p[2] += cost[key].mem_bytes / ew
+        p[3] += 1
+    return dict(per)
+
+
+def main(argv=None):
+    from threadpoolctl import threadpool_limits
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="cnn", choices=["cnn", "compute", "weight"])
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--grids", default="4x2,8x1", help="grids, comma-separated")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cold", action="store_true", help="evict the caches before each kernel")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per grid")
+    a = ap.parse_args(argv)
+    cfg = {**{c.key: c for c in C.configs(False)}, "cnn": C.CNN}[a.model]
+    with threadpool_limits(1):
+        rate, ew = _rates()
+        print(f"matmul {rate / 1e9:.1f} GFLOP/s, element-wise {ew / 1e9:.1f} GB/s (one thread)"
+              f"{', caches evicted before each kernel' if a.cold else ''}\n")
+        for grid in a.grids.split(","):
+            per = replay(cfg, a.workers, grid, rate, ew, a.reps, a.cold)
+            real = sum(p[0] for p in per.values())
+            model = sum(p[1] + p[2] for p in per.values())
+            print(f"{cfg.label} {grid} ({a.workers} workers' tasks): measured {real * 1e3:.1f} ms, "
+                  f"model {model * 1e3:.1f} ms (measured / model {real / model:.2f})\n")
+            print("| kernel | function | tasks | measured (ms) | model (ms) | flops / bytes "
+                  "(ms) | measured / model |")
+            print("|---|---|---|---|---|---|---|")
+            for (name, fn), p in sorted(per.items(), key=lambda kv: -kv[1][0])[:a.top]:
+                m = p[1] + p[2]
+                print(f"| {name} | {fn} | {p[3]} | {p[0] * 1e3:.1f} | {m * 1e3:.1f} | "
+                      f"{p[1] * 1e3:.1f} / {p[2] * 1e3:.1f} | {p[0] / m if m else float('nan'):.2f} |")
+            print()
+
+
+if __name__ == "__main__":
+    main()
