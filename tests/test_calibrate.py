@@ -36,6 +36,7 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert 0 < m.background_cores < (os.cpu_count() or 1), m.background_cores
     assert 1e-5 < m.step_cpu_s < 1.0, m.step_cpu_s
     assert any("per task" in line for line in lines)
+    assert any("at rest" in line for line in lines)
     path = tmp_path / "machine.yaml"
     save_machine(m, path)
     assert load_machine(path) == m
@@ -53,3 +54,36 @@ def test_dask_cpu_probes_skip_workers_in_the_clients_process(client):
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                       dashboard_address=None) as cluster, Client(cluster) as local:
         assert not measurable(local, sorted(scheduler_workers(local)))
+
+
+def test_hosts_cpu_is_each_hosts_busy_span_less_its_rest():
+    """The transfer CPU read on the hosts (:func:`~dask_ipar.runtime.linkprobe.hosts_cpu`):
+    per host its busy CPU from the earliest worker's start to the latest worker's end, less
+    its rest rate over that window, summed over hosts; None where a host is unreadable or
+    has no rest figure (calibrate then keeps the workers' own CPU)."""
+    from pytest import approx
+
+    from dask_ipar.runtime.linkprobe import hosts_cpu
+
+    readings = [("a", 10.0, 12.0, 100.0, 101.0), ("a", 10.1, 12.5, 100.2, 101.5),
+                ("b", 5.0, 5.6, 100.0, 100.5)]
+    rest = {"a": 0.2, "b": 0.1}
+    # a: 12.5 - 10.0 - 0.2 * 1.5 = 2.2; b: 0.6 - 0.1 * 0.5 = 0.55
+    assert hosts_cpu(readings, rest) == approx(2.75)
+    assert hosts_cpu(readings, {"a": 0.2}) is None
+    assert hosts_cpu([("a", None, 1.0, 0.0, 1.0)], rest) is None
+    assert hosts_cpu([], rest) is None
+
+
+def test_rest_cores_reads_each_host_once(client):
+    """One figure per host of the workers (this test's cluster: one host), a fraction of its
+    cores while nothing is submitted; on a platform without ``/proc/stat``, none."""
+    from dask_ipar.runtime.linkprobe import rest_cores
+    from dask_ipar.runtime.workers import scheduler_workers
+
+    rest = rest_cores(client, sorted(scheduler_workers(client)), seconds=0.3)
+    if not os.path.exists("/proc/stat"):
+        assert rest == {}
+        return
+    assert len(rest) == 1
+    assert all(0 <= c <= (os.cpu_count() or 1) for c in rest.values()), rest

@@ -22,7 +22,10 @@ What the engine pays, measured the way the engine pays it:
   gathered: what a step run as programs pays once outside them.
 * ``transfer_cpu_s_per_B``: CPU seconds a worker process spends per byte it sends or
   receives, measured while every worker program pushes a large block to every other one
-  at once over the programs' transport (the process's CPU time, all of its threads):
+  at once over the programs' transport (the process's CPU time, all of its threads; or,
+  where more and readable (``/proc/stat``), each host's busy CPU over the exchange less
+  its CPU at rest: the kernel's network stack runs in interrupt context, charged to no
+  worker process, 3-11% more than the workers' own on 4 and 8 emulated hosts):
   what moving blocks takes from the computing where workers share a machine's cores;
   the median of :data:`TRANSFER_REPEATS` exchanges after :data:`TRANSFER_WARMUPS` of the
   same size (the steady state of a run's exchanges, not its first).
@@ -77,6 +80,7 @@ from dask_ipar.runtime.linkprobe import (
     loaded_hop,
     message_cpu,
     program_hop,
+    rest_cores,
     transfer_cpu,
 )
 from dask_ipar.runtime.stepprobe import background_cores, measurable, step_cpu
@@ -330,9 +334,12 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     # workers up to 5x the CPU per byte of later ones (fresh memory for the blocks and the
     # links' buffers; measured on 8 emulated hosts: 3.1 and 2.3 ns/B first, 0.5-1.2
     # after), so two warm the links and the workers' heaps at the size measured
+    rest = rest_cores(client, everyone)
+    log("hosts' CPU at rest (nothing submitted): " + (", ".join(
+        f"{h} {c:.3f} cores" for h, c in sorted(rest.items())) or "not readable here"))
     for _ in range(TRANSFER_WARMUPS):
-        transfer_cpu(client, everyone, block_mib * 2**20)
-    figures = [transfer_cpu(client, everyone, block_mib * 2**20)
+        transfer_cpu(client, everyone, block_mib * 2**20, rest)
+    figures = [transfer_cpu(client, everyone, block_mib * 2**20, rest)
                for _ in range(TRANSFER_REPEATS)]
     cpu_B = float(np.median([c for c, _ in figures]))
     exchange = float(np.median([e for _, e in figures]))

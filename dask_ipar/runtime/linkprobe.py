@@ -6,19 +6,23 @@ Its one job: time what the programs' links do, with what a program uses (its
 * :func:`program_hop`: one hop of a 4-byte block (half a ping-pong's round trip);
 * :func:`loaded_hop`: the same while every link carries an all-to-all's large blocks;
 * :func:`transfer_cpu`: every worker pushing a block to every other at once: the CPU
-  per byte the transports spend, and each link's rate (``exchange_Bps``);
+  per byte the transports spend, and each link's rate (``exchange_Bps``); with
+  :func:`rest_cores`, the CPU the hosts spend beyond the workers' own (the kernel's
+  network stack, charged to no worker process);
 * :func:`busy_exchange`: the same while every worker also computes (``busy_exchange_Bps``);
 * :func:`message_cpu`: the transports' fixed CPU per message.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import numpy as np
 
 __all__ = ["program_hop", "loaded_hop", "transfer_cpu", "busy_exchange", "message_cpu",
-           "TRANSFER_WARMUPS", "TRANSFER_REPEATS", "BUSY_REPEATS", "LOADED_REPEATS"]
+           "rest_cores", "hosts_cpu", "TRANSFER_WARMUPS", "TRANSFER_REPEATS", "BUSY_REPEATS", "LOADED_REPEATS"]
 
 #: Exchanges of the measured size before the transfer CPU is timed, and how many are timed.
 TRANSFER_WARMUPS = 2
@@ -73,6 +77,59 @@ def _barrier(plugin, sender, peers: list, me: str, uid: str) -> None:
         plugin.receive((f"calibrate.ready-{uid}", peers.index(p)), timeout=300.0)
 
 
+def _host_busy() -> tuple:
+    """``(host, CPU seconds this machine's cores have been busy so far)``: every core's
+    user, system, interrupt and softirq time from ``/proc/stat`` (not idle, I/O wait or
+    time stolen by a hypervisor); ``(host, None)`` where that cannot be read (not Linux)."""
+    host = socket.gethostname()
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:8]]
+        user, nice, system, _idle, _iowait, irq, softirq = ticks
+    except (OSError, ValueError):
+        return host, None
+    return host, (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _rest_busy(seconds: float) -> tuple:
+    """``(host, cores busy)`` on this worker's host over ``seconds`` of sleeping."""
+    host, b0 = _host_busy()
+    time.sleep(seconds)
+    _, b1 = _host_busy()
+    return host, (None if b0 is None or b1 is None else (b1 - b0) / seconds)
+
+
+def rest_cores(client, workers, seconds: float = 1.0) -> dict:
+    """``{host: cores busy}`` of each host of ``workers`` while nothing is submitted (one
+    worker per host sleeps ``seconds``; the scheduler's, the client's and the workers' own
+    periodic work, whatever else runs there): the baseline :func:`hosts_cpu` takes off an
+    exchange's host CPU. Hosts whose CPU cannot be read are left out."""
+    by_host = dict(client.run(socket.gethostname, workers=list(workers)))
+    one = {}
+    for w, host in sorted(by_host.items()):
+        one.setdefault(host, w)
+    futs = [client.submit(_rest_busy, seconds, workers=[w], pure=False,
+                          allow_other_workers=False) for w in one.values()]
+    return {h: rate for h, rate in client.gather(futs) if rate is not None}
+
+
+def hosts_cpu(readings, rest: dict) -> float | None:
+    """CPU seconds the hosts spent on an exchange beyond their rest: per host, its busy
+    CPU from the earliest reading at a worker's start to the latest at a worker's end,
+    less ``rest[host]`` cores over that window; summed over the hosts. ``readings``:
+    ``(host, busy at start, busy at end, start, end)`` per worker (:func:`_exchange_cpu`).
+    None where a host's CPU or rest is unknown."""
+    spans: dict = {}
+    for host, b0, b1, t0, t1 in readings:
+        if b0 is None or b1 is None or host not in rest:
+            return None
+        lo, hi, s, e = spans.get(host, (b0, b1, t0, t1))
+        spans[host] = (min(lo, b0), max(hi, b1), min(s, t0), max(e, t1))
+    if not spans:
+        return None
+    return sum(hi - lo - rest[h] * (e - s) for h, (lo, hi, s, e) in spans.items())
+
+
 def _sent_bytes(nbytes: int, workers) -> int:
     """Bytes one worker pushes in an all-to-all of ``nbytes`` blocks (float32 blocks)."""
     return max(1, nbytes // 4) * 4 * (len(list(workers)) - 1)
@@ -81,9 +138,10 @@ def _sent_bytes(nbytes: int, workers) -> int:
 def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     """Run as a task on every worker of ``peers``: push an ``nbytes`` block to every other
     one and take theirs, over what a program uses (its sender, the mailbox); returns
-    ``(process id, CPU seconds of this process, bytes sent and received, start, stop)``
-    over the exchange (``time.time()`` from this worker's first block out to its last block
-    in). ``busy``: a thread of the worker runs the engine's kernels (the calibration's
+    ``(process id, CPU seconds of this process, bytes sent and received, start, stop,
+    host reading)`` over the exchange (``time.time()`` from this worker's first block out to
+    its last block in; the host's busy CPU then, :func:`_host_busy`: ``(host, at start, at
+    end, start, end)``). ``busy``: a thread of the worker runs the engine's kernels (the calibration's
     kernel mix, :mod:`dask_ipar.runtime.kernelmix`) from before the first block leaves
     until the last one is in, as a program's kernels run beside its transfers."""
     import os
@@ -103,6 +161,7 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     block = np.ones(max(1, nbytes // 4), dtype=np.float32)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     _barrier(plugin, sender, peers, me, uid)
+    host, h0 = _host_busy()
     stop = threading.Event()
     if busy:
         from dask_ipar.runtime.kernelmix import kernel_calls
@@ -130,16 +189,19 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
         stop.set()
         if busy:
             kernels.join()
+    _, h1 = _host_busy()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return os.getpid(), cpu, got + block.nbytes * len(others), t0, t1
+    return os.getpid(), cpu, got + block.nbytes * len(others), t0, t1, (host, h0, h1, t0, t1)
 
 
-def _exchange(client, workers, nbytes: int, busy: bool = False) -> tuple[float, float, float]:
+def _exchange(client, workers, nbytes: int, busy: bool = False, rest: dict | None = None):
     """Every worker of ``workers`` pushes an ``nbytes`` block to every other one at once
     (:func:`_exchange_cpu`): ``(CPU seconds, bytes, seconds)``: the workers' CPU time (workers
-    in one process: its CPU time once), the bytes that crossed their transports (both ends
-    counted), and the median worker's time from its first block out to its last block in."""
+    in one process: its CPU time once; with ``rest`` (:func:`rest_cores`), the hosts' CPU
+    beyond their rest where that reads more, :func:`hosts_cpu`), the bytes that crossed
+    their transports (both ends counted), and the median worker's time from its first block
+    out to its last block in."""
     from dask_ipar.errors import IparError
     from dask_ipar.runtime.exchange import install_exchange
 
@@ -156,18 +218,25 @@ def _exchange(client, workers, nbytes: int, busy: bool = False) -> tuple[float, 
     cpu: dict = {}
     for pid, c, *_ in out:
         cpu[pid] = max(cpu.get(pid, 0.0), c)
-    took = float(np.median([t1 - t0 for *_, t0, t1 in out]))
-    return sum(cpu.values()), float(sum(b for _, _, b, *_ in out)), took
+    took = float(np.median([t1 - t0 for _, _, _, t0, t1, _ in out]))
+    total = sum(cpu.values())
+    if rest is not None:
+        machine = hosts_cpu([r for *_, r in out], rest)
+        if machine is not None:
+            total = max(total, machine)
+    return total, float(sum(b for _, _, b, *_ in out)), took
 
 
-def transfer_cpu(client, workers, nbytes: int) -> tuple[float, float]:
+def transfer_cpu(client, workers, nbytes: int, rest: dict | None = None) -> tuple[float, float]:
     """``(CPU seconds per byte, bytes per second each worker sends)``, every worker of
     ``workers`` pushing an ``nbytes`` block to every other one at once (:func:`_exchange`):
-    the workers' CPU time over the bytes that crossed their transports, both ends counted;
+    the workers' CPU time (with ``rest``, the hosts' beyond their rest where that is more:
+    the kernel's network stack runs in interrupt context, charged to no worker or to another
+    process) over the bytes that crossed their transports, both ends counted;
     and the bytes a worker pushed over the median worker's time from its first block out to
     its last block in (what one link carries while every link is busy, as in a collective:
     below a pair's rate where the links share a switch, a host's stack or its cores)."""
-    cpu, nbytes_all, took = _exchange(client, workers, nbytes)
+    cpu, nbytes_all, took = _exchange(client, workers, nbytes, rest=rest)
     return cpu / nbytes_all, _sent_bytes(nbytes, workers) / max(took, 1e-9)
 
 
