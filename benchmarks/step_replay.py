@@ -7,8 +7,8 @@ step-time model's cost of each kernel (issue 23).
 Builds the step graph the engine runs for ``--model`` (``cnn``, ``compute`` or ``weight``
 of ``benchmarks/common.py``) on each grid of ``--workers`` processes (the conv schemes
 the planner picks for it), with no cluster, then runs every task of it in the graph's
-order in this process (one BLAS thread, float32, random inputs and weights), ``--reps``
-times; a kernel's time is its fastest. ``--cold``: before each kernel, a pass over a 64
+order in this process (one BLAS thread, float32, random weights, the batch's zero blocks
+of the model's graph), ``--reps`` times; a kernel's time is its fastest. ``--cold``: before each kernel, a pass over a 64
 MiB buffer evicts the caches, as other processes' work does between a kernel and the
 one that made its inputs where worker processes share the cores.
 
@@ -39,18 +39,14 @@ COLD_BYTES = 64 * 2**20
 
 
 def _rates():
-    """``(matmul flops/s, element-wise bytes/s)`` of this process, as calibrate's."""
+    """``(matmul flops/s, element-wise bytes/s)`` of this process, as calibrate measures
+    them on a worker (the fastest of three 1024-cubed matmuls; the kernel mix, fastest of
+    three runs)."""
+    from dask_ipar.runtime.calibrate import _matmul_rate
     from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_mix
     from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS
 
-    m = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
-    m @ m
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        m @ m
-        best = min(best, time.perf_counter() - t)
-    rate = 2 * 1024 ** 3 / best
+    rate = _matmul_rate(1024, "float32", 3)
     mixes = [kernel_mix(2) for _ in range(3)]
     return rate, elementwise_rate(*min(mixes, key=lambda r: r[2]), rate) or ELEMENTWISE_BPS
 
@@ -111,10 +107,15 @@ def main(argv=None):
     ap.add_argument("--model", default="cnn", choices=["cnn", "compute", "weight"])
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--grids", default="4x2,8x1", help="grids, comma-separated")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3,
+                    help="runs of the step, a kernel's time its fastest (at least 2: a "
+                         "kernel's first run allocates its arrays)")
     ap.add_argument("--cold", action="store_true", help="evict the caches before each kernel")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per grid")
     a = ap.parse_args(argv)
+    if a.reps < 2:
+        ap.error(f"--reps: got {a.reps}; expected at least 2 (a kernel's first run allocates "
+                 "its arrays and would be timed)")
     cfg = {**{c.key: c for c in C.configs(False)}, "cnn": C.CNN}[a.model]
     with threadpool_limits(1):
         rate, ew = _rates()
@@ -131,8 +132,9 @@ def main(argv=None):
             print("|---|---|---|---|---|---|---|")
             for (name, fn), p in sorted(per.items(), key=lambda kv: -kv[1][0])[:a.top]:
                 m = p[1] + p[2]
+                ratio = p[0] / m if m else float("nan")
                 print(f"| {name} | {fn} | {p[3]} | {p[0] * 1e3:.1f} | {m * 1e3:.1f} | "
-                      f"{p[1] * 1e3:.1f} / {p[2] * 1e3:.1f} | {p[0] / m if m else float('nan'):.2f} |")
+                      f"{p[1] * 1e3:.1f} / {p[2] * 1e3:.1f} | {ratio:.2f} |")
             print()
 
 

@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 __all__ = ["program_hop", "loaded_hop", "transfer_cpu", "busy_exchange", "message_cpu",
-           "rest_cores", "hosts_cpu", "TRANSFER_WARMUPS", "TRANSFER_REPEATS", "BUSY_REPEATS", "LOADED_REPEATS"]
+           "rest_cores", "hosts_cpu", "TRANSFER_WARMUPS", "TRANSFER_REPEATS", "BUSY_REPEATS",
+           "LOADED_REPEATS"]
 
 #: Exchanges of the measured size before the transfer CPU is timed, and how many are timed.
 TRANSFER_WARMUPS = 2
@@ -138,11 +139,10 @@ def _sent_bytes(nbytes: int, workers) -> int:
 def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     """Run as a task on every worker of ``peers``: push an ``nbytes`` block to every other
     one and take theirs, over what a program uses (its sender, the mailbox); returns
-    ``(process id, CPU seconds of this process, bytes sent and received, start, stop,
-    host reading)`` over the exchange (``time.time()`` from this worker's first block out to
-    its last block in; the host's busy CPU then, :func:`_host_busy`: ``(host, at start, at
-    end, start, end)``). ``busy``: a thread of the worker runs the engine's kernels (the calibration's
-    kernel mix, :mod:`dask_ipar.runtime.kernelmix`) from before the first block leaves
+    ``(process id, CPU seconds of this process, bytes sent and received, start, stop, host,
+    its busy CPU at start, at stop)`` over the exchange (``time.time()`` from this worker's
+    first block out to its last block in; the host's CPU by :func:`_host_busy`). ``busy``:
+    a thread of the worker runs the engine's kernels (the calibration's kernel mix, :mod:`dask_ipar.runtime.kernelmix`) from before the first block leaves
     until the last one is in, as a program's kernels run beside its transfers."""
     import os
     import resource
@@ -192,7 +192,7 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     _, h1 = _host_busy()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return os.getpid(), cpu, got + block.nbytes * len(others), t0, t1, (host, h0, h1, t0, t1)
+    return os.getpid(), cpu, got + block.nbytes * len(others), t0, t1, host, h0, h1
 
 
 def _exchange(client, workers, nbytes: int, busy: bool = False, rest: dict | None = None):
@@ -218,10 +218,10 @@ def _exchange(client, workers, nbytes: int, busy: bool = False, rest: dict | Non
     cpu: dict = {}
     for pid, c, *_ in out:
         cpu[pid] = max(cpu.get(pid, 0.0), c)
-    took = float(np.median([t1 - t0 for _, _, _, t0, t1, _ in out]))
+    took = float(np.median([t1 - t0 for _, _, _, t0, t1, *_ in out]))
     total = sum(cpu.values())
     if rest is not None:
-        machine = hosts_cpu([r for *_, r in out], rest)
+        machine = hosts_cpu([(h, b0, b1, t0, t1) for _, _, _, t0, t1, h, b0, b1 in out], rest)
         if machine is not None:
             total = max(total, machine)
     return total, float(sum(b for _, _, b, *_ in out)), took
