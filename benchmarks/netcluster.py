@@ -332,6 +332,38 @@ def _peer(cl, mode, mesh, cfg, steps, threads, check=False):
     return r
 
 
+def link_check(client, rate) -> dict:
+    """The link between the first two workers: a 64 MiB block's time, less a 4-byte one's
+    (its rate), and a 4-byte hop between worker programs (direct, and over dask's comms)."""
+    import common as C
+    from dask_ipar.runtime.calibrate import program_hop
+    from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
+
+    ws = sorted(client.scheduler_info()["workers"])
+    big, small = C.transfer_time(client, ws[0], ws[1], 64 * 2**20)
+    bw = 64 * 2**20 / max(big - small, 1e-9)
+    hop = program_hop(client, ws[0], ws[1])
+    via_dask = program_hop(client, ws[0], ws[1], direct=False)
+    print(f"link check: 64 MiB in {big:.3f} s -> {bw * 8 / 1e9:.3f} Gbit/s "
+          f"(nominal {rate}); 4-byte dask task transfer {small * 1e3:.1f} ms, "
+          f"4-byte program hop {hop * 1e3:.2f} ms (over dask's comms "
+          f"{via_dask * 1e3:.2f} ms)", flush=True)
+    return {"t_64MiB_s": big, "t_4B_s": small, "bandwidth_Bps": bw,
+            "nominal_Bps": parse_rate_Bps(rate), "program_hop_4B_s": hop,
+            "program_hop_dask_s": via_dask, "direct_max_bytes": DIRECT_MAX_BYTES,
+            "wire_reader": "program"}
+
+
+def step_machine(client, link, log=True):
+    """The step-time model's machine: ``dask-ipar calibrate`` on this cluster, its link
+    figures from :func:`link_check` (64 MiB and the programs' 4-byte hop)."""
+    from dask_ipar.runtime.calibrate import calibrate
+
+    cal = calibrate(client, log=(lambda m: print(f"calibrate: {m}", flush=True))
+                    if log else None)
+    return cal.replace(bandwidth_Bps=link["bandwidth_Bps"], message_s=link["program_hop_4B_s"])
+
+
 def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, only=None,
                   executor="graph", peers=(), configs=None, pairs=0):
     """Time dask-ipar on every grid of the emulated cluster, and with ``peers`` (modes of
@@ -349,8 +381,6 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     from dask_ipar.cost import Machine, mlp, plan
     from dask_ipar.cost import price_assignment
     from dask_ipar.nn.planning import cost_specs
-    from dask_ipar.runtime.calibrate import calibrate, program_hop
-    from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
     from dask_ipar.runtime.gridrank import rank_grids
 
     warnings.filterwarnings("ignore")
@@ -362,19 +392,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                           peers=n_workers if peers else 0, handle=handle) as addr:
         cl = handle[0]
         with Client(addr) as client:
-            ws = sorted(client.scheduler_info()["workers"])
-            big, small = C.transfer_time(client, ws[0], ws[1], 64 * 2**20)
-            bw = 64 * 2**20 / max(big - small, 1e-9)
-            hop = program_hop(client, ws[0], ws[1])
-            via_dask = program_hop(client, ws[0], ws[1], direct=False)
-            out["link"] = {"t_64MiB_s": big, "t_4B_s": small, "bandwidth_Bps": bw,
-                           "nominal_Bps": parse_rate_Bps(rate), "program_hop_4B_s": hop,
-                           "program_hop_dask_s": via_dask,
-                           "direct_max_bytes": DIRECT_MAX_BYTES, "wire_reader": "program"}
-            print(f"link check: 64 MiB in {big:.3f} s -> {bw * 8 / 1e9:.3f} Gbit/s "
-                  f"(nominal {rate}); 4-byte dask task transfer {small * 1e3:.1f} ms, "
-                  f"4-byte program hop {hop * 1e3:.2f} ms (over dask's comms "
-                  f"{via_dask * 1e3:.2f} ms)", flush=True)
+            out["link"] = link = link_check(client, rate)
+            bw, small, hop = link["bandwidth_Bps"], link["t_4B_s"], link["program_hop_4B_s"]
             if peers:
                 pp = run_peer(cl, "pingpong", f"1x{n_workers}", {"kind": "mlp", "widths": [1, 1]},
                               1, 1, threads)
@@ -388,10 +407,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                               f"programs / gloo ({hop * 1e3:.2f} / {pp['hop_4B_s'] * 1e3:.2f} ms)",
                     "limit": "<= 2.0", "value": ratio, "ok": ratio <= 2.0})
             machine = Machine(alpha_s=small, bandwidth_Bps=bw, compute_s_per_iter=0.0)
-            # the step-time model's machine: dask-ipar calibrate on this cluster, its link
-            # figures from the checks above (64 MiB and the programs' 4-byte hop)
-            cal = calibrate(client, log=lambda m: print(f"calibrate: {m}", flush=True))
-            sim_machine = cal.replace(bandwidth_Bps=bw, message_s=hop)
+            sim_machine = step_machine(client, link)
             out["machine"] = dataclasses.asdict(sim_machine)
             cores = os.cpu_count()
             for cfg in configs or C.configs(quick):

@@ -95,6 +95,55 @@ def test_max_pool_sends_a_tie_to_the_first_maximum_only():
     np.testing.assert_array_equal(dx[0, 0], [[1, 0], [0, 0]])
 
 
+def naive_max_pool_backward(x, dy, k, s, pad):
+    """Each window's gradient to its first maximum (row-major), window by window."""
+    xp_ = np.pad(x, ((0, 0), (0, 0), (pad[0], pad[1]), (pad[2], pad[3])),
+                 constant_values=-np.inf)
+    dxp = np.zeros(xp_.shape)
+    for n in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            for oy in range(dy.shape[2]):
+                for ox in range(dy.shape[3]):
+                    win = xp_[n, c, oy * s:oy * s + k, ox * s:ox * s + k]
+                    i, j = np.unravel_index(int(np.argmax(win)), win.shape)  # the first
+                    dxp[n, c, oy * s + i, ox * s + j] += dy[n, c, oy, ox]
+    return dxp[:, :, pad[0]:pad[0] + x.shape[2], pad[2]:pad[2] + x.shape[3]]
+
+
+@pytest.mark.parametrize("shape,k,pad", [((2, 3, 8, 6), 2, (0, 0, 0, 0)),
+                                         ((2, 3, 7, 7), 2, (0, 1, 1, 0)),
+                                         ((1, 2, 9, 6), 3, (0, 0, 0, 0)),
+                                         ((2, 2, 4, 4), 2, (1, 1, 1, 1))])
+@pytest.mark.parametrize("data", ["random", "relu", "ties"])
+def test_max_pool_backward_where_windows_tile_the_input(shape, k, pad, data):
+    # stride k, windows covering the padded input: the tiled path, ties included (a ReLU's
+    # zeros; rounded values), against the window-by-window routing to the first maximum
+    x = rng.standard_normal(shape)
+    x = {"random": x, "relu": np.maximum(x, 0), "ties": np.round(x)}[data]
+    y = C.pool2d_forward(x, k, k, pad, "max")
+    dy = rng.standard_normal(y.shape)
+    np.testing.assert_array_equal(C.pool2d_backward(x, dy, k, k, pad, "max"),
+                                  naive_max_pool_backward(x, dy, k, k, pad))
+    dy[0, 0, 0, 0], dy[-1, -1, -1, -1] = np.inf, np.nan  # only the maxima get them
+    want = naive_max_pool_backward(x, np.nan_to_num(dy, nan=7.0, posinf=9.0), k, k, pad)
+    got = C.pool2d_backward(x, dy, k, k, pad, "max")
+    np.testing.assert_array_equal(np.isinf(got), want == 9.0)
+    np.testing.assert_array_equal(np.isnan(got), want == 7.0)
+    finite = np.isfinite(got)
+    np.testing.assert_array_equal(got[finite], want[finite])
+
+
+def test_pool_block_backward_cost_follows_the_path():
+    from dask_ipar.kernels.conv_costs import CONV_COSTS
+    cost = CONV_COSTS["pool_block_backward"]
+    # the tiled path (2 x 2 at stride 2 over 64 x 64): its passes, about 36 of the output
+    _, fl, tiled = cost((2, 4, 64, 64), (2, 4, 32, 32), 2, None, (0, 0, 0, 0), "max")
+    assert tiled == pytest.approx(35.5 * 2 * 4 * 32 * 32)
+    # overlapping windows: the general path's strided passes, more per output element
+    _, _, general = cost((2, 4, 65, 65), (2, 4, 32, 32), 3, 2, (0, 0, 0, 0), "max")
+    assert general / (2 * 4 * 32 * 32) > 60
+
+
 def test_kernels_run_on_array_api_strict():
     xps = pytest.importorskip("array_api_strict")
     x = rng.standard_normal((2, 4, 9, 7))
@@ -108,6 +157,11 @@ def test_kernels_run_on_array_api_strict():
                                       (1, 1, 0, 1), 2),
                     C.conv2d_backward(x, w, dy, 2, (1, 1, 0, 1), 2)):
         np.testing.assert_allclose(np.from_dlpack(a), r, rtol=1e-12, atol=1e-12)
+    xt = rng.standard_normal((2, 3, 8, 6))  # max pooling's tiled path
+    dyt = rng.standard_normal((2, 3, 4, 3))
+    np.testing.assert_array_equal(
+        np.from_dlpack(C.pool2d_backward(xps.asarray(xt), xps.asarray(dyt), 2, 2)),
+        C.pool2d_backward(xt, dyt, 2, 2))
     for mode in ("max", "avg"):
         yp = C.pool2d_forward(xps.asarray(x), 3, 2, (1, 1, 1, 1), mode)
         np.testing.assert_allclose(np.from_dlpack(yp), C.pool2d_forward(x, 3, 2, (1, 1, 1, 1),

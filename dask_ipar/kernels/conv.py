@@ -164,6 +164,41 @@ def pool2d_forward(x, k, stride=None, pad=(0, 0, 0, 0), mode="max"):
     return total / cnt
 
 
+def _max_pool_tiled_backward(xpad, y, dy, k):
+    """Max pooling's input gradient where the windows tile the (padded) input: ``k x k``
+    windows at stride ``k`` covering it exactly (the usual 2 x 2 pooling). A window's rows
+    are an axis of a reshaped view, so the gradient is written once, contiguously, by one
+    broadcast product of a mask and the output gradient, instead of a zeroed array and a
+    strided read-modify-write per window offset (each of which touches every cache line of
+    the array); the first maximum of each window (row-major) is found on a boolean array a
+    quarter of the input's bytes. The same routing, so the same values, as the general path
+    (a zero may come out as -0.0)."""
+    xp = xp_of(xpad)
+    n, c, hp, wp = xpad.shape
+    oh = hp // k
+    # each output repeated along its window's columns: the compares and the select then
+    # run along whole rows (a window axis of length k last would make numpy's inner loops
+    # k long)
+    hit = xp.reshape(xpad, (n, c, oh, k, wp)) == xp.repeat(y, k, axis=3)[:, :, :, None, :]
+    taken = None
+    for i in range(k):
+        for j in range(k):
+            v = hit[:, :, :, i, j::k]
+            if taken is None:
+                taken = xp.asarray(v, copy=True)
+                continue
+            first = v & ~taken
+            taken |= v
+            hit[:, :, :, i, j::k] = first
+    dyr = xp.repeat(dy, k, axis=3)[:, :, :, None, :]
+    m = K._ufuncs(dy)
+    if m is not None and bool(xp.all(xp.isfinite(dy))):  # 5x faster than a select (NumPy)
+        dx = m.multiply(hit, dyr, dtype=dy.dtype)
+    else:  # elsewhere, or where 0 * inf would make nan: the others' gradient stays 0
+        dx = xp.where(hit, dyr, xp.zeros((), dtype=dy.dtype))
+    return xp.reshape(dx, (n, c, hp, wp))
+
+
 def pool2d_backward(x, dy, k, stride=None, pad=(0, 0, 0, 0), mode="max"):
     """Gradient of :func:`pool2d_forward` with respect to ``x``.
 
@@ -177,6 +212,9 @@ def pool2d_backward(x, dy, k, stride=None, pad=(0, 0, 0, 0), mode="max"):
     if mode == "max":
         xpad = pad2d(x, pad, value=-float("inf"))
         y = pool2d_forward(x, k, stride, pad, "max")
+        if stride == k and xpad.shape[2:] == (oh * k, ow * k):
+            dxpad = _max_pool_tiled_backward(xpad, y, dy, k)
+            return dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd]
         taken = xp.zeros(y.shape, dtype=xp.bool)
     else:
         xpad = pad2d(x, pad)

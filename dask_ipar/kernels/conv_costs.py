@@ -133,9 +133,25 @@ def _pool_block(x, k, stride, pad, mode):
     return out, float((k * k - 1) * y), 2 * xpad + 3 * (k * k - 1) * y
 
 
+def _tiles(x, out, k, stride, pad, mode):
+    """Whether max pooling's backward takes the tiled path
+    (:func:`dask_ipar.kernels.conv._max_pool_tiled_backward`): windows that tile the padded
+    input."""
+    return mode == "max" and (stride or k) == k and \
+        (x[2] + pad[0] + pad[1], x[3] + pad[2] + pad[3]) == (out[2] * k, out[3] * k)
+
+
 def _pool_block_backward(x, dy, k, stride, pad, mode):
     out, flops, mem = _pool_block(x, k, stride, pad, mode)
     y = numel(out)
+    if _tiles(x, out, k, stride, pad, mode):
+        big = y * k * k  # the padded input's elements
+        # (masks are bytes: a quarter of a float32's pass) the output repeated along its
+        # window's columns (read, write k), the compare (the input, the repeats, a mask),
+        # per further window offset the first-maximum updates (seven mask passes), the
+        # finite check, the gradient repeated, the product (mask and repeats read, written)
+        return tuple(x), flops + float(big), mem + (1 + k) * y + big + k * y + big / 4 \
+            + 7 * (k * k - 1) * y / 4 + 1.25 * y + (1 + k) * y + big / 4 + k * y + big
     # the forward again, a zeroed input gradient, then per window: the compare, the mask
     # updates (bytes), the masked gradient and its slice-add
     return tuple(x), flops + float(k * k * y), mem + numel(x) + k * k * 12 * y
