@@ -7,10 +7,10 @@ step-time model's cost of each kernel (issue 23).
 Builds the step graph the engine runs for ``--model`` (``cnn``, ``compute`` or ``weight``
 of ``benchmarks/common.py``) on each grid of ``--workers`` processes (the conv schemes
 the planner picks for it), with no cluster, then runs every task of it in the graph's
-order in this process (one BLAS thread, float32, random weights, the batch's zero blocks
-of the model's graph), ``--reps`` times; a kernel's time is its fastest. ``--cold``: before each kernel, a pass over a 64
-MiB buffer evicts the caches, as other processes' work does between a kernel and the
-one that made its inputs where worker processes share the cores.
+order in this process (one BLAS thread, float32, random weights and batch, the workers'
+malloc settings), ``--reps`` times; a kernel's time is its fastest. ``--cold``: before each
+kernel, a pass over a 64 MiB buffer evicts the caches, as other processes' work does
+between a kernel and the one that made its inputs where worker processes share the cores.
 
 The model's time of a task is ``flops / rate + bytes / elementwise``
 (:mod:`dask_ipar.kernels.costs`), the rate the matmul rate of this process and
@@ -75,13 +75,20 @@ def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold
     rng = np.random.default_rng(2)
     ext = {k: (rng.standard_normal(s) * 0.01).astype(np.float32)
            for k, (_, s) in external.items()}
+    # the batch: random values where the graph holds zeros (a kernel's time may depend on
+    # its values: max pooling's backward took 15.6 ms on constant 16 MiB blocks, 21.6 on
+    # random ones); labels as they are
+    for key, node in g.dsk.items():
+        if isinstance(node, DataNode):
+            v = node.value
+            ext[key] = (rng.standard_normal(v.shape).astype(v.dtype)
+                        if np.issubdtype(v.dtype, np.floating) else v)
     scratch = np.ones(COLD_BYTES // 4, np.float32) if cold else None
     times = collections.defaultdict(list)
     for _ in range(reps):
         vals = dict(ext)
         for key, node in g.dsk.items():
             if isinstance(node, DataNode):
-                vals[key] = node.value
                 continue
             deps = {a.key: vals[a.key] for a in node.args if isinstance(a, TaskRef)}
             if scratch is not None:
@@ -102,6 +109,15 @@ def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold
 
 def main(argv=None):
     from threadpoolctl import threadpool_limits
+
+    from dask_ipar.runtime.worker_env import REUSE_MEMORY_ENV
+
+    if argv is None and any(os.environ.get(k) != v for k, v in REUSE_MEMORY_ENV.items()):
+        # the malloc settings of dask-ipar's workers (they are read at the process's start):
+        # fresh arrays reuse freed memory, as in the workers (the kernel mix read 15.2 GB/s
+        # without them, 17.0 with)
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, **REUSE_MEMORY_ENV})
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="cnn", choices=["cnn", "compute", "weight"])

@@ -124,6 +124,8 @@ def test_max_pool_backward_where_windows_tile_the_input(shape, k, pad, data):
     dy = rng.standard_normal(y.shape)
     np.testing.assert_array_equal(C.pool2d_backward(x, dy, k, k, pad, "max"),
                                   naive_max_pool_backward(x, dy, k, k, pad))
+    np.testing.assert_array_equal(C.pool2d_backward(x, dy, k, k, pad, "max", tiled=False),
+                                  naive_max_pool_backward(x, dy, k, k, pad))
     dy[0, 0, 0, 0], dy[-1, -1, -1, -1] = np.inf, np.nan  # only the maxima get them
     want = naive_max_pool_backward(x, np.nan_to_num(dy, nan=7.0, posinf=9.0), k, k, pad)
     got = C.pool2d_backward(x, dy, k, k, pad, "max")

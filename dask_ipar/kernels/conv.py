@@ -199,11 +199,13 @@ def _max_pool_tiled_backward(xpad, y, dy, k):
     return xp.reshape(dx, (n, c, hp, wp))
 
 
-def pool2d_backward(x, dy, k, stride=None, pad=(0, 0, 0, 0), mode="max"):
+def pool2d_backward(x, dy, k, stride=None, pad=(0, 0, 0, 0), mode="max", tiled=True):
     """Gradient of :func:`pool2d_forward` with respect to ``x``.
 
     Max pooling routes each window's gradient to its first maximum (row-major), like
-    PyTorch.
+    PyTorch; where the windows tile the padded input (``stride == k``, no rows or columns
+    left over) by :func:`_max_pool_tiled_backward` unless ``tiled=False`` (the window-by-
+    window path, for comparison).
     """
     xp = xp_of(x)
     stride = stride or k
@@ -212,7 +214,7 @@ def pool2d_backward(x, dy, k, stride=None, pad=(0, 0, 0, 0), mode="max"):
     if mode == "max":
         xpad = pad2d(x, pad, value=-float("inf"))
         y = pool2d_forward(x, k, stride, pad, "max")
-        if stride == k and xpad.shape[2:] == (oh * k, ow * k):
+        if tiled and stride == k and xpad.shape[2:] == (oh * k, ow * k):
             dxpad = _max_pool_tiled_backward(xpad, y, dy, k)
             return dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd]
         taken = xp.zeros(y.shape, dtype=xp.bool)
