@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from dask_ipar.kernels.costs import kernel_cost
-from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_calls, kernel_mix
+from dask_ipar.runtime.kernelmix import (
+    IMAGES,
+    LARGE_IMAGES,
+    elementwise_rate,
+    elementwise_rates,
+    kernel_calls,
+    kernel_mix,
+    mix_split,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -36,3 +44,22 @@ def test_elementwise_rate_makes_the_model_time_equal_the_measured_time():
     # the flops alone take the whole time (or more): no rate can be read off
     assert elementwise_rate(flops, mem, flops / rate, rate) is None
     assert elementwise_rate(flops, mem, 0.5 * flops / rate, rate) is None
+
+
+def test_two_sizes_of_the_mix_give_the_small_and_the_large_blocks_rates():
+    # the mix's bytes by its calls' largest arrays: the 4 MiB conv block at the small
+    # size, its dense forward's 16 MiB output at the large; the 16 MiB conv block all large
+    f16, a16, b16 = mix_split("float32", IMAGES)
+    f64, a64, b64 = mix_split("float32", LARGE_IMAGES)
+    assert a16 > 2 * b16 > 0 and a64 == 0 and b64 > a16 + b16 and f64 > f16
+    # runs timed as the model would time them at known rates: the rates come back
+    rate, small, large = 1e11, 1.8e10, 1.5e10
+    runs = [(f * k, (a + b) * k, f * k / rate + a * k / small + b * k / large)
+            for (f, a, b), k in (((f16, a16, b16), 2), ((f64, a64, b64), 1))]
+    assert elementwise_rates(*runs, rate) == pytest.approx((small, large))
+    # no positive solution (the large run took less than its flops alone): one rate, the
+    # small run's
+    fast = (runs[1][0], runs[1][1], 0.9 * runs[1][0] / rate)
+    assert elementwise_rates(runs[0], fast, rate) == (elementwise_rate(*runs[0], rate), None)
+    # the large mix runs (its conv block on 16 MiB)
+    assert kernel_calls("float32", LARGE_IMAGES)[0][1][0].nbytes == 16 * 2**20

@@ -644,4 +644,33 @@ def test_the_simulated_step_graph_runs_and_is_what_the_model_costs():
         if isinstance(vals[key], np.ndarray) and vals[key].dtype == np.float32:
             checked += 1
             assert vals[key].nbytes == by_key[key].out_bytes, key
+            # its element-wise rate's size: the largest of the arrays it read and wrote
+            arrays = [vals[key]] + [vals[a.key] for a in node.args if isinstance(a, TaskRef)
+                                    and isinstance(vals[a.key], np.ndarray)]
+            itemsize_ok = all(a.dtype == np.float32 for a in arrays)
+            if itemsize_ok:
+                assert by_key[key].block_bytes == max(a.nbytes for a in arrays), key
     assert checked > 10
+
+
+@pytest.mark.fast
+def test_the_elementwise_rate_goes_by_the_size_of_a_tasks_arrays():
+    """With two element-wise rates (``elementwise_Bps`` at 4 MiB blocks and below,
+    ``elementwise_large_Bps`` at 16 MiB and above), a task's bytes take the seconds per
+    byte of its largest array's size, linear in its logarithm between; one rate without."""
+    from dask_ipar.cost import Machine, SimTask, simulate_programs
+
+    m = Machine(flops_per_s=1e11, elementwise_Bps=2e10, elementwise_large_Bps=1e10)
+    mib = 2**20
+    assert m.elementwise_s_per_B(mib, 5e9) == pytest.approx(1 / 2e10)
+    assert m.elementwise_s_per_B(4 * mib, 5e9) == pytest.approx(1 / 2e10)
+    assert m.elementwise_s_per_B(8 * mib, 5e9) == pytest.approx(0.5 / 2e10 + 0.5 / 1e10)
+    assert m.elementwise_s_per_B(64 * mib, 5e9) == pytest.approx(1 / 1e10)
+    assert Machine(elementwise_Bps=2e10).elementwise_s_per_B(64 * mib, 5e9) == 1 / 2e10
+    assert Machine().elementwise_s_per_B(64 * mib, 5e9) == 1 / 5e9
+    tasks = [SimTask("small", "A", (), mem_bytes=1e9, block_bytes=mib),
+             SimTask("large", "B", (), mem_bytes=1e9, block_bytes=32 * mib)]
+    kw = dict(flops_per_s=1e11, mem_Bps=2e10, bandwidth_Bps=1e9, latency_s=0.0)
+    r = simulate_programs(tasks, **kw, mem_s_per_B=lambda b: m.elementwise_s_per_B(b, 5e9))
+    assert r.compute_s == pytest.approx({"A": 0.05, "B": 0.1})
+    assert simulate_programs(tasks, **kw).compute_s == pytest.approx({"A": 0.05, "B": 0.05})

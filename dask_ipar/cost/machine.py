@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = [
+    "ELEMENTWISE_BLOCKS",
     "Machine",
+    "block_weight",
     "PAPER_MACHINE",
     "LOOPBACK_MACHINE",
     "parse_bytes",
@@ -21,6 +23,24 @@ __all__ = [
     "load_machine",
     "save_machine",
 ]
+
+#: The largest array of a kernel, in bytes, that ``elementwise_Bps`` and
+#: ``elementwise_large_Bps`` stand for (the kernel mix of ``dask-ipar calibrate`` at its two
+#: sizes: conv blocks of 16 and of 64 images of 32 x 32 x 64)
+ELEMENTWISE_BLOCKS = (4 * 2**20, 16 * 2**20)
+
+
+def block_weight(block_bytes: float) -> float:
+    """How far a kernel whose largest array holds ``block_bytes`` lies from the small
+    block of :data:`ELEMENTWISE_BLOCKS` to the large one, in the logarithm of the size
+    (0 at or below the small one, 1 at or above the large one)."""
+    lo, hi = ELEMENTWISE_BLOCKS
+    if block_bytes <= lo:
+        return 0.0
+    if block_bytes >= hi:
+        return 1.0
+    return math.log(block_bytes / lo) / math.log(hi / lo)
+
 
 _UNITS = {
     "": 1,
@@ -147,6 +167,12 @@ class Machine:
         Bytes per second of the kernels' element-wise work as the step-time model counts
         it (the engine's own kernels on one worker, their flops' time taken off); the
         model's fixed default where None.
+    elementwise_large_Bps : float, optional
+        The same for kernels whose largest array holds the large size of
+        :data:`ELEMENTWISE_BLOCKS` or more (16 MiB: blocks that stream from memory),
+        ``elementwise_Bps`` then standing for its small size or less (4 MiB); between
+        the two, the seconds per byte go linearly with the logarithm of the block's size
+        (:meth:`elementwise_s_per_B`). One rate for every size where None.
     exchange_Bps : float, optional
         Bytes per second one worker sends while every worker sends to every other at once
         (a collective's per-link rate); the step-time model's link rate where below
@@ -200,6 +226,7 @@ class Machine:
     loaded_message_s: float | None = None
     step_cpu_s: float | None = None
     background_cores: float | None = None
+    elementwise_large_Bps: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -215,12 +242,23 @@ class Machine:
                       "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
                       "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
                       "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps",
-                      "loaded_message_s", "step_cpu_s", "background_cores"):
+                      "loaded_message_s", "step_cpu_s", "background_cores",
+                      "elementwise_large_Bps"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
         if self.flops_per_s == 0:
             raise ValueError("flops_per_s: got 0; expected a positive flop rate or None")
+
+    def elementwise_s_per_B(self, block_bytes: float, default_Bps: float) -> float:
+        """Seconds per byte of the kernels' element-wise work in a kernel whose largest array
+        holds ``block_bytes`` (``default_Bps`` where the machine has no ``elementwise_Bps``;
+        see ``elementwise_large_Bps``)."""
+        small = self.elementwise_Bps or default_Bps
+        if not self.elementwise_large_Bps:
+            return 1.0 / small
+        w = block_weight(block_bytes)
+        return (1.0 - w) / small + w / self.elementwise_large_Bps
 
     @property
     def beta_s_per_byte(self) -> float:
@@ -264,7 +302,8 @@ _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compu
                  "cluster_flops_per_s", "task_s", "mem_Bps", "cluster_bandwidth_Bps",
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
                  "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
-                 "busy_exchange_Bps", "loaded_message_s", "step_cpu_s", "background_cores")
+                 "busy_exchange_Bps", "loaded_message_s", "step_cpu_s", "background_cores",
+                 "elementwise_large_Bps")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -275,8 +314,8 @@ def load_machine(path: str | Path) -> Machine:
     ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
     ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
-    ``loaded_message_s``, ``step_cpu_s``, ``background_cores``. Missing keys take the paper
-    machine's values.
+    ``loaded_message_s``, ``step_cpu_s``, ``background_cores``, ``elementwise_large_Bps``.
+    Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files
 

@@ -54,6 +54,7 @@ class SimTask:
     flops: float = 0.0
     mem_bytes: float = 0.0  # bytes read and written by copies and elementwise work
     out_bytes: float = 0.0  # size of the result (what a remote consumer fetches)
+    block_bytes: float = 0.0  # its largest array, read or written (the element-wise rate's)
 
 
 @dataclass
@@ -222,7 +223,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                       available=None, task_s=0.0, shared=1.0,
                       transfer_cpu_s_per_B=0.0, message_cpu_s=0.0, busy_bandwidth_Bps=None,
                       loaded_latency_s=None, start_cpu_s=0.0, background_cores=0.0,
-                      trace=None) -> SimResult:
+                      trace=None, mem_s_per_B=None) -> SimResult:
     """Simulate one step run as worker programs (``Model.executor = "programs"``).
 
     No scheduler between tasks: each worker runs its own tasks, at each point the first
@@ -245,7 +246,10 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     ``min(1, cores / running)`` of one core's speed, times ``shared`` when more than one
     runs: what the cores lose to each other, the cluster rate of ``dask-ipar calibrate``
     over the cores times the one-worker rate); a task alone takes
-    ``task_s + flops / flops_per_s + mem_bytes / mem_Bps``.
+    ``task_s + flops / flops_per_s + mem_bytes / mem_Bps``, or with ``mem_s_per_B`` (a
+    function of a task's ``block_bytes``: the element-wise rate by the size of the arrays,
+    :meth:`Machine.elementwise_s_per_B`) ``mem_bytes * mem_s_per_B(block_bytes)`` for the
+    last term.
 
     With ``cores`` given (workers that share a machine's cores), moving a block also costs
     the cores: ``transfer_cpu_s_per_B`` seconds per byte on the sender and on the receiver,
@@ -355,7 +359,9 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                 if key is not None:
                     pending[w].remove(key)
                     t = by_key[key]
-                    work = task_s + t.flops / flops_per_s + t.mem_bytes / mem_Bps
+                    work = task_s + t.flops / flops_per_s + (
+                        t.mem_bytes / mem_Bps if mem_s_per_B is None
+                        else t.mem_bytes * mem_s_per_B(t.block_bytes))
                     running[w] = [key, work, now]
                     busy[w] += work
         if not running and not events and not comm and not flows:

@@ -17,10 +17,10 @@ bytes are the sum of its items'.
 from __future__ import annotations
 
 from dask_ipar.kernels.conv_costs import CONV_COSTS
-from dask_ipar.kernels.cost_shapes import Parts, item as _item, numel
+from dask_ipar.kernels.cost_shapes import Parts, block_bytes, item as _item, numel
 from dask_ipar.kernels.dense import contract_ranges, forward_segments
 
-__all__ = ["KERNEL_COSTS", "Parts", "kernel_cost", "numel"]
+__all__ = ["KERNEL_COSTS", "Parts", "block_bytes", "kernel_cost", "numel"]
 
 
 def _concat_rows(*blocks):

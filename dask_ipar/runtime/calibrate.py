@@ -53,10 +53,13 @@ What the engine pays, measured the way the engine pays it:
   costs outside its programs (its dask tasks, its scattered batch, its results), from
   real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`). What dask itself
   takes from the cores where the workers share them.
-* ``elementwise_Bps``: the step-time model's rate of the kernels' element-wise work (their
-  counted memory passes, :mod:`dask_ipar.kernels.costs`): the engine's conv, pooling and
-  dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker, their time less their
-  flops at ``flops_per_s`` (the fastest of three runs, as the matmul rate).
+* ``elementwise_Bps``, ``elementwise_large_Bps``: the step-time model's rates of the
+  kernels' element-wise work (their counted memory passes, :mod:`dask_ipar.kernels.costs`)
+  in kernels whose largest array holds 4 MiB and 16 MiB: the engine's conv, pooling and
+  dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker with the conv block on
+  each size, their times less their flops at ``flops_per_s`` (the fastest of three runs of
+  each, as the matmul rate), solved for the two rates (one thread of this machine: 16.8-19.6
+  and 13.7-16.3 GB/s).
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -233,16 +236,20 @@ def _hop_time(client, a, b, hops, tag):
 
 
 def _mix_rate(client, worker, flops_per_s, repeats):
-    """The step-time model's element-wise rate (:mod:`dask_ipar.runtime.kernelmix`): the
-    kernel mix run on one worker while the others idle, ``repeats`` rounds, the fastest of
-    three runs (as ``flops_per_s``; the simulator shares the cores between running tasks
-    with the matmul contention factor, flops and bytes alike)."""
-    from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_mix
+    """The step-time model's element-wise rates (:mod:`dask_ipar.runtime.kernelmix`): the
+    kernel mix run on one worker while the others idle, ``repeats`` rounds with its conv
+    block on 4 MiB and one round on 16 MiB, the fastest of three runs of each (as
+    ``flops_per_s``; the simulator shares the cores between running tasks with the matmul
+    contention factor, flops and bytes alike): ``(small, large)`` of
+    :func:`~dask_ipar.runtime.kernelmix.elementwise_rates`."""
+    from dask_ipar.runtime.kernelmix import IMAGES, LARGE_IMAGES, elementwise_rates, kernel_mix
 
-    runs = [client.submit(kernel_mix, repeats, workers=[worker], pure=False,
-                          allow_other_workers=False).result() for _ in range(3)]
-    flops, mem, seconds = min(runs, key=lambda r: r[2])
-    return elementwise_rate(flops, mem, seconds, flops_per_s)
+    def fastest(rounds, images):
+        runs = [client.submit(kernel_mix, rounds, images=images, workers=[worker], pure=False,
+                              allow_other_workers=False).result() for _ in range(3)]
+        return min(runs, key=lambda r: r[2])
+
+    return elementwise_rates(fastest(repeats, IMAGES), fastest(1, LARGE_IMAGES), flops_per_s)
 
 
 def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), hops=40,
@@ -310,10 +317,12 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
               for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
-    elementwise = _mix_rate(client, a, flops, mix_repeats)
+    elementwise, elementwise_large = _mix_rate(client, a, flops, mix_repeats)
     log("element-wise rate of the kernels (conv, pooling and dense kernels, one worker): "
         + ("not measured (the matmul part took the whole time)" if elementwise is None
-           else f"{elementwise / 1e9:.1f} GB/s"))
+           else f"{elementwise / 1e9:.1f} GB/s" + (
+               "" if elementwise_large is None else
+               f" on 4 MiB blocks, {elementwise_large / 1e9:.1f} GB/s on 16 MiB")))
     cluster_bw = bandwidth
     if len(everyone) > 2:
         _cluster_bandwidth(client, everyone, 2**20, f"{tag}bw")
@@ -382,4 +391,5 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
                    round_s=round_s, transfer_cpu_s_per_B=cpu_B, elementwise_Bps=elementwise,
                    exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
                    direct_message_cpu_s=direct_msg, message_cpu_s=comms_msg,
-                   step_cpu_s=step_s, background_cores=background)
+                   step_cpu_s=step_s, background_cores=background,
+                   elementwise_large_Bps=elementwise_large)

@@ -22,20 +22,25 @@ import time
 
 import numpy as np
 
-__all__ = ["kernel_mix", "kernel_calls", "elementwise_rate"]
+__all__ = ["kernel_mix", "kernel_calls", "elementwise_rate", "elementwise_rates", "mix_split",
+           "IMAGES", "LARGE_IMAGES"]
 
 XSHAPE = (16, 32, 32, 64)
 DENSE = (64, 4096, 1024)
+#: images of the conv block: the mix's small size (4 MiB blocks of float32) and its large
+#: one (16 MiB, the dense block unchanged): :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS`
+IMAGES, LARGE_IMAGES = XSHAPE[0], 4 * XSHAPE[0]
 
 
-def kernel_calls(dtype):
-    """``[(kernel, args)]`` of one round of the mix (inputs made once per call)."""
+def kernel_calls(dtype, images=IMAGES):
+    """``[(kernel, args)]`` of one round of the mix (inputs made once per call), its conv
+    block on ``images`` images."""
     from dask_ipar.kernels import conv as CK
     from dask_ipar.kernels import dense as DK
 
     rng = np.random.default_rng(0)
     dt = np.dtype(dtype)
-    x = rng.standard_normal(XSHAPE).astype(dt)
+    x = rng.standard_normal((images, *XSHAPE[1:])).astype(dt)
     wm = rng.standard_normal((32, 32 * 9 + 1)).astype(dt)
     ws, pad = (32, 32, 3, 3), (1, 1, 1, 1)
     y = CK.conv_block(x, wm, ws, 1, pad, 1, "relu")
@@ -57,22 +62,40 @@ def kernel_calls(dtype):
     ]
 
 
-def kernel_mix(repeats: int, dtype="float32"):
+def _shape(v):
+    return tuple(v.shape) if isinstance(v, np.ndarray) else None
+
+
+def mix_split(dtype="float32", images=IMAGES):
+    """The model's terms of one round of the mix: ``(flops, small, large)``, its memory
+    bytes split by each call's largest array between the small and the large block of
+    :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS` (``mem * (1 - w)`` and ``mem * w``,
+    ``w`` of :func:`dask_ipar.cost.machine.block_weight`)."""
+    from dask_ipar.cost.machine import block_weight
+    from dask_ipar.kernels.costs import block_bytes, kernel_cost
+
+    itemsize = np.dtype(dtype).itemsize
+    flops = small = large = 0.0
+    for f, args in kernel_calls(dtype, images):
+        out, fl, mb = kernel_cost(f, args, _shape, itemsize)
+        w = block_weight(block_bytes(out, [a.shape for a in args if isinstance(a, np.ndarray)],
+                                     itemsize))
+        flops, small, large = flops + fl, small + mb * (1 - w), large + mb * w
+    return flops, small, large
+
+
+def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
     """Run the mix ``repeats`` times in this process (with its BLAS threads as they are:
-    a worker's, one per worker thread); returns ``(flops, mem_bytes, seconds)``: the
-    model's flops and memory bytes of the calls
+    a worker's, one per worker thread), its conv block on ``images`` images; returns
+    ``(flops, mem_bytes, seconds)``: the model's flops and memory bytes of the calls
     (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took."""
     from dask_ipar.kernels.costs import kernel_cost
 
-    calls = kernel_calls(dtype)
+    calls = kernel_calls(dtype, images)
     itemsize = np.dtype(dtype).itemsize
-
-    def shape(v):
-        return tuple(v.shape) if isinstance(v, np.ndarray) else None
-
     flops = mem = 0.0
     for f, args in calls:
-        _, fl, mb = kernel_cost(f, args, shape, itemsize)
+        _, fl, mb = kernel_cost(f, args, _shape, itemsize)
         flops, mem = flops + fl, mem + mb
     for f, args in calls:  # warm: the first call of a kernel allocates and imports
         f(*args)
@@ -82,6 +105,28 @@ def kernel_mix(repeats: int, dtype="float32"):
             f(*args)
     seconds = time.perf_counter() - t
     return flops * repeats, mem * repeats, seconds
+
+
+def elementwise_rates(small_run, large_run, flops_per_s, dtype="float32"):
+    """The element-wise rates at the small and the large block
+    (``elementwise_Bps``, ``elementwise_large_Bps`` of :class:`dask_ipar.cost.Machine`) that
+    make the model's times of two kernel-mix runs, ``(flops, mem_bytes, seconds)`` of
+    :func:`kernel_mix` at :data:`IMAGES` and at :data:`LARGE_IMAGES` images, equal their
+    measured seconds: per run, ``seconds - flops / flops_per_s = small / r_small + large /
+    r_large`` (:func:`mix_split` times the run's rounds), two equations. ``(rate, None)``
+    (:func:`elementwise_rate` of the small run) where they have no positive solution."""
+    rows = []
+    for (flops, _, seconds), images in ((small_run, IMAGES), (large_run, LARGE_IMAGES)):
+        f1, a, b = mix_split(dtype, images)
+        rounds = flops / f1
+        rows.append((a * rounds, b * rounds, seconds - flops / flops_per_s))
+    (a1, b1, l1), (a2, b2, l2) = rows
+    det = a1 * b2 - a2 * b1
+    if det > 0.05 * a1 * b2:  # the large run's bytes lie mostly at the large block
+        x, y = (l1 * b2 - l2 * b1) / det, (a1 * l2 - a2 * l1) / det
+        if x > 0 and y > 0:
+            return 1.0 / x, 1.0 / y
+    return elementwise_rate(*small_run, flops_per_s), None
 
 
 def elementwise_rate(flops, mem_bytes, seconds, flops_per_s, speed=1.0):

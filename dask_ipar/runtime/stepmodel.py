@@ -17,6 +17,7 @@ overlaps the push before it, two steps' makespan less one's).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -162,9 +163,14 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         def message_cpu(nbytes):  # each end's fixed work: the transport a block takes
             return (direct_msg if nbytes <= DIRECT_MAX_BYTES else comms_msg) or 0.0
 
+        # the element-wise rate by the size of a kernel's arrays, where measured at two
+        mem_s_per_B = (functools.partial(machine.elementwise_s_per_B,
+                                         default_Bps=ELEMENTWISE_BPS)
+                       if machine.elementwise_large_Bps else None)
+
         def run(tasks, available):
             return simulate_programs(
-                tasks, flops_per_s=machine.flops_per_s,
+                tasks, flops_per_s=machine.flops_per_s, mem_s_per_B=mem_s_per_B,
                 mem_Bps=machine.elementwise_Bps or ELEMENTWISE_BPS, bandwidth_Bps=link,
                 latency_s=(machine.message_s if machine.message_s is not None
                            else machine.alpha_s),
