@@ -36,7 +36,7 @@ import netcluster as N  # noqa: E402
 FIGURES = ("bandwidth_Bps", "flops_per_s", "cluster_flops_per_s", "task_s", "mem_Bps",
            "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
            "busy_exchange_Bps", "loaded_message_s", "direct_message_cpu_s", "message_cpu_s",
-           "step_cpu_s", "background_cores")
+           "step_cpu_s", "background_cores", "elementwise_large_Bps")
 
 
 def spread_table(machines: list[dict]) -> list[str]:
@@ -103,7 +103,7 @@ def resim_table(rows: list[dict], rounds: int) -> list[str]:
         L.append(f"| {r['sweep']} | {r['model']} | {r['grid']} | {r['step_s']:.3f} | "
                  + ("-" if r["sweep_ratio"] is None else f"{r['sweep_ratio']:.2f}") + " | "
                  + " | ".join("-" if q is None else f"{q:.2f}" for q in r["ratios"])
-                 + f" | {max(rs) - min(rs):.2f} |")
+                 + (f" | {max(rs) - min(rs):.2f} |" if rs else " | - |"))
     L.append("")
     L.append(f"Within 15% on each round's machine: {', '.join(map(str, within))} of "
              f"{len(rows)}.")

@@ -138,9 +138,9 @@ def test_max_pool_backward_where_windows_tile_the_input(shape, k, pad, data):
 def test_pool_block_backward_cost_follows_the_path():
     from dask_ipar.kernels.conv_costs import CONV_COSTS
     cost = CONV_COSTS["pool_block_backward"]
-    # the tiled path (2 x 2 at stride 2 over 64 x 64): its passes, about 36 of the output
+    # the tiled path (2 x 2 at stride 2 over 64 x 64): its passes, about 38 of the output
     _, fl, tiled = cost((2, 4, 64, 64), (2, 4, 32, 32), 2, None, (0, 0, 0, 0), "max")
-    assert tiled == pytest.approx(35.5 * 2 * 4 * 32 * 32)
+    assert tiled == pytest.approx(37.75 * 2 * 4 * 32 * 32)
     # overlapping windows: the general path's strided passes, more per output element
     _, _, general = cost((2, 4, 65, 65), (2, 4, 32, 32), 3, 2, (0, 0, 0, 0), "max")
     assert general / (2 * 4 * 32 * 32) > 60

@@ -193,9 +193,9 @@ def _max_pool_tiled_backward(xpad, y, dy, k):
     dyr = xp.repeat(dy, k, axis=3)[:, :, :, None, :]
     m = K._ufuncs(dy)
     if m is not None and bool(xp.all(xp.isfinite(dy))):  # 5x faster than a select (NumPy)
-        dx = m.multiply(hit, dyr, dtype=dy.dtype)
+        dx = m.multiply(hit, dyr, dtype=xpad.dtype)
     else:  # elsewhere, or where 0 * inf would make nan: the others' gradient stays 0
-        dx = xp.where(hit, dyr, xp.zeros((), dtype=dy.dtype))
+        dx = xp.where(hit, dyr, xp.zeros((), dtype=xpad.dtype))
     return xp.reshape(dx, (n, c, hp, wp))
 
 

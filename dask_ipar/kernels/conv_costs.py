@@ -148,10 +148,11 @@ def _pool_block_backward(x, dy, k, stride, pad, mode):
         big = y * k * k  # the padded input's elements
         # (masks are bytes: a quarter of a float32's pass) the output repeated along its
         # window's columns (read, write k), the compare (the input, the repeats, a mask),
-        # per further window offset the first-maximum updates (seven mask passes), the
+        # per further window offset the first-maximum updates (ten mask passes: the
+        # negation 2, the and 3, the or 3, the store 2; the first offset's copy beside), the
         # finite check, the gradient repeated, the product (mask and repeats read, written)
         return tuple(x), flops + float(big), mem + (1 + k) * y + big + k * y + big / 4 \
-            + 7 * (k * k - 1) * y / 4 + 1.25 * y + (1 + k) * y + big / 4 + k * y + big
+            + 10 * (k * k - 1) * y / 4 + 1.25 * y + (1 + k) * y + big / 4 + k * y + big
     # the forward again, a zeroed input gradient, then per window: the compare, the mask
     # updates (bytes), the masked gradient and its slice-add
     return tuple(x), flops + float(k * k * y), mem + numel(x) + k * k * 12 * y
