@@ -53,10 +53,6 @@ def spread_table(machines: list[dict]) -> list[str]:
     return rows
 
 
-def _configs():
-    return {**{c.key: c for c in C.configs(False)}, "cnn": C.CNN}
-
-
 def resim(sweeps: list[str], workers: int, rate: str, machines: list[dict],
           cores: int) -> list[dict]:
     """Per grid of the sweeps' matching runs: its measured step, the sweep's own predicted
@@ -64,7 +60,7 @@ def resim(sweeps: list[str], workers: int, rate: str, machines: list[dict],
     from dask_ipar.cost import Machine
     from dask_ipar.runtime.gridrank import rank_grids
 
-    cfgs = _configs()
+    cfgs = C.sweep_models()
     out = []
     for path in sweeps:
         res = json.load(open(path))

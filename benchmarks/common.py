@@ -122,6 +122,11 @@ CNN = CNNConfig("cnn", "CNN", (3, 64, 64), (32, 32, 64, 64), (4096, 4096), 10, 6
 CNN_QUICK = CNNConfig("cnn", "CNN", (3, 32, 32), (16, 16, 32, 32), (1024, 1024), 10, 16)
 
 
+def sweep_models(quick: bool = False) -> dict:
+    """The peer sweep's models by key (``compute``, ``weight``, ``cnn``)."""
+    return {**{c.key: c for c in configs(quick)}, "cnn": CNN_QUICK if quick else CNN}
+
+
 def configs(quick: bool) -> list[MLPConfig]:
     if quick:
         return [

@@ -132,7 +132,7 @@ def main(argv=None):
     if a.reps < 2:
         ap.error(f"--reps: got {a.reps}; expected at least 2 (a kernel's first run allocates "
                  "its arrays and would be timed)")
-    cfg = {**{c.key: c for c in C.configs(False)}, "cnn": C.CNN}[a.model]
+    cfg = C.sweep_models()[a.model]
     with threadpool_limits(1):
         rate, ew = _rates()
         print(f"matmul {rate / 1e9:.1f} GFLOP/s, element-wise {ew / 1e9:.1f} GB/s (one thread)"

@@ -635,7 +635,7 @@ def test_the_simulated_step_graph_runs_and_is_what_the_model_costs():
     rng = np.random.default_rng(0)
     vals = {k: rng.standard_normal(s).astype(np.float32) for k, (_, s) in external.items()}
     by_key = {t.key: t for t in tasks}
-    checked = 0
+    checked = blocks = 0
     for key, node in g.dsk.items():
         if isinstance(node, DataNode):
             vals[key] = node.value
@@ -647,10 +647,10 @@ def test_the_simulated_step_graph_runs_and_is_what_the_model_costs():
             # its element-wise rate's size: the largest of the arrays it read and wrote
             arrays = [vals[key]] + [vals[a.key] for a in node.args if isinstance(a, TaskRef)
                                     and isinstance(vals[a.key], np.ndarray)]
-            itemsize_ok = all(a.dtype == np.float32 for a in arrays)
-            if itemsize_ok:
+            if all(a.dtype == np.float32 for a in arrays):
+                blocks += 1
                 assert by_key[key].block_bytes == max(a.nbytes for a in arrays), key
-    assert checked > 10
+    assert checked > 10 and blocks > 10
 
 
 @pytest.mark.fast

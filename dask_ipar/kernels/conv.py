@@ -25,6 +25,7 @@ __all__ = [
     "conv2d_backward",
     "pool2d_forward",
     "pool2d_backward",
+    "max_pool_tiles",
     "conv_block",
     "conv_rows",
     "conv_rim",
@@ -164,6 +165,13 @@ def pool2d_forward(x, k, stride=None, pad=(0, 0, 0, 0), mode="max"):
     return total / cnt
 
 
+def max_pool_tiles(k, stride, padded_hw, out_hw) -> bool:
+    """Whether ``k x k`` windows at ``stride`` (None: ``k``) with ``out_hw`` outputs tile a
+    padded input of ``padded_hw``: no overlap, no rows or columns left over. Max pooling's
+    backward then takes :func:`_max_pool_tiled_backward` (and its cost model says so)."""
+    return (stride or k) == k and tuple(padded_hw) == (out_hw[0] * k, out_hw[1] * k)
+
+
 def _max_pool_tiled_backward(xpad, y, dy, k):
     """Max pooling's input gradient where the windows tile the (padded) input: ``k x k``
     windows at stride ``k`` covering it exactly (the usual 2 x 2 pooling). A window's rows
@@ -214,7 +222,7 @@ def pool2d_backward(x, dy, k, stride=None, pad=(0, 0, 0, 0), mode="max", tiled=T
     if mode == "max":
         xpad = pad2d(x, pad, value=-float("inf"))
         y = pool2d_forward(x, k, stride, pad, "max")
-        if tiled and stride == k and xpad.shape[2:] == (oh * k, ow * k):
+        if tiled and max_pool_tiles(k, stride, xpad.shape[2:], (oh, ow)):
             dxpad = _max_pool_tiled_backward(xpad, y, dy, k)
             return dxpad[:, :, pad[0]:pad[0] + h, pad[2]:pad[2] + wd]
         taken = xp.zeros(y.shape, dtype=xp.bool)

@@ -5,6 +5,7 @@ looked up there by the kernel's name (:data:`CONV_COSTS`)."""
 
 from __future__ import annotations
 
+from dask_ipar.kernels.conv import max_pool_tiles
 from dask_ipar.kernels.cost_shapes import Parts, item as _item, numel
 
 __all__ = ["CONV_COSTS"]
@@ -133,18 +134,11 @@ def _pool_block(x, k, stride, pad, mode):
     return out, float((k * k - 1) * y), 2 * xpad + 3 * (k * k - 1) * y
 
 
-def _tiles(x, out, k, stride, pad, mode):
-    """Whether max pooling's backward takes the tiled path
-    (:func:`dask_ipar.kernels.conv._max_pool_tiled_backward`): windows that tile the padded
-    input."""
-    return mode == "max" and (stride or k) == k and \
-        (x[2] + pad[0] + pad[1], x[3] + pad[2] + pad[3]) == (out[2] * k, out[3] * k)
-
-
 def _pool_block_backward(x, dy, k, stride, pad, mode):
     out, flops, mem = _pool_block(x, k, stride, pad, mode)
     y = numel(out)
-    if _tiles(x, out, k, stride, pad, mode):
+    if mode == "max" and max_pool_tiles(k, stride, (x[2] + pad[0] + pad[1],
+                                                    x[3] + pad[2] + pad[3]), out[2:]):
         big = y * k * k  # the padded input's elements
         # (masks are bytes: a quarter of a float32's pass) the output repeated along its
         # window's columns (read, write k), the compare (the input, the repeats, a mask),

@@ -66,17 +66,16 @@ def _shape(v):
     return tuple(v.shape) if isinstance(v, np.ndarray) else None
 
 
-def mix_split(dtype="float32", images=IMAGES):
-    """The model's terms of one round of the mix: ``(flops, small, large)``, its memory
-    bytes split by each call's largest array between the small and the large block of
-    :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS` (``mem * (1 - w)`` and ``mem * w``,
+def _terms(calls, itemsize):
+    """``(flops, small, large)`` of ``calls`` by the cost model: their flops and their
+    memory bytes split by each call's largest array between the small and the large block
+    of :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS` (``mem * (1 - w)`` and ``mem * w``,
     ``w`` of :func:`dask_ipar.cost.machine.block_weight`)."""
     from dask_ipar.cost.machine import block_weight
     from dask_ipar.kernels.costs import block_bytes, kernel_cost
 
-    itemsize = np.dtype(dtype).itemsize
     flops = small = large = 0.0
-    for f, args in kernel_calls(dtype, images):
+    for f, args in calls:
         out, fl, mb = kernel_cost(f, args, _shape, itemsize)
         w = block_weight(block_bytes(out, [a.shape for a in args if isinstance(a, np.ndarray)],
                                      itemsize))
@@ -84,19 +83,20 @@ def mix_split(dtype="float32", images=IMAGES):
     return flops, small, large
 
 
+def mix_split(dtype="float32", images=IMAGES):
+    """The model's terms of one round of the mix with its conv block on ``images`` images:
+    ``(flops, small, large)``, its memory bytes split by each call's largest array (see
+    :func:`_terms`)."""
+    return _terms(kernel_calls(dtype, images), np.dtype(dtype).itemsize)
+
+
 def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
     """Run the mix ``repeats`` times in this process (with its BLAS threads as they are:
     a worker's, one per worker thread), its conv block on ``images`` images; returns
     ``(flops, mem_bytes, seconds)``: the model's flops and memory bytes of the calls
     (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took."""
-    from dask_ipar.kernels.costs import kernel_cost
-
     calls = kernel_calls(dtype, images)
-    itemsize = np.dtype(dtype).itemsize
-    flops = mem = 0.0
-    for f, args in calls:
-        _, fl, mb = kernel_cost(f, args, _shape, itemsize)
-        flops, mem = flops + fl, mem + mb
+    flops, small, large = _terms(calls, np.dtype(dtype).itemsize)
     for f, args in calls:  # warm: the first call of a kernel allocates and imports
         f(*args)
     t = time.perf_counter()
@@ -104,7 +104,7 @@ def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
         for f, args in calls:
             f(*args)
     seconds = time.perf_counter() - t
-    return flops * repeats, mem * repeats, seconds
+    return flops * repeats, (small + large) * repeats, seconds
 
 
 def elementwise_rates(small_run, large_run, flops_per_s, dtype="float32"):

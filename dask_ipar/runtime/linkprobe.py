@@ -142,8 +142,9 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     ``(process id, CPU seconds of this process, bytes sent and received, start, stop, host,
     its busy CPU at start, at stop)`` over the exchange (``time.time()`` from this worker's
     first block out to its last block in; the host's CPU by :func:`_host_busy`). ``busy``:
-    a thread of the worker runs the engine's kernels (the calibration's kernel mix, :mod:`dask_ipar.runtime.kernelmix`) from before the first block leaves
-    until the last one is in, as a program's kernels run beside its transfers."""
+    a thread of the worker runs the engine's kernels (the calibration's kernel mix,
+    :mod:`dask_ipar.runtime.kernelmix`) from before the first block leaves until the last
+    one is in, as a program's kernels run beside its transfers."""
     import os
     import resource
     import threading

@@ -54,7 +54,8 @@ def sim_step_graph(engine, w_names, batch: int, input_shape, dtype, optimizer,
     """The graph :func:`step_tasks` costs: ``(StepGraph, external)``, ``external`` mapping
     each weight and optimizer-state block the graph reads but does not compute to
     ``(worker, shape)``; the batch's blocks are in the graph, zeros (only their shapes
-    matter to the model; ``benchmarks/step_replay.py`` runs the graph's kernels)."""
+    matter to the model; ``benchmarks/step_replay.py`` runs the graph's kernels on random
+    ones)."""
     grid = engine.binding.grid
     if engine.front is not None:
         engine.front.check_batch(batch)
