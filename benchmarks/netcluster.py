@@ -365,14 +365,17 @@ def step_machine(client, link, log=True):
 
 
 def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, only=None,
-                  executor="graph", peers=(), configs=None, pairs=0):
+                  executor="graph", peers=(), configs=None, pairs=0, passes=1):
     """Time dask-ipar on every grid of the emulated cluster, and with ``peers`` (modes of
     peers.py) the PyTorch peers on the same links, side by side in one run: per MLP, DDP
     first, dask-ipar's grids, FSDP and tensor + data parallel, DDP again (so drift shows).
     ``pairs``: then that many more rounds of the planner's grid and the best peer back to
     back; the planner-grid-vs-peer ratios use the medians over all their runs (this
     machine's speed moves by a third within minutes: one run of each is a coin toss where
-    they are close)."""
+    they are close). ``passes``: the grids timed that many times, every pass after the
+    first in the other order after the peers but DDP's second run; a grid's step is the
+    median over its passes' two-step windows (:func:`common.pipelined_step`), each pass's
+    own in ``passes_s`` (their spread: the run's drift and noise)."""
     import numpy as np  # noqa: F401
     import warnings
     from distributed import Client
@@ -436,21 +439,32 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                 if ("ddp", f"1x{n_workers}") in runs:
                     got["ddp"] = [_peer(cl, "ddp", f"1x{n_workers}", cfg, steps, threads,
                                         check=True)]
-                by = {}
-                for pr, pc in C.grids_of(n_workers):
-                    g = f"{pr}x{pc}"
-                    print(f"{cfg.label} {g} ...", flush=True)
-                    r = C.time_dask_grid(client, cfg, g, steps, warmup=1, profile=False,
-                                         executor=executor, layers=schemes.get(g))
-                    by[g] = {"step_s": r["step_s"], "steps_s": r["steps_s"],
-                             "pred_comm_s": pred[g].comm_s if g in pred else None,
-                             "pred_step_s": sim[g].seconds if g in sim else None}
-                    print(f"   {r['step_s']:.3f} s (predicted {by[g]['pred_step_s']:.3f} s, "
-                          f"alpha-beta comm {by[g]['pred_comm_s']:.3f} s)", flush=True)
+                by = {g: {"pred_comm_s": pred[g].comm_s if g in pred else None,
+                          "pred_step_s": sim[g].seconds if g in sim else None,
+                          "passes_s": [], "steps_s": []}
+                      for g in (f"{pr}x{pc}" for pr, pc in C.grids_of(n_workers))}
+
+                def time_grids(order):  # one pass over the grids
+                    for g in order:
+                        print(f"{cfg.label} {g} ...", flush=True)
+                        r = C.time_dask_grid(client, cfg, g, steps, warmup=1, profile=False,
+                                             executor=executor, layers=schemes.get(g))
+                        by[g]["passes_s"].append(r["step_s"])
+                        by[g]["steps_s"].append(r["steps_s"])
+                        print(f"   {r['step_s']:.3f} s (predicted {by[g]['pred_step_s']:.3f} "
+                              f"s, alpha-beta comm {by[g]['pred_comm_s']:.3f} s)", flush=True)
+
+                time_grids(list(by))
                 for mode, mesh in runs:
                     if mode != "ddp":
                         got[f"{mode} {mesh}"] = [_peer(cl, mode, mesh, cfg, steps, threads,
                                                        check=True)]
+                for _ in range(passes - 1):  # again, the other way round: drift shows
+                    time_grids(list(by)[::-1])
+                for g, r in by.items():  # every pass's two-step windows
+                    r["step_s"] = C.median([(a + b) / 2 for ts in r["steps_s"]
+                                            for a, b in zip(ts, ts[1:])] or
+                                           [t for ts in r["steps_s"] for t in ts])
                 if "ddp" in got:
                     got["ddp"].append(_peer(cl, "ddp", f"1x{n_workers}", cfg, steps, threads))
                 om = sorted(by, key=lambda g: by[g]["step_s"])

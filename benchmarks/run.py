@@ -71,7 +71,7 @@ def measure(quick: bool, cores: int, netcluster: bool) -> dict:
     steps = 2 if quick else 5
     res = {
         "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "quick": quick, "cores": cores, "steps": steps, "method": 3,
+        "quick": quick, "cores": cores, "steps": steps, "method": 4,
         "host": {"python": platform.python_version(), "numpy": np.__version__,
                  "cpu": platform.processor() or platform.machine(),
                  "loadavg_start": os.getloadavg()},
@@ -432,8 +432,14 @@ def render(res) -> str:
       "starts (no pipelining). The loss statistics depend on the forward pass only, so an "
       "interval ends when step k's forward is done and contains the rest of step k-1's "
       "backward and update (step k's forward needs step k-1's new weights): in steady state "
-      "one interval is one whole step. PyTorch: forward, backward, `optimizer.step()` "
-      "between barriers on rank 0.")
+      "one interval is one whole step. "
+      + ("Every timed step says another follows (`train_step(..., more=True)`, as `fit` "
+         "within an epoch and as the predicted step), an untimed step after them takes "
+         "their last pushed weights, the intervals run end to end (loss statistics back to "
+         "loss statistics), and a step is the median of the means of two consecutive "
+         "intervals (`common.pipelined_step`: single intervals of overlapping steps "
+         "alternate about the step). " if res.get("method", 1) >= 4 else "")
+      + "PyTorch: forward, backward, `optimizer.step()` between barriers on rank 0.")
     w("- FLOPs per step = 6 * B * sum(d_in * d_out); GFLOP/s = FLOPs / step time.")
     w("- dask-ipar: `LocalCluster` of worker processes, one dask thread per worker, BLAS threads "
       "per worker = max(1, cores / workers) (set through `distributed.nanny.pre-spawn-environ`): "

@@ -37,6 +37,10 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert 1e-5 < m.step_cpu_s < 1.0, m.step_cpu_s
     assert any("per task" in line for line in lines)
     assert any("at rest" in line for line in lines)
+    # the memory its blocks leave on the workers goes back once they idle
+    from dask_ipar.runtime.release import RELEASE_NAME
+
+    assert all(client.run(lambda dask_worker: RELEASE_NAME in dask_worker.plugins).values())
     path = tmp_path / "machine.yaml"
     save_machine(m, path)
     assert load_machine(path) == m

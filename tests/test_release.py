@@ -62,6 +62,26 @@ def test_idle_workers_hand_kept_memory_back(reuse):
         assert kept_now < 0.25 * n, (base, after)
 
 
+def test_memory_kept_before_the_plugin_came_is_handed_back_too():
+    """``calibrate`` (or another model's run) may leave kept memory before any grid is
+    bound: the plugin installed afterwards hands it back once the worker idles."""
+    import platform
+
+    from dask_ipar.runtime.release import IDLE_S, install_release
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc settings only")
+    n = 256 * 2**20
+    with make_cluster(_cfg(dashboard=False, reuse_memory=True), 1) as client:
+        (base,) = client.run(_rss).values()
+        after = client.submit(_use_and_free, n, pure=False).result()  # no plugin yet
+        install_release(client)
+        time.sleep(IDLE_S * 2)
+        (later,) = client.run(_rss).values()
+    assert after - base > 0.75 * n, (base, after)
+    assert later - base < 0.25 * n, (base, later)
+
+
 @pytest.mark.fast
 def test_release_is_installed_once_per_cluster_even_at_a_reused_address():
     """An emulated sweep starts its 4- and 8-host schedulers at one address: the second

@@ -11,7 +11,8 @@ What the engine pays, measured the way the engine pays it:
 * ``flops_per_s``: the local matmul rate of one worker (the engine's kernels
   are matmuls), timed inside the task.
 * ``cluster_flops_per_s``: the matmul rate of all workers computing at once
-  (worker processes that share cores get this together, not P times the above).
+  (worker processes that share cores get this together, not P times the above): the
+  fastest of :data:`CLUSTER_ROUNDS` rounds of :data:`CLUSTER_REPEATS` matmuls each.
 * ``task_s``: seconds per task of one graph of many small pinned tasks spread
   over all workers (scheduler, worker and client work per task on the shared
   cores): the throughput cost that every task of a step pays.
@@ -88,8 +89,12 @@ from dask_ipar.runtime.linkprobe import (
 )
 from dask_ipar.runtime.stepprobe import background_cores, measurable, step_cpu
 
-__all__ = ["calibrate", "program_hop"]
+__all__ = ["calibrate", "program_hop", "CLUSTER_REPEATS", "CLUSTER_ROUNDS"]
 
+#: Matmuls (1024-cubed) per worker in one round of the all-workers matmul rate
+#: (``cluster_flops_per_s``), and its rounds (the fastest taken).
+CLUSTER_REPEATS = 32
+CLUSTER_ROUNDS = 3
 
 
 def _tiny(*deps):
@@ -269,6 +274,7 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
         Rounds of the kernel mix per run for the element-wise rate (one round is about 0.2
         s of one core; three runs).
     """
+    from dask_ipar.runtime.release import install_release
     from dask_ipar.runtime.workers import scheduler_workers
 
     workers = list(workers or sorted(scheduler_workers(client)))
@@ -277,6 +283,8 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
 
         raise IparError("calibration needs at least 2 workers to time transfers between them.")
     a, b = workers[:2]
+    # its blocks (up to 64 MiB, on every worker) go back to the system once it ends
+    install_release(client)
     tag = f"{time.time_ns():x}"
     log = log or (lambda *_: None)
 
@@ -313,8 +321,11 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     log(f"compute ({dtype} matmul {matmul_n}^3 on one worker): {flops / 1e9:.1f} GFLOP/s")
     everyone = sorted(scheduler_workers(client))
     _cluster_rate(client, everyone, tag + "w", _matmul_work, 256, dtype, 2)
-    cluster = max(_cluster_rate(client, everyone, f"{tag}{r}", _matmul_work, matmul_n, dtype, 4)
-                  for r in range(2))
+    # rounds of 0.5 s of a core per worker here: with 4 matmuls (60 ms) a round on 2 workers
+    # read 230-270 GFLOP/s, with 48 257-275 (and the best of two 220 once in a sweep, which
+    # predicted its 2-host steps 1.33x long)
+    cluster = max(_cluster_rate(client, everyone, f"{tag}{r}", _matmul_work, matmul_n, dtype,
+                                CLUSTER_REPEATS) for r in range(CLUSTER_ROUNDS))
     log(f"compute (all {len(everyone)} workers at once): {cluster / 1e9:.1f} GFLOP/s")
     mem = max(_cluster_rate(client, everyone, f"{tag}m{r}", _mem_work, block_mib * 2**20, 10)
               for r in range(2))
