@@ -37,6 +37,10 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert 1e-5 < m.step_cpu_s < 1.0, m.step_cpu_s
     assert any("per task" in line for line in lines)
     assert any("at rest" in line for line in lines)
+    from dask_ipar.runtime.calibrate import CLUSTER_ROUNDS
+
+    (rounds,) = [line for line in lines if "workers at once)" in line and "GFLOP/s" in line]
+    assert f"fastest of {CLUSTER_ROUNDS} rounds" in rounds, rounds
     # the memory its blocks leave on the workers goes back once they idle
     from dask_ipar.runtime.release import RELEASE_NAME
 

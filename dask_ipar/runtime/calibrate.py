@@ -324,9 +324,11 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     # rounds of 0.5 s of a core per worker here: with 4 matmuls (60 ms) a round on 2 workers
     # read 230-270 GFLOP/s, with 48 257-275 (and the best of two 220 once in a sweep, which
     # predicted its 2-host steps 1.33x long)
-    cluster = max(_cluster_rate(client, everyone, f"{tag}{r}", _matmul_work, matmul_n, dtype,
-                                CLUSTER_REPEATS) for r in range(CLUSTER_ROUNDS))
-    log(f"compute (all {len(everyone)} workers at once): {cluster / 1e9:.1f} GFLOP/s")
+    rounds = [_cluster_rate(client, everyone, f"{tag}{r}", _matmul_work, matmul_n, dtype,
+                            CLUSTER_REPEATS) for r in range(CLUSTER_ROUNDS)]
+    cluster = max(rounds)
+    log(f"compute (all {len(everyone)} workers at once): {cluster / 1e9:.1f} GFLOP/s, the "
+        f"fastest of {len(rounds)} rounds (" + ", ".join(f"{r / 1e9:.1f}" for r in rounds) + ")")
     mem = max(_cluster_rate(client, everyone, f"{tag}m{r}", _mem_work, block_mib * 2**20, 10)
               for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
