@@ -202,15 +202,15 @@ def median(xs):
     return float(statistics.median(xs)) if xs else float("nan")
 
 
-def pipelined_step(ts):
-    """The step of back-to-back intervals ``ts`` whose steps overlap (each interval holds
-    the rest of the step before it): the median of the means of two consecutive intervals.
-    An interval that ends early leaves more of its step to the next, so single intervals
-    alternate about the step (pure batch on 8 emulated hosts: 2.4, 1.8, 2.5, 1.8 s) and
-    their median is either; two in a row hold two steps' work. One interval: itself."""
-    if len(ts) < 2:
-        return median(ts)
-    return median([(a + b) / 2 for a, b in zip(ts, ts[1:])])
+def pipelined_step(*runs):
+    """The step of back-to-back intervals whose steps overlap (each interval holds the rest
+    of the step before it), over one or more ``runs`` of them: the median of the means of
+    two consecutive intervals of a run. An interval that ends early leaves more of its step
+    to the next, so single intervals alternate about the step (pure batch on 8 emulated
+    hosts: 2.4, 1.8, 2.5, 1.8 s) and their median is either; two in a row hold two steps'
+    work. Runs of one interval: the median of the intervals."""
+    windows = [(a + b) / 2 for ts in runs for a, b in zip(ts, ts[1:])]
+    return median(windows or [t for ts in runs for t in ts])
 
 
 # ------------------------------------------------------------- NumPy reference

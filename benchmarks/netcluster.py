@@ -373,7 +373,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     back; the planner-grid-vs-peer ratios use the medians over all their runs (this
     machine's speed moves by a third within minutes: one run of each is a coin toss where
     they are close). ``passes``: the grids timed that many times, every pass after the
-    first in the other order after the peers but DDP's second run; a grid's step is the
+    first in the other order, after the peers and before DDP's second run; a grid's step is the
     median over its passes' two-step windows (:func:`common.pipelined_step`), each pass's
     own in ``passes_s`` (their spread: the run's drift and noise)."""
     import numpy as np  # noqa: F401
@@ -461,10 +461,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                                                        check=True)]
                 for _ in range(passes - 1):  # again, the other way round: drift shows
                     time_grids(list(by)[::-1])
-                for g, r in by.items():  # every pass's two-step windows
-                    r["step_s"] = C.median([(a + b) / 2 for ts in r["steps_s"]
-                                            for a, b in zip(ts, ts[1:])] or
-                                           [t for ts in r["steps_s"] for t in ts])
+                for r in by.values():  # every pass's two-step windows
+                    r["step_s"] = C.pipelined_step(*r["steps_s"])
                 if "ddp" in got:
                     got["ddp"].append(_peer(cl, "ddp", f"1x{n_workers}", cfg, steps, threads))
                 om = sorted(by, key=lambda g: by[g]["step_s"])
