@@ -327,10 +327,13 @@ def blas_env(threads: int) -> dict:
             **REUSE_MEMORY_ENV}
 
 
-def local_cluster(n_workers: int, cores: int, malloc_env: dict | None = None):
+def local_cluster(n_workers: int, cores: int, malloc_env: dict | None = None,
+                  config: dict | None = None):
     """LocalCluster of worker processes; BLAS threads per worker = max(1, cores // n);
-    the event-loop settings of dask-ipar's own clusters (``QUIET_LOOP_CONFIG``);
-    ``malloc_env``: the workers' glibc malloc variables instead of ``REUSE_MEMORY_ENV``."""
+    the event-loop and profiler settings of dask-ipar's own clusters (``QUIET_LOOP_CONFIG``;
+    before session 39 the profiler was off here);
+    ``malloc_env``: the workers' glibc malloc variables instead of ``REUSE_MEMORY_ENV``;
+    ``config``: dask settings over those."""
     import dask
     from distributed import Client, LocalCluster
 
@@ -347,8 +350,8 @@ def local_cluster(n_workers: int, cores: int, malloc_env: dict | None = None):
                           "distributed.worker.memory.pause": False,
                           "distributed.worker.memory.terminate": False,
                           "distributed.scheduler.active-memory-manager.start": False,
-                          "optimization.fuse.active": False, "distributed.scheduler.work-stealing": False,
-                          "distributed.worker.profile.enabled": False}):
+                          "optimization.fuse.active": False,
+                          "distributed.scheduler.work-stealing": False, **(config or {})}):
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
                                dashboard_address=None, memory_limit=0)
         client = Client(cluster)

@@ -151,6 +151,12 @@ class _Cluster:
         env = {**C.blas_env(self.threads)} if self.reuse_memory else {
             "OMP_NUM_THREADS": str(self.threads), "OPENBLAS_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads), "MALLOC_TRIM_THRESHOLD_": "65536"}
+        # and their dask settings those of the clusters dask-ipar starts (event-loop
+        # housekeeping, the profiler's interval, the scheduler's worker TTL; before
+        # session 39 dask's defaults: a 10 ms profiler took 12-17% of busy workers' CPU)
+        from dask_ipar.runtime.worker_env import config_environ
+
+        env.update(config_environ(_dask_config()))
         env.update({
             "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
             "DASK_OPTIMIZATION__FUSE__ACTIVE": "False",
@@ -354,6 +360,14 @@ def link_check(client, rate) -> dict:
             "wire_reader": "program"}
 
 
+def _dask_config() -> dict:
+    """The dask settings the emulated cluster's processes get beyond dask's defaults:
+    those of the clusters dask-ipar starts (recorded with each run since session 39)."""
+    from dask_ipar.runtime.worker_env import QUIET_LOOP_CONFIG, SCHEDULER_CONFIG
+
+    return {**QUIET_LOOP_CONFIG, **SCHEDULER_CONFIG}
+
+
 def step_machine(client, link, log=True):
     """The step-time model's machine: ``dask-ipar calibrate`` on this cluster, its link
     figures from :func:`link_check` (64 MiB and the programs' 4-byte hop)."""
@@ -389,7 +403,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     warnings.filterwarnings("ignore")
     out = {"workers": n_workers, "rate": rate, "client_rate": client_rate, "threads": threads,
            "steps": steps, "quick": quick, "grids": {}, "targets": [], "executor": executor,
-           "peers": list(peers), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+           "peers": list(peers), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "dask_config": _dask_config()}
     handle: list = []
     with emulated_cluster(n_workers, rate, client_rate=client_rate, threads=threads,
                           peers=n_workers if peers else 0, handle=handle) as addr:

@@ -111,6 +111,9 @@ def test_local_cluster_sized_closed_and_joinable():
 
         assert client.run_on_scheduler(loop_ms) == (500, 2000)
         assert set(client.run(loop_ms).values()) == {(500, 2000)}
+        # and the workers' statistical profiler samples every 100 ms (dask: 10 ms)
+        assert set(client.run(lambda dask_worker: dask_worker.periodic_callbacks[
+            "profile"].callback_time).values()) == {100}
         assert dask.config.get("distributed.admin.tick.interval") == "20ms"  # restored here
         # the scheduler's HTTP server (dashboard or health routes) listens on localhost only
         hosts = client.run_on_scheduler(
@@ -141,6 +144,7 @@ def test_job_script_exports_the_malloc_settings():
     assert "export MALLOC_MMAP_MAX_=0" in s and "export MALLOC_ARENA_MAX=1" in s
     assert "export DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL=500ms" in s
     assert "export DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL=2s" in s
+    assert "export DASK_DISTRIBUTED__WORKER__PROFILE__INTERVAL=100ms" in s
     assert "MALLOC_MMAP_MAX_" not in job_script(_cfg(kind="slurm", reuse_memory=False,
                                                      **HPC), n_workers=2)
 

@@ -29,10 +29,17 @@ __all__ = ["config_seconds", "QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEM
 #: workers' profile history otherwise grows for 1,000 s (about 2 KB per training step at
 #: 7.5 steps/s, 15 KB a second) before it is flat. The dashboard's Profile page then shows
 #: the last 200 s.
+#: The workers' statistical profiler samples every 100 ms instead of 10 (dask's default):
+#: each sample is a turn of the worker's event loop that takes the GIL and walks every
+#: thread's stack. Eight busy workers sharing 2 cores did 12-17% fewer matmuls with 10 ms
+#: sampling than without the profiler; with 100 ms, as many as without, within the noise
+#: (``docs/benchmarks.md``, "Session 39"). The Profile page of the dashboard then rests on
+#: 10 samples a second per worker, enough for tasks and steps of 0.1 s and more.
 QUIET_LOOP_CONFIG = {
     "distributed.admin.tick.interval": "500ms",
     "distributed.admin.system-monitor.interval": "2s",
     "distributed.admin.low-level-log-length": 200,
+    "distributed.worker.profile.interval": "100ms",
 }
 
 
