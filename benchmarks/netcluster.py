@@ -153,7 +153,7 @@ class _Cluster:
             "MKL_NUM_THREADS": str(self.threads), "MALLOC_TRIM_THRESHOLD_": "65536"}
         # and their dask settings those of the clusters dask-ipar starts (event-loop
         # housekeeping, the profiler's interval, the scheduler's worker TTL; before
-        # session 39 dask's defaults: a 10 ms profiler took 12-17% of busy workers' CPU)
+        # session 39 dask's defaults: a 10 ms profiler made busy workers' steps 1.1x long)
         from dask_ipar.runtime.worker_env import config_environ
 
         env.update(config_environ(_dask_config()))

@@ -31,9 +31,9 @@ __all__ = ["config_seconds", "QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEM
 #: the last 200 s.
 #: The workers' statistical profiler samples every 100 ms instead of 10 (dask's default):
 #: each sample is a turn of the worker's event loop that takes the GIL and walks every
-#: thread's stack. Eight busy workers sharing 2 cores did 12-17% fewer matmuls with 10 ms
-#: sampling than without the profiler; with 100 ms, as many as without, within the noise
-#: (``docs/benchmarks.md``, "Session 39"). The Profile page of the dashboard then rests on
+#: thread's stack. Eight workers sharing 2 cores took 1.105x as long per training step
+#: (8x1, the 4096-wide MLP) with 10 ms sampling as without the profiler, 0.99x with 100 ms
+#: (``benchmarks/profiler_cost.py``; ``docs/benchmarks.md``, "Session 39"). The Profile page of the dashboard then rests on
 #: 10 samples a second per worker, enough for tasks and steps of 0.1 s and more.
 QUIET_LOOP_CONFIG = {
     "distributed.admin.tick.interval": "500ms",
