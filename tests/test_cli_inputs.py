@@ -122,3 +122,21 @@ def test_resume_with_other_settings_is_refused_unless_allowed(files, tmp_path, c
     # resumed at its last step, the run made no step: no samples/s from the first run's
     summary = json.loads(allowed.stdout.strip().splitlines()[-1])
     assert summary["samples_per_s"] == 0
+
+
+def test_matmul_setting_errors(tmp_path, capsys, monkeypatch):
+    """``matmul`` from the config file: a bad value, and ``torch`` without PyTorch, end
+    before a cluster starts, naming the setting and where to set it."""
+    import importlib.util
+
+    cfg = tmp_path / "dask-ipar.yaml"
+    cfg.write_text("matmul: mkl\n")
+    _one_line_error(_train_here(capsys, "--config", str(cfg)),
+                    "config matmul is 'mkl', expected auto (PyTorch's BLAS where installed), "
+                    "numpy or torch")
+    cfg.write_text("matmul: torch\n")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    _one_line_error(_train_here(capsys, "--config", str(cfg)), "matmul: torch needs PyTorch",
+                    "pip install torch", "DASK_IPAR__MATMUL")

@@ -145,6 +145,9 @@ def test_job_script_exports_the_malloc_settings():
     assert "export DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL=500ms" in s
     assert "export DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL=2s" in s
     assert "export DASK_DISTRIBUTED__WORKER__PROFILE__INTERVAL=100ms" in s
+    assert "export DASK_IPAR__MATMUL=auto" in s  # the workers multiply with the BLAS it picks
+    assert "export DASK_IPAR__MATMUL=numpy" in job_script({**_cfg(kind="slurm", **HPC),
+                                                           "matmul": "numpy"}, n_workers=2)
     assert "MALLOC_MMAP_MAX_" not in job_script(_cfg(kind="slurm", reuse_memory=False,
                                                      **HPC), n_workers=2)
 

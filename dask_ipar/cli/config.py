@@ -119,6 +119,10 @@ def config_from_args(args) -> dict:
             value = ",".join(map(str, value)) or "''"
         raise IparError(f"--{flag.replace('_', '-')} {value}: expected {exc.expected}."
                         f"{(' ' + exc.fix) if exc.fix else ''}") from None
+    if cfg.get("matmul") == "torch":  # before a cluster starts: PyTorch installed here
+        from dask_ipar.kernels.blas import check_setting
+
+        check_setting("torch")
     register(cfg)
     cfg["_file"] = source
     return cfg

@@ -16,6 +16,7 @@ image can be padded on its outer edges only.
 from __future__ import annotations
 
 from dask_ipar.kernels import dense as K
+from dask_ipar.kernels.blas import matmul
 from dask_ipar.kernels.blocks import xp_of
 
 __all__ = [
@@ -85,7 +86,7 @@ def conv2d_forward(x, w, b, stride=1, pad=(0, 0, 0, 0), groups=1):
     for gi in range(groups):
         wg = xp.reshape(w[gi * og:(gi + 1) * og, ...], (og, cg * kh * kw))
         cg_cols = cols[:, gi * cg * kh * kw:(gi + 1) * cg * kh * kw, :]
-        outs.append(wg @ cg_cols)  # (N, og, L) by broadcasting
+        outs.append(matmul(wg, cg_cols))  # (N, og, L) by broadcasting
     y = outs[0] if groups == 1 else xp.concat(outs, axis=1)
     y = xp.reshape(y, (n, o, oh, ow))
     if b is not None:
@@ -105,7 +106,7 @@ def _dx_padded(w, dz2, shape, stride, oh, ow, groups, dtype, out=None, at=0):
     dcols = []
     for gi in range(groups):
         wg = xp.reshape(w[gi * og:(gi + 1) * og, ...], (og, cg * kh * kw))
-        dcols.append(wg.T @ dz2[:, gi * og:(gi + 1) * og, :])  # (N, cg*kh*kw, L)
+        dcols.append(matmul(wg.T, dz2[:, gi * og:(gi + 1) * og, :]))  # (N, cg*kh*kw, L)
     dcol = dcols[0] if groups == 1 else xp.concat(dcols, axis=1)
     dcol = xp.reshape(dcol, (n, c, kh, kw, oh, ow))
     dxpad = xp.zeros(shape, dtype=dtype) if out is None else out
@@ -134,7 +135,7 @@ def conv2d_backward(x, w, dy, stride=1, pad=(0, 0, 0, 0), groups=1, bias=True, n
     for gi in range(groups):
         dyg = dy2[:, gi * og:(gi + 1) * og, :]  # (N, og, L)
         colg = cols[:, gi * cg * kh * kw:(gi + 1) * cg * kh * kw, :]
-        dws.append(xp.sum(dyg @ xp.permute_dims(colg, (0, 2, 1)), axis=0))  # (og, cg*kh*kw)
+        dws.append(xp.sum(matmul(dyg, xp.permute_dims(colg, (0, 2, 1))), axis=0))  # (og, cg*kh*kw)
     dw = xp.reshape(dws[0] if groups == 1 else xp.concat(dws, axis=0), w.shape)
     db = xp.sum(dy, axis=(0, 2, 3)) if bias else None
     if not need_dx:

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 
+from dask_ipar.kernels.blas import matmul
 from dask_ipar.kernels.blocks import sum_pieces, xp_of
 
 __all__ = [
@@ -157,7 +158,7 @@ def dense_forward(wb, xb, n_in, activation, *blocks):
     nw = len(wb)
     w, x = blocks[:nw], blocks[nw:nw + len(xb)]
     if forward_segments(wb, xb, n_in, w[0].shape[0], x[0].shape[1]) is None:
-        z = span(wb, 0, n_in, 1, *w) @ span(xb, 0, n_in, 0, *x)
+        z = matmul(span(wb, 0, n_in, 1, *w), span(xb, 0, n_in, 0, *x))
     else:  # a sum of products over the contraction ranges: no joined copies
         z = _contract(wb, xb, n_in, w, x)
     if wb[-1][1] > n_in:
@@ -184,13 +185,13 @@ def _contract(wb, xb, n_in, w, x):
     for a, b in contract_ranges(wb, xb, n_in):
         wa, xa = _part(wb, w, a, b, 1), _part(xb, x, a, b, 0)
         if z is None:
-            z = wa @ xa
+            z = matmul(wa, xa)
             m = _ufuncs(z)
         elif m is not None:
             tmp = m.empty_like(z) if tmp is None else tmp
-            z += m.matmul(wa, xa, out=tmp)
+            z += matmul(wa, xa, out=tmp)
         else:
-            z = z + wa @ xa
+            z = z + matmul(wa, xa)
     return z
 
 
@@ -246,7 +247,7 @@ def dx_piece(wb, c0, c1, dz, *w):
     apart, never joined, was measured faster, 36-59 ms against 65-76 ms for an 8192-row
     block row at B = 64, but its last bits then depended on the memory order the blocks
     arrived in: the graph and programs executors no longer gave equal weights.)"""
-    return span(wb, c0, c1, 1, *w).T @ dz
+    return matmul(span(wb, c0, c1, 1, *w).T, dz)
 
 
 def dz_from_pieces(a, activation, wb, c0, c1, dz, *rest):
@@ -281,15 +282,15 @@ def dw_piece(dz, xb, c0, c1, n_in, *x):
         return xp.sum(dz, axis=1, keepdims=True)
     xs = span(xb, c0, min(c1, n_in), 0, *x)
     if c1 <= n_in:
-        return dz @ xs.T
+        return matmul(dz, xs.T)
     m = _ufuncs(dz)
     if m is not None:  # one matmul into the slice's first columns, the bias sum beside it
         out = m.empty((dz.shape[0], c1 - c0), dtype=dz.dtype)
-        m.matmul(dz, xs.T, out=out[:, :n_in - c0])
+        matmul(dz, xs.T, out=out[:, :n_in - c0])
         m.sum(dz, axis=1, out=out[:, n_in - c0])
         return out
     ones = xp.ones((1, xs.shape[1]), dtype=xs.dtype)
-    return dz @ xp.concat([xs, ones], axis=0).T
+    return matmul(dz, xp.concat([xs, ones], axis=0).T)
 
 
 def dw_reduce(dz, xb, c0, c1, n_in, *rest):
@@ -346,7 +347,7 @@ def _momentum_rows(m, w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1,
     scratch = m.empty((sub, cols), dtype=v.dtype) if lr is not None else None
     for r0, r1 in gemm:
         if nw:
-            m.matmul(dz[r0:r1, :], xs.T, out=tmp[:r1 - r0])
+            matmul(dz[r0:r1, :], xs.T, out=tmp[:r1 - r0])
         for s0 in range(r0, r1, sub):
             s1 = min(s0 + sub, r1)
             vr = v[s0:s1, :]

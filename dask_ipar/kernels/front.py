@@ -6,6 +6,7 @@ domain-parallel convs). Array-API generic, like every kernel (:mod:`dask_ipar.ke
 
 from __future__ import annotations
 
+from dask_ipar.kernels.blas import matmul
 from dask_ipar.kernels.blocks import xp_of
 
 __all__ = ["dx_sample_piece", "dz_sample_from_pieces", "flatten_gather", "dx_image_piece",
@@ -21,7 +22,7 @@ def _as_images(cols, chw):
 def dx_sample_piece(wrow, dz, chw, s0, s1):
     """``W(i, :)^T dZ(i, s0:s1)``: the input gradient of samples ``s0:s1`` of the column."""
     c, h, w = chw
-    return _as_images(wrow[:, :c * h * w].T @ dz[:, s0:s1], chw)
+    return _as_images(matmul(wrow[:, :c * h * w].T, dz[:, s0:s1]), chw)
 
 
 def _plus_pieces(own, remote):
@@ -70,7 +71,7 @@ def _as_block(cols, chw, axis, a, b):
 
 def dx_image_piece(wrow, dz, chw, axis, a, b):
     """``W(i, block)^T dZ(i, j)``: the input gradient of channels or rows ``a:b``."""
-    return _as_block(_cols_of_block(wrow, chw, axis, a, b).T @ dz, chw, axis, a, b)
+    return _as_block(matmul(_cols_of_block(wrow, chw, axis, a, b).T, dz), chw, axis, a, b)
 
 
 def dz_image_from_pieces(wrow, dz, chw, axis, a, b, *remote):

@@ -15,6 +15,7 @@ Array-API generic, as :mod:`dask_ipar.kernels.dense`. Layout: activations are
 
 from __future__ import annotations
 
+from dask_ipar.kernels.blas import matmul
 from dask_ipar.kernels.blocks import xp_of
 from dask_ipar.kernels.dense import _activate, _aligned, times_activation_grad_
 
@@ -24,7 +25,7 @@ __all__ = ["partial_forward", "partial_sum", "dz_rows", "grad_partial"]
 def partial_forward(c0, c1, wfull, x, *after):
     """``W(:, c0:c1) @ X(c0:c1, j)``: this cell's share of the output (``x``: its input
     rows). Arguments after ``x`` are not read (order-only dependencies)."""
-    return wfull[:, c0:c1] @ _aligned(x)
+    return matmul(wfull[:, c0:c1], _aligned(x))
 
 
 def partial_sum(n_in, bias, activation, wfull, *partials):
@@ -43,7 +44,7 @@ def partial_sum(n_in, bias, activation, wfull, *partials):
 def dz_rows(a, activation, c0, c1, wfull, dz):
     """The previous layer's output gradient on this cell's rows ``c0:c1``:
     ``(W(:, c0:c1)^T dZ) * f'(a)`` (``a``: the cell's block of that output)."""
-    return times_activation_grad_(wfull[:, c0:c1].T @ dz, a, activation)
+    return times_activation_grad_(matmul(wfull[:, c0:c1].T, dz), a, activation)
 
 
 def grad_partial(c0, c1, n_cols, bias_sum, dz, x):
@@ -54,7 +55,7 @@ def grad_partial(c0, c1, n_cols, bias_sum, dz, x):
     (one grid row adds them), zeros elsewhere."""
     xp = xp_of(dz)
     g = xp.zeros((dz.shape[0], n_cols), dtype=dz.dtype)
-    g[:, c0:c1] = dz @ _aligned(x).T
+    g[:, c0:c1] = matmul(dz, _aligned(x).T)
     if bias_sum:
         g[:, n_cols - 1] = xp.sum(dz, axis=1)
     return (None, g)

@@ -121,7 +121,8 @@ def jobqueue_kwargs(cfg: dict, n_workers: int) -> dict:
         "job_extra_directives": (_site_setting(kind, "job-extra-directives") if site else [])
         + list(c.get("job_extra") or []),
     }
-    prologue = config_exports(QUIET_LOOP_CONFIG)  # exported before the worker processes start
+    # exported before the worker processes start; ipar.matmul: the workers' BLAS
+    prologue = config_exports({**QUIET_LOOP_CONFIG, "ipar.matmul": cfg.get("matmul") or "auto"})
     if c.get("reuse_memory", True):
         prologue += [f"export {k}={v}" for k, v in REUSE_MEMORY_ENV.items()]
     # the nanny keeps BLAS variables that its own environment sets (else it sets them to 1)

@@ -1,0 +1,131 @@
+"""The matrix products of the kernels, and whose BLAS runs them on NumPy blocks.
+
+Every product of the dense, convolution and row-parallel kernels goes through
+:func:`matmul`. On CuPy and other array API blocks it is the array library's own. On NumPy
+blocks it is NumPy's BLAS (the OpenBLAS its wheels bundle), or PyTorch's CPU BLAS (Intel
+MKL in the x86 wheels) on the same memory through ``torch.from_numpy``: no copy, the result
+a NumPy array NumPy allocated. Which one is the ``ipar.matmul`` setting:
+
+* ``auto`` (the default): PyTorch's where PyTorch is installed in the worker, else NumPy's;
+* ``numpy``: always NumPy's;
+* ``torch``: PyTorch's (:func:`check_setting` refuses it before a run where PyTorch is not
+  installed).
+
+Why: on this project's 2-core Intel test machine PyTorch's sgemm ran the engine's block
+shapes 5-15% faster than NumPy's OpenBLAS on one and on two threads (``docs/benchmarks.md``,
+"Session 40"). PyTorch is imported on the first product of at least :data:`MIN_FLOPS`
+(about 1.3 s and 200 MB of shared libraries per worker), so small models never load it.
+Products below that size stay on NumPy, whose per-call cost is lower. Both BLAS libraries
+round float32 products differently, within float32 precision; within one run every worker
+uses the same one, so the executors and grids still agree with each other as closely as
+before.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+
+import numpy as np
+
+from dask_ipar.errors import IparError
+
+__all__ = ["MATMUL_CHOICES", "MIN_FLOPS", "matmul", "backend", "check_setting"]
+
+#: Accepted values of ``ipar.matmul``.
+MATMUL_CHOICES = ("auto", "numpy", "torch")
+
+#: Products of fewer floating-point operations (2 m n k per matrix) stay on NumPy: below
+#: about 2**22 (a 128-cubed product, some 20-40 us) PyTorch's per-call overhead of a few
+#: microseconds is no longer small beside the product.
+MIN_FLOPS = 1 << 22
+
+_WHERE = "in dask-ipar.yaml, or DASK_IPAR__MATMUL"
+_TORCH_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_torch_module = None  # PyTorch once imported for the kernels; False where it is missing
+
+
+def _setting() -> str:
+    import dask.config
+
+    value = dask.config.get("ipar.matmul", "auto")
+    return "auto" if value is None else str(value)
+
+
+def check_setting(value=None) -> str:
+    """``ipar.matmul`` (or ``value``) checked: one of :data:`MATMUL_CHOICES`, and
+    ``torch`` only where PyTorch is installed; an :class:`IparError` saying what to set
+    otherwise."""
+    value = _setting() if value is None else str(value)
+    if value not in MATMUL_CHOICES:
+        raise IparError(f"matmul: {value!r} is not one of {', '.join(MATMUL_CHOICES)}. "
+                        f"Set matmul ({_WHERE}) to auto (PyTorch's BLAS where installed), "
+                        "numpy or torch.")
+    if value == "torch" and importlib.util.find_spec("torch") is None:
+        raise IparError("matmul: torch needs PyTorch, which is not installed here. Install "
+                        f"it (pip install torch) or set matmul ({_WHERE}) to auto or numpy.")
+    return value
+
+
+def _torch():
+    """PyTorch, imported once; None where it is not installed."""
+    global _torch_module
+    if _torch_module is None:
+        if importlib.util.find_spec("torch") is None:
+            _torch_module = False
+        else:
+            import torch
+
+            _torch_module = torch
+    return _torch_module or None
+
+
+def backend() -> str:
+    """``"torch"`` or ``"numpy"``: whose BLAS this process runs large NumPy products with."""
+    value = _setting()
+    if value == "numpy":
+        return "numpy"
+    if value == "torch":
+        check_setting(value)
+    return "torch" if _torch() is not None else "numpy"
+
+
+def _flops(a, b) -> int:
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return 2 * m * n * k * int(np.prod(batch, dtype=np.int64))
+
+
+def _torch_matmul(torch, a, b, out):
+    """``a @ b`` by PyTorch into ``out`` (a new NumPy array when None); None where PyTorch
+    cannot view the operands (negative strides)."""
+    try:
+        with warnings.catch_warnings():  # blocks received over the network are read-only
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    except ValueError:
+        return None
+    if out is None:
+        shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+        out = np.empty(shape, dtype=np.result_type(a, b))
+    torch.matmul(ta, tb, out=torch.from_numpy(out))
+    return out
+
+
+def matmul(a, b, out=None):
+    """``a @ b`` (into ``out`` where given, which NumPy and CuPy blocks take); on NumPy
+    blocks of float32 or float64 and at least :data:`MIN_FLOPS`, by the BLAS
+    ``ipar.matmul`` picks."""
+    if (type(a) is np.ndarray and type(b) is np.ndarray and a.ndim >= 2 and b.ndim >= 2
+            and a.dtype == b.dtype and a.dtype in _TORCH_DTYPES
+            and (out is None or (out.dtype == a.dtype and out.flags.writeable))
+            and _flops(a, b) >= MIN_FLOPS and backend() == "torch"):
+        r = _torch_matmul(_torch(), a, b, out)
+        if r is not None:
+            return r
+    if out is None:
+        return a @ b
+    module = np if isinstance(a, np.ndarray) else sys.modules[type(a).__module__.split(".")[0]]
+    return module.matmul(a, b, out=out)
