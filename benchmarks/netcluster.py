@@ -362,10 +362,15 @@ def link_check(client, rate) -> dict:
 
 def _dask_config() -> dict:
     """The dask settings the emulated cluster's processes get beyond dask's defaults:
-    those of the clusters dask-ipar starts (recorded with each run since session 39)."""
+    those of the clusters dask-ipar starts (recorded with each run since session 39), and
+    this process's ``ipar.matmul`` (``DASK_IPAR__MATMUL``; since session 40)."""
+    import dask
+
+    import dask_ipar.config  # noqa: F401 (registers the ipar defaults)
     from dask_ipar.runtime.worker_env import QUIET_LOOP_CONFIG, SCHEDULER_CONFIG
 
-    return {**QUIET_LOOP_CONFIG, **SCHEDULER_CONFIG}
+    return {**QUIET_LOOP_CONFIG, **SCHEDULER_CONFIG,
+            "ipar.matmul": dask.config.get("ipar.matmul", "auto")}
 
 
 def step_machine(client, link, log=True):

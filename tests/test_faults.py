@@ -460,6 +460,9 @@ def test_stopped_worker_is_rebuilt_from_replicas(client4, data):
     from dask_ipar.runtime.replicas import Replicas
 
     X, y = data
+    # the four workers back and running first: a worker an earlier test killed was still
+    # coming back once (CI, session 39: "No valid workers found" in the first distribute)
+    whole_again(client4)
     expected = uninterrupted(client4, X, y, replicas=2)
 
     model = make_model().distribute(client4, "2x2")
