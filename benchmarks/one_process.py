@@ -1,7 +1,7 @@
 """dask-ipar on one worker (grid 1x1) against PyTorch and NumPy in one process (issue 23).
 
     python benchmarks/one_process.py [--mlps compute,weight] [--rounds 3] [--steps 5]
-        [--json out.json]
+        [--variants auto,numpy-1t] [--json out.json]
 
 The issue's target: the compute-bound MLP's 1x1 step at most 1.05x the faster of PyTorch
 (one process) and the NumPy reference, in the same run. Each round runs, back to back, the
@@ -10,7 +10,9 @@ sgemm), dask-ipar on 1x1 (a LocalCluster of one worker process with all the mach
 threads; the programs executor, momentum SGD; ``common.time_dask_grid``) and PyTorch in one
 process (``torch_ddp.py --procs 1``, all cores); each figure the median of ``--steps``
 steps after a warm-up. The verdict compares the medians over the rounds, so that a phase
-of this shared machine's speed moves all three alike.
+of this shared machine's speed moves all three alike. With ``--variants`` dask-ipar runs
+once per setting each round (the worker's ``matmul`` setting, and ``-1t`` for element-wise
+passes on one thread): the first variant is the verdict's, the others are reported beside.
 """
 
 from __future__ import annotations
@@ -28,15 +30,39 @@ sys.path.insert(0, HERE)
 LIMIT = 1.05  # dask-ipar 1x1 / the faster of PyTorch and NumPy
 
 
-def measure(cfg, client, rounds: int, steps: int, cores: int, log=print) -> dict:
-    """Interleaved rounds of NumPy, dask-ipar 1x1 and PyTorch on ``cfg``; step seconds."""
+#: ``--variants``: the worker's ``ipar.matmul`` and whether its element-wise passes use its
+#: threads (``-1t``: the worker's ``OMP_NUM_THREADS`` set to 1 after it started, which only
+#: ``kernels.threads.kernel_threads`` reads then: the BLAS keep their threads).
+VARIANTS = ("auto", "numpy", "torch", "auto-1t", "numpy-1t", "torch-1t")
+
+
+def _set_variant(client, variant: str, cores: int) -> None:
+    def setup(matmul, threads):
+        import os
+
+        import dask
+
+        dask.config.set({"ipar.matmul": matmul})
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+    matmul, _, one = variant.partition("-")
+    client.run(setup, matmul, 1 if one else cores)
+
+
+def measure(cfg, client, rounds: int, steps: int, cores: int, log=print,
+            variants=("auto",)) -> dict:
+    """Interleaved rounds of NumPy, dask-ipar 1x1 (each of ``variants``) and PyTorch on
+    ``cfg``; step seconds. The first variant is ``dask``, the others ``dask:<variant>``."""
     import common as C
 
-    out: dict = {"numpy": [], "dask": [], "torch": []}
+    keys = ["dask"] + [f"dask:{v}" for v in variants[1:]]
+    out: dict = {"numpy": [], **{k: [] for k in keys}, "torch": []}
     for r in range(rounds):
         out["numpy"].append(C.time_numpy(cfg, steps)["step_s"])
-        out["dask"].append(C.time_dask_grid(client, cfg, "1x1", steps, warmup=1,
-                                            profile=False, executor="programs")["step_s"])
+        for key, variant in zip(keys, variants):
+            _set_variant(client, variant, cores)
+            out[key].append(C.time_dask_grid(client, cfg, "1x1", steps, warmup=1,
+                                             profile=False, executor="programs")["step_s"])
         t = C.time_torch(cfg, 1, cores, steps)
         out["torch"].append(t.get("step_s"))
         if "error" in t:
@@ -60,9 +86,14 @@ def _cell(times: list, median: float | None) -> str:
     return f"{median:.3f} ({', '.join(f'{x:.3f}' for x in times)})"
 
 
+def _variants_flag(res: dict) -> str:
+    v = res.get("variants") or ["auto"]
+    return "" if v == ["auto"] else f" --variants {','.join(v)}"
+
+
 def render(res: dict) -> str:
     head = (f"`python benchmarks/one_process.py --rounds {res['rounds']} --steps "
-            f"{res['steps']}` on {res['when']} ({res['cores']} cores; raw numbers in "
+            f"{res['steps']}{_variants_flag(res)}` on {res['when']} ({res['cores']} cores; raw numbers in "
             f"`benchmarks/results/{res['json_name']}`): step seconds, per round NumPy / "
             "dask-ipar 1x1 / PyTorch, back to back; the verdict from the medians over the "
             "rounds.")
@@ -80,6 +111,16 @@ def render(res: dict) -> str:
             verdict = "-" if ratio is None else ("PASS" if s["ok"] else "MISS")
         L.append(f"| {r['label']} | {' | '.join(cells)} | "
                  f"{'-' if ratio is None else f'{ratio:.2f}'} | {limit} | {verdict} |")
+    variants = res.get("variants") or ["auto"]
+    if len(variants) > 1:
+        L += ["", f"dask-ipar 1x1 with each of `--variants {','.join(variants)}` (the first is "
+              "the table's), median (rounds) and / the faster peer:", ""]
+        for key, r in res["mlps"].items():
+            t, s = r["steps_s"], r["summary"]
+            peer = min(s["median_s"][k] for k in ("numpy", "torch") if k in s["median_s"])
+            for k, v in zip(["dask"] + [f"dask:{v}" for v in variants[1:]], variants):
+                med = statistics.median(t[k])
+                L.append(f"- {r['label']}, {v}: {_cell(t[k], med)} s, {med / peer:.2f}")
     return "\n".join(L)
 
 
@@ -90,6 +131,10 @@ def main(argv=None):
     p.add_argument("--mlps", default="compute", help="comma-separated: compute, weight")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--variants", default="auto",
+                   help="comma-separated dask-ipar settings timed in turn each round, the "
+                        "first the verdict's: " + ", ".join(VARIANTS) + " (matmul setting; "
+                        "-1t: element-wise passes on one thread)")
     p.add_argument("--json", default=None, help="where to write the raw numbers (default: "
                    "benchmarks/results/one-<time>.json)")
     a = p.parse_args(argv)
@@ -98,18 +143,21 @@ def main(argv=None):
     bad = [k for k in keys if k not in cfgs]
     if bad:
         p.error(f"--mlps: unknown {', '.join(bad)}; choose from {', '.join(cfgs)}")
+    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    if not variants or any(v not in VARIANTS for v in variants):
+        p.error(f"--variants: expected some of {', '.join(VARIANTS)}, got {a.variants!r}")
     if a.rounds < 1 or a.steps < 1:
         p.error("--rounds and --steps must be at least 1")
     cores = os.cpu_count() or 1
     stamp = time.strftime("%Y%m%dT%H%M%S")
     path = a.json or os.path.join(HERE, "results", f"one-{stamp}.json")
     res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cores": cores, "rounds": a.rounds,
-           "steps": a.steps, "json_name": os.path.basename(path), "mlps": {}}
+           "steps": a.steps, "variants": list(variants), "json_name": os.path.basename(path), "mlps": {}}
     cluster, client, _ = C.local_cluster(1, cores)
     try:
         for k in keys:
             t = measure(cfgs[k], client, a.rounds, a.steps, cores,
-                        log=lambda m: print(m, file=sys.stderr, flush=True))
+                        log=lambda m: print(m, file=sys.stderr, flush=True), variants=variants)
             res["mlps"][k] = {"label": cfgs[k].label, "describe": cfgs[k].describe(),
                               "steps_s": t, "summary": summarize(t)}
     finally:

@@ -17,6 +17,7 @@ import numpy as np
 
 from dask_ipar.kernels.blas import matmul
 from dask_ipar.kernels.blocks import sum_pieces, xp_of
+from dask_ipar.kernels.threads import kernel_threads, over_rows
 
 __all__ = [
     "ACTIVATIONS",
@@ -334,6 +335,8 @@ def _momentum_rows(m, w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1,
     that stay in cache: ``v = momentum * v + dW + remote pieces + weight_decay * w``, then
     ``w -= lr * v`` while ``v`` is still in cache (one pass over ``v`` and ``w`` from memory
     instead of four). ``m`` is the array module (NumPy or CuPy; CuPy gets whole slices).
+    NumPy's sub-slices are shared among the process's kernel threads
+    (:func:`~dask_ipar.kernels.threads.over_rows`: the same bits on any number).
     """
     nx = len(xb)
     remote = rest[nx:]
@@ -344,26 +347,30 @@ def _momentum_rows(m, w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1,
     gemm = _row_chunks(v, 16 * _CHUNK_BYTES)
     tmp = m.empty((gemm[0][1], nw), dtype=v.dtype) if nw else None
     sub = _row_chunks(v, _CHUNK_BYTES // 4)[0][1] if m is np else gemm[0][1]
-    scratch = m.empty((sub, cols), dtype=v.dtype) if lr is not None else None
+    threads = kernel_threads() if m is np else 1  # the sub-slices shared (same bits)
+    scratch = [m.empty((sub, cols), dtype=v.dtype) for _ in range(threads)] \
+        if lr is not None else None
+
+    def finish(s0, s1, t, r0):
+        vr = v[s0:s1, :]
+        vr *= momentum
+        if nw:
+            vr[:, :nw] += tmp[s0 - r0:s1 - r0]
+        if bias is not None:
+            vr[:, nw] += bias[s0:s1]
+        for r in remote:
+            vr += r[s0:s1, :]
+        if weight_decay and n_decay:
+            vr[:, :n_decay] += weight_decay * w[s0:s1, :n_decay]
+        if lr is not None:
+            sc = scratch[t][:s1 - s0]
+            m.multiply(vr, -lr, out=sc)
+            w[s0:s1, :] += sc
+
     for r0, r1 in gemm:
         if nw:
             matmul(dz[r0:r1, :], xs.T, out=tmp[:r1 - r0])
-        for s0 in range(r0, r1, sub):
-            s1 = min(s0 + sub, r1)
-            vr = v[s0:s1, :]
-            vr *= momentum
-            if nw:
-                vr[:, :nw] += tmp[s0 - r0:s1 - r0]
-            if bias is not None:
-                vr[:, nw] += bias[s0:s1]
-            for r in remote:
-                vr += r[s0:s1, :]
-            if weight_decay and n_decay:
-                vr[:, :n_decay] += weight_decay * w[s0:s1, :n_decay]
-            if lr is not None:
-                sc = scratch[:s1 - s0]
-                m.multiply(vr, -lr, out=sc)
-                w[s0:s1, :] += sc
+        over_rows(lambda s0, s1, t, r0=r0: finish(s0, s1, t, r0), r0, r1, sub, threads)
     return v
 
 

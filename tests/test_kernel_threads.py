@@ -1,0 +1,62 @@
+"""Element-wise passes shared among a worker's threads (:mod:`dask_ipar.kernels.threads`):
+the same bits on any number of threads, and every row slice computed once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dask_ipar.kernels import dense as K
+from dask_ipar.kernels.threads import kernel_threads, over_rows
+
+
+def test_over_rows_covers_each_slice_once_and_raises():
+    seen = []
+    over_rows(lambda a, b, t: seen.append((a, b, t)), 3, 105, 10, threads=3)
+    assert sorted((a, b) for a, b, _ in seen) == [(s, min(s + 10, 105)) for s in range(3, 105, 10)]
+    assert {t for *_, t in seen} == {0, 1, 2}  # 11 slices: runs of 4, 4, 3
+    one = []
+    over_rows(lambda a, b, t: one.append(t), 0, 30, 10, threads=8)  # 3 slices: one thread
+    assert one == [0, 0, 0]
+
+    def boom(a, b, t):
+        if a == 90:
+            raise ValueError("slice 90")
+
+    with pytest.raises(ValueError, match="slice 90"):
+        over_rows(boom, 0, 100, 10, threads=2)
+
+
+def test_kernel_threads_reads_the_blas_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert kernel_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "100000")
+    assert 1 <= kernel_threads() <= 100000 and kernel_threads() < 100000
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    assert kernel_threads() == 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_momentum_sgd_same_bits_on_any_number_of_threads(monkeypatch, dtype):
+    rng = np.random.default_rng(0)
+    rows, n_in, batch = 1500, 700, 64  # 33 slices of 46 rows (float64)
+    w0, v0 = (rng.standard_normal((rows, n_in + 1)).astype(dtype) for _ in range(2))
+    dz = rng.standard_normal((rows, batch)).astype(dtype)
+    x = rng.standard_normal((n_in, batch)).astype(dtype)
+    remote = rng.standard_normal((rows, n_in + 1)).astype(dtype)
+    got = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr("dask_ipar.kernels.dense.kernel_threads", lambda n=threads: n)
+        w, v = w0.copy(), v0.copy()
+        K.sgd_update(w, v, 0.1, 0.9, 1e-3, n_in, True, 0, dz, [(0, n_in)], 0, n_in + 1, n_in,
+                     x, remote)
+        got.append((w, v))
+    for w, v in got[1:]:
+        assert np.array_equal(w, got[0][0]) and np.array_equal(v, got[0][1])
+    # against whole-matrix NumPy: v = 0.9 v + dW + remote + 1e-3 w (not the bias), w -= 0.1 v
+    g = dz.astype(np.float64) @ np.concatenate([x, np.ones((1, batch), dtype)]).T + remote
+    v = 0.9 * v0 + g
+    v[:, :n_in] += 1e-3 * w0[:, :n_in]
+    tol = 1e-4 if dtype == np.float32 else 1e-12
+    assert np.abs(got[0][1] - v).max() <= tol * np.abs(v).max()
+    assert np.abs(got[0][0] - (w0 - 0.1 * v)).max() <= tol * np.abs(w0).max()
