@@ -60,3 +60,25 @@ def test_momentum_sgd_same_bits_on_any_number_of_threads(monkeypatch, dtype):
     tol = 1e-4 if dtype == np.float32 else 1e-12
     assert np.abs(got[0][1] - v).max() <= tol * np.abs(v).max()
     assert np.abs(got[0][0] - (w0 - 0.1 * v)).max() <= tol * np.abs(w0).max()
+
+
+@pytest.mark.parametrize("activation", ["relu", "tanh", "linear"])
+def test_activations_by_row_slices_same_bits(monkeypatch, activation):
+    """Bias and activation, and the derivative's product, a row slice at a time on any
+    number of threads: the bits of the whole-array passes."""
+    from dask_ipar.kernels import activations as A
+
+    rng = np.random.default_rng(1)
+    z0 = rng.standard_normal((1000, 300)).astype(np.float32)  # 219 rows a slice
+    bias = rng.standard_normal((1000, 1)).astype(np.float32)
+    whole = z0 + bias
+    whole = {"relu": np.maximum(whole, 0), "tanh": np.tanh(whole), "linear": whole}[activation]
+    g0 = rng.standard_normal((1000, 300)).astype(np.float32)
+    grad = g0 * {"relu": (whole > 0).astype(np.float32), "tanh": 1 - whole * whole,
+                 "linear": np.float32(1)}[activation]
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(A, "over_rows", lambda *a, n=threads: over_rows(*a, threads=n))
+        z = z0.copy()
+        assert A.activate_(z, activation, bias) is z and np.array_equal(z, whole)
+        g = g0.copy()
+        assert np.array_equal(A.times_activation_grad_(g, whole, activation), grad)

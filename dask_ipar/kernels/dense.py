@@ -11,10 +11,15 @@ are ``features x samples``.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
+from dask_ipar.kernels.activations import (
+    ACTIVATIONS,
+    activate_,
+    activation_grad,
+    times_activation_grad_,
+    ufuncs_of,
+)
 from dask_ipar.kernels.blas import matmul
 from dask_ipar.kernels.blocks import sum_pieces, xp_of
 from dask_ipar.kernels.threads import kernel_threads, over_rows
@@ -44,18 +49,8 @@ __all__ = [
     "block_sgd_weight",
 ]
 
-ACTIVATIONS = ("linear", "relu", "tanh")
-
-
-def _ufuncs(x):
-    """NumPy or CuPy when ``x`` is one of their arrays (their ufuncs write into ``out=``),
-    else None: other array API libraries get the out-of-place forms."""
-    if isinstance(x, np.ndarray):
-        return np
-    if type(x).__module__.split(".")[0] == "cupy":
-        return sys.modules["cupy"]
-    return None
-
+_ufuncs = ufuncs_of
+_activate = activate_
 
 #: Rows per slice of the chunked updates: temporaries stay about this many bytes.
 _CHUNK_BYTES = 1 << 20
@@ -75,19 +70,6 @@ def axpy_(y, alpha, x):
     for r0, r1 in _row_chunks(y):
         y[r0:r1, ...] += alpha * x[r0:r1, ...]
     return y
-
-
-def _activate(z, activation):
-    """``f(z)``; ``z`` is the caller's own new array and is overwritten where possible."""
-    m = _ufuncs(z)
-    if activation == "relu":
-        if m is not None:
-            return m.maximum(z, 0, out=z)
-        xp = xp_of(z)
-        return xp.where(z > 0, z, xp.zeros_like(z))
-    if activation == "tanh":
-        return m.tanh(z, out=z) if m is not None else xp_of(z).tanh(z)
-    return z
 
 
 def span(bounds, lo, hi, axis, *parts):
@@ -162,9 +144,8 @@ def dense_forward(wb, xb, n_in, activation, *blocks):
         z = matmul(span(wb, 0, n_in, 1, *w), span(xb, 0, n_in, 0, *x))
     else:  # a sum of products over the contraction ranges: no joined copies
         z = _contract(wb, xb, n_in, w, x)
-    if wb[-1][1] > n_in:
-        z += span(wb, n_in, n_in + 1, 1, *w)
-    return _activate(z, activation)
+    bias = span(wb, n_in, n_in + 1, 1, *w) if wb[-1][1] > n_in else None
+    return activate_(z, activation, bias)
 
 
 def contract_ranges(wb, xb, n_in):
@@ -213,31 +194,8 @@ def dense_forward_rest(wb, xb, n_in, activation, own, *blocks):
     nw = len(wb)
     z = _contract(wb, xb, n_in, blocks[:nw], blocks[nw:nw + len(xb)])
     z += own
-    if wb[-1][1] > n_in:
-        z += span(wb, n_in, n_in + 1, 1, *blocks[:nw])
-    return _activate(z, activation)
-
-
-def activation_grad(a, activation):
-    """Derivative of the activation, written in terms of its output ``a`` (None: identity)."""
-    if activation == "relu":
-        return xp_of(a).astype(a > 0, a.dtype)
-    if activation == "tanh":
-        return 1 - a * a
-    return None
-
-
-def times_activation_grad_(g, a, activation):
-    """``g * f'(a)`` (``a`` the activation's output), written into ``g`` (the caller's own)."""
-    m = _ufuncs(g)
-    if activation == "relu" and m is not None:
-        return m.multiply(g, a > 0, out=g)
-    d = activation_grad(a, activation)
-    if d is None:
-        return g
-    if m is not None:
-        return m.multiply(g, d, out=g)
-    return g * d
+    bias = span(wb, n_in, n_in + 1, 1, *blocks[:nw]) if wb[-1][1] > n_in else None
+    return activate_(z, activation, bias)
 
 
 def dx_piece(wb, c0, c1, dz, *w):
