@@ -12,7 +12,8 @@ a NumPy array NumPy allocated. Which one is the ``ipar.matmul`` setting:
   installed).
 
 Why: on this project's 2-core Intel test machine PyTorch's sgemm ran the engine's block
-shapes 5-15% faster than NumPy's OpenBLAS on one and on two threads (``docs/benchmarks.md``,
+shapes 2-15% faster than NumPy's OpenBLAS on one and on two threads, and a 1x1 step of the
+4096-wide MLP 10% faster (``docs/benchmarks.md``,
 "Session 40"). PyTorch is imported on the first product of at least :data:`MIN_FLOPS`
 (about 1.3 s and 200 MB of shared libraries per worker), so small models never load it.
 Products below that size stay on NumPy, whose per-call cost is lower. Both BLAS libraries
