@@ -3,6 +3,8 @@ the same bits on any number of threads, and every row slice computed once."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,33 @@ def test_activations_by_row_slices_same_bits(monkeypatch, activation):
         assert A.activate_(z, activation, bias) is z and np.array_equal(z, whole)
         g = g0.copy()
         assert np.array_equal(A.times_activation_grad_(g, whole, activation), grad)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_by_row_slices_same_bits_as_whole_arrays(monkeypatch, decoupled):
+    """Adam's moments and step a row slice at a time, on 1 to 3 threads: the bits of the
+    whole-array formulas (written out here as the module had them)."""
+    from dask_ipar.kernels import adam as A
+
+    rng = np.random.default_rng(2)
+    rows, cols, n_decay = 900, 257, 256
+    w0 = rng.standard_normal((rows, cols)).astype(np.float32)
+    g0 = rng.standard_normal((rows, cols)).astype(np.float32)
+    st0 = np.abs(rng.standard_normal((2, rows, cols))).astype(np.float32)
+    hp, lr, t = (0.9, 0.999, 1e-8, 0.01, decoupled), 1e-3, 3
+    b1, b2, eps, wd, _ = hp
+    g, st, w = g0.copy(), st0.copy(), w0.copy()
+    if not decoupled:
+        g[:, :n_decay] += wd * w[:, :n_decay]
+    st[0] *= b1
+    st[0] += (1 - b1) * g
+    st[1] *= b2
+    st[1] += (1 - b2) * (g * g)
+    if decoupled:
+        w[:, :n_decay] *= 1 - lr * wd
+    w -= (lr / (1 - b1 ** t)) * st[0] / (np.sqrt(st[1]) / math.sqrt(1 - b2 ** t) + eps)
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(A, "over_rows", lambda *a, n=threads: over_rows(*a, threads=n))
+        state, wt = A._moments(w0, hp, n_decay, st0.copy(), g0.copy()), w0.copy()
+        A._step(wt, state, hp, n_decay, lr, t)
+        assert np.array_equal(state, st) and np.array_equal(wt, w)

@@ -13,34 +13,54 @@ update count of the state (bias correction). Per step, as ``torch.optim.Adam``/`
     w <- w - (lr / (1 - beta1^t)) * m / (sqrt(s) / sqrt(1 - beta2^t) + eps)
 
 The state block is read by nothing but its owner's next update (ordered after this one
-through the weights), so it is rewritten in place where it may be.
+through the weights), so it is rewritten in place where it may be. On NumPy blocks both
+passes run a row slice at a time, shared among the worker's kernel threads (the same bits).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from dask_ipar.kernels.activations import SLICE_BYTES
 from dask_ipar.kernels.blocks import xp_of
 from dask_ipar.kernels.dense import _writable, block_reduce, dw_reduce
+from dask_ipar.kernels.threads import over_rows
 
 __all__ = ["adam_state", "adam_weight", "adam_update", "block_adam_state",
            "block_adam_weight"]
 
 
+def _by_rows(x, fn) -> None:
+    """``fn(r0, r1, t)`` over ``x``'s rows: on NumPy matrices a slice of about 256 KiB at a
+    time (the temporaries stay in cache), shared among the kernel threads (each element
+    computed as on the whole array: the same bits); else once, on all rows."""
+    if isinstance(x, np.ndarray) and x.ndim == 2 and x.shape[0] > 1:
+        step = max(1, SLICE_BYTES // max(1, x.shape[1] * x.itemsize))
+        over_rows(fn, 0, x.shape[0], step)
+    else:
+        fn(0, x.shape[0], 0)
+
+
 def _moments(w, hp, n_decay, state, g):
     b1, b2, _, wd, decoupled = hp
     xp = xp_of(g)
-    if wd and n_decay and not decoupled:
-        g[:, :n_decay] += wd * w[:, :n_decay]
     if state is None:
         state = xp.zeros((2, *g.shape), dtype=g.dtype)
     elif not _writable(state):
         state = xp.asarray(state, copy=True)
-    m, s = state[0], state[1]
-    m *= b1
-    m += (1 - b1) * g
-    s *= b2
-    s += (1 - b2) * (g * g)
+
+    def rows(r0, r1, t):
+        gr, m, s = g[r0:r1], state[0][r0:r1], state[1][r0:r1]
+        if wd and n_decay and not decoupled:
+            gr[:, :n_decay] += wd * w[r0:r1, :n_decay]
+        m *= b1
+        m += (1 - b1) * gr
+        s *= b2
+        s += (1 - b2) * (gr * gr)
+
+    _by_rows(g, rows)
     return state
 
 
@@ -48,10 +68,16 @@ def _step(out, state, hp, n_decay, lr, t):
     """``out`` (a copy of the slice, or the slice itself) minus the Adam step, in place."""
     b1, b2, eps, wd, decoupled = hp
     xp = xp_of(out)
-    if wd and n_decay and decoupled:
-        out[:, :n_decay] *= 1 - lr * wd
-    denom = xp.sqrt(state[1]) / math.sqrt(1 - b2 ** t) + eps
-    out -= (lr / (1 - b1 ** t)) * state[0] / denom
+    c2, c1 = math.sqrt(1 - b2 ** t), lr / (1 - b1 ** t)
+
+    def rows(r0, r1, _):
+        o = out[r0:r1]
+        if wd and n_decay and decoupled:
+            o[:, :n_decay] *= 1 - lr * wd
+        denom = xp.sqrt(state[1][r0:r1]) / c2 + eps
+        o -= c1 * state[0][r0:r1] / denom
+
+    _by_rows(out, rows)
     return out
 
 
