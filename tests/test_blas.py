@@ -147,3 +147,23 @@ def test_cnn_on_torch_blas_matches_the_reference(client):
         assert _torch_products(client) > 0
     finally:
         _workers_on_torch(client, None)
+
+
+def test_a_broken_pytorch_falls_back_under_auto(monkeypatch):
+    """PyTorch installed but failing to import: ``auto`` multiplies with NumPy's BLAS,
+    ``torch`` says why it cannot."""
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "torch" else real(name, *a))
+    monkeypatch.setitem(sys.modules, "torch", None)  # "import torch" raises ImportError
+    monkeypatch.setattr(blas, "_torch_module", None)
+    monkeypatch.setattr(blas, "_torch_error", None)
+    a, b = _rand(300, 500), _rand(500, 200)
+    with dask.config.set({"ipar.matmul": "auto"}):
+        assert blas.backend() == "numpy"
+        assert np.array_equal(blas.matmul(a, b), a @ b)
+    with dask.config.set({"ipar.matmul": "torch"}):
+        with pytest.raises(IparError, match="fails to import here .*Error: .*auto or numpy"):
+            blas.matmul(a, b)

@@ -45,6 +45,7 @@ MIN_FLOPS = 1 << 22
 _WHERE = "in dask-ipar.yaml, or DASK_IPAR__MATMUL"
 _TORCH_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _torch_module = None  # PyTorch once imported for the kernels; False where it is missing
+_torch_error = None  # why PyTorch failed to import, where it did
 
 
 def _setting() -> str:
@@ -70,15 +71,18 @@ def check_setting(value=None) -> str:
 
 
 def _torch():
-    """PyTorch, imported once; None where it is not installed."""
-    global _torch_module
+    """PyTorch, imported once; None where it is not installed or fails to import (the
+    error kept in ``_torch_error``)."""
+    global _torch_module, _torch_error
     if _torch_module is None:
-        if importlib.util.find_spec("torch") is None:
-            _torch_module = False
-        else:
-            import torch
-
-            _torch_module = torch
+        _torch_module = False
+        if importlib.util.find_spec("torch") is not None:
+            try:
+                import torch
+            except Exception as exc:  # a broken install: auto falls back to NumPy's BLAS
+                _torch_error = f"{type(exc).__name__}: {exc}"
+            else:
+                _torch_module = torch
     return _torch_module or None
 
 
@@ -89,6 +93,10 @@ def backend() -> str:
         return "numpy"
     if value == "torch":
         check_setting(value)
+        if _torch() is None:
+            raise IparError(f"matmul: torch, but PyTorch fails to import here "
+                            f"({_torch_error}). Repair the install, or set matmul "
+                            f"({_WHERE}) to auto or numpy.")
     return "torch" if _torch() is not None else "numpy"
 
 
