@@ -79,7 +79,7 @@ def test_activations_by_row_slices_same_bits(monkeypatch, activation):
     grad = g0 * {"relu": (whole > 0).astype(np.float32), "tanh": 1 - whole * whole,
                  "linear": np.float32(1)}[activation]
     for threads in (1, 2, 3):
-        monkeypatch.setattr(A, "over_rows", lambda *a, n=threads: over_rows(*a, threads=n))
+        monkeypatch.setattr("dask_ipar.kernels.threads.kernel_threads", lambda n=threads: n)
         z = z0.copy()
         assert A.activate_(z, activation, bias) is z and np.array_equal(z, whole)
         g = g0.copy()
@@ -110,7 +110,7 @@ def test_adam_by_row_slices_same_bits_as_whole_arrays(monkeypatch, decoupled):
         w[:, :n_decay] *= 1 - lr * wd
     w -= (lr / (1 - b1 ** t)) * st[0] / (np.sqrt(st[1]) / math.sqrt(1 - b2 ** t) + eps)
     for threads in (1, 2, 3):
-        monkeypatch.setattr(A, "over_rows", lambda *a, n=threads: over_rows(*a, threads=n))
+        monkeypatch.setattr("dask_ipar.kernels.threads.kernel_threads", lambda n=threads: n)
         state, wt = A._moments(w0, hp, n_decay, st0.copy(), g0.copy()), w0.copy()
         A._step(wt, state, hp, n_decay, lr, t)
         assert np.array_equal(state, st) and np.array_equal(wt, w)

@@ -3,46 +3,19 @@
 On NumPy blocks the passes run a slice of rows at a time (about 256 KiB, so that the bias,
 the activation and the derivative's mask stay in cache: one pass over the block from memory
 instead of two or three), the slices shared among the process's kernel threads
-(:func:`~dask_ipar.kernels.threads.over_rows`; each element computed as before, the same
+(:func:`~dask_ipar.kernels.threads.by_rows`; each element computed as before, the same
 bits). CuPy blocks take whole-array ufuncs with ``out=``; other array API libraries get new
 arrays.
 """
 
 from __future__ import annotations
 
-import sys
+from dask_ipar.kernels.blocks import ufuncs_of, xp_of
+from dask_ipar.kernels.threads import by_rows
 
-import numpy as np
-
-from dask_ipar.kernels.blocks import xp_of
-from dask_ipar.kernels.threads import over_rows
-
-__all__ = ["ACTIVATIONS", "ufuncs_of", "activate_", "activation_grad",
-           "times_activation_grad_"]
+__all__ = ["ACTIVATIONS", "activate_", "activation_grad", "times_activation_grad_"]
 
 ACTIVATIONS = ("linear", "relu", "tanh")
-
-#: Bytes of a row slice of the element-wise passes on NumPy blocks (in cache).
-SLICE_BYTES = 1 << 18
-
-
-def ufuncs_of(x):
-    """NumPy or CuPy when ``x`` is one of their arrays (their ufuncs write into ``out=``),
-    else None: other array API libraries get the out-of-place forms."""
-    if isinstance(x, np.ndarray):
-        return np
-    if type(x).__module__.split(".")[0] == "cupy":
-        return sys.modules["cupy"]
-    return None
-
-
-def _sliced(z) -> bool:
-    """Whether ``z`` is a NumPy matrix whose passes run by row slices."""
-    return isinstance(z, np.ndarray) and z.ndim == 2 and z.shape[0] > 1
-
-
-def _rows(z) -> int:
-    return max(1, SLICE_BYTES // max(1, z.shape[1] * z.itemsize))
 
 
 def _activate_whole(z, activation, m):
@@ -60,18 +33,19 @@ def activate_(z, activation, bias=None):
     """``f(z + bias)`` (``bias`` a column, or None); ``z`` is the caller's own new array and
     is overwritten where possible."""
     m = ufuncs_of(z)
-    if _sliced(z) and (bias is not None or activation in ("relu", "tanh")):
-        def one(s0, s1, t):
-            zr = z[s0:s1]
-            if bias is not None:
-                zr += bias[s0:s1]
-            _activate_whole(zr, activation, np)
+    if m is None or (bias is None and activation not in ("relu", "tanh")):
+        if bias is not None:
+            z += bias
+        return _activate_whole(z, activation, m)
 
-        over_rows(one, 0, z.shape[0], _rows(z))
-        return z
-    if bias is not None:
-        z += bias
-    return _activate_whole(z, activation, m)
+    def rows(s0, s1, t):
+        zr = z[s0:s1]
+        if bias is not None:
+            zr += bias[s0:s1]
+        _activate_whole(zr, activation, m)
+
+    by_rows(z, rows)
+    return z
 
 
 def activation_grad(a, activation):
@@ -87,11 +61,10 @@ def times_activation_grad_(g, a, activation):
     """``g * f'(a)`` (``a`` the activation's output), written into ``g`` (the caller's own)."""
     m = ufuncs_of(g)
     if activation == "relu" and m is not None:
-        if _sliced(g) and g.shape == a.shape:
-            over_rows(lambda s0, s1, t: np.multiply(g[s0:s1], a[s0:s1] > 0, out=g[s0:s1]),
-                      0, g.shape[0], _rows(g))
-            return g
-        return m.multiply(g, a > 0, out=g)
+        if g.shape != a.shape:  # broadcast: whole arrays
+            return m.multiply(g, a > 0, out=g)
+        by_rows(g, lambda s0, s1, t: m.multiply(g[s0:s1], a[s0:s1] > 0, out=g[s0:s1]))
+        return g
     d = activation_grad(a, activation)
     if d is None:
         return g

@@ -21,26 +21,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from dask_ipar.kernels.activations import SLICE_BYTES
 from dask_ipar.kernels.blocks import xp_of
 from dask_ipar.kernels.dense import _writable, block_reduce, dw_reduce
-from dask_ipar.kernels.threads import over_rows
+from dask_ipar.kernels.threads import by_rows
 
 __all__ = ["adam_state", "adam_weight", "adam_update", "block_adam_state",
            "block_adam_weight"]
-
-
-def _by_rows(x, fn) -> None:
-    """``fn(r0, r1, t)`` over ``x``'s rows: on NumPy matrices a slice of about 256 KiB at a
-    time (the temporaries stay in cache), shared among the kernel threads (each element
-    computed as on the whole array: the same bits); else once, on all rows."""
-    if isinstance(x, np.ndarray) and x.ndim == 2 and x.shape[0] > 1:
-        step = max(1, SLICE_BYTES // max(1, x.shape[1] * x.itemsize))
-        over_rows(fn, 0, x.shape[0], step)
-    else:
-        fn(0, x.shape[0], 0)
 
 
 def _moments(w, hp, n_decay, state, g):
@@ -60,7 +46,7 @@ def _moments(w, hp, n_decay, state, g):
         s *= b2
         s += (1 - b2) * (gr * gr)
 
-    _by_rows(g, rows)
+    by_rows(g, rows)
     return state
 
 
@@ -77,7 +63,7 @@ def _step(out, state, hp, n_decay, lr, t):
         denom = xp.sqrt(state[1][r0:r1]) / c2 + eps
         o -= c1 * state[0][r0:r1] / denom
 
-    _by_rows(out, rows)
+    by_rows(out, rows)
     return out
 
 

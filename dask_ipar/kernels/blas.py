@@ -25,12 +25,12 @@ before.
 from __future__ import annotations
 
 import importlib.util
-import sys
 import warnings
 
 import numpy as np
 
 from dask_ipar.errors import IparError
+from dask_ipar.kernels.blocks import ufuncs_of
 
 __all__ = ["MATMUL_CHOICES", "MIN_FLOPS", "matmul", "backend", "check_setting"]
 
@@ -134,7 +134,4 @@ def matmul(a, b, out=None):
         r = _torch_matmul(_torch(), a, b, out)
         if r is not None:
             return r
-    if out is None:
-        return a @ b
-    module = np if isinstance(a, np.ndarray) else sys.modules[type(a).__module__.split(".")[0]]
-    return module.matmul(a, b, out=out)
+    return a @ b if out is None else ufuncs_of(a).matmul(a, b, out=out)

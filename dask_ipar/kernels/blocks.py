@@ -9,6 +9,7 @@ every kernel: the same code runs on NumPy and CuPy blocks.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import numpy as np
 from dask.sizeof import sizeof
@@ -20,7 +21,7 @@ try:  # the compat layer gives CuPy and older NumPy the standard names
 except ImportError:  # pragma: no cover - depends on the environment
     _compat_namespace = None
 
-__all__ = ["xp_of", "concat_rows", "concat_cols", "concat_axis", "assemble_blocks", "slice_axis",
+__all__ = ["xp_of", "ufuncs_of", "concat_rows", "concat_cols", "concat_axis", "assemble_blocks", "slice_axis",
            "identity", "sum_pieces", "fetched", "first_of", "take_rows", "assemble", "rows_slice",
            "add_rows", "zeros_like", "DEVICE_MODULES", "to_device", "to_host", "check_device"]
 
@@ -44,6 +45,16 @@ def xp_of(x):
     ns = getattr(x, "__array_namespace__", None)
     return ns() if ns is not None else np
 
+
+
+def ufuncs_of(x):
+    """NumPy or CuPy when ``x`` is one of their arrays (their ufuncs write into ``out=``),
+    else None: other array API libraries get the out-of-place forms."""
+    if isinstance(x, np.ndarray):
+        return np
+    if type(x).__module__.split(".")[0] == "cupy":
+        return sys.modules["cupy"]
+    return None
 
 
 def concat_rows(*blocks):

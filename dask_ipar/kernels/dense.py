@@ -18,11 +18,10 @@ from dask_ipar.kernels.activations import (
     activate_,
     activation_grad,
     times_activation_grad_,
-    ufuncs_of,
 )
 from dask_ipar.kernels.blas import matmul
-from dask_ipar.kernels.blocks import sum_pieces, xp_of
-from dask_ipar.kernels.threads import kernel_threads, over_rows
+from dask_ipar.kernels.blocks import sum_pieces, ufuncs_of, xp_of
+from dask_ipar.kernels.threads import SLICE_BYTES, kernel_threads, over_rows
 
 __all__ = [
     "ACTIVATIONS",
@@ -304,7 +303,7 @@ def _momentum_rows(m, w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1,
     rows, cols = v.shape
     gemm = _row_chunks(v, 16 * _CHUNK_BYTES)
     tmp = m.empty((gemm[0][1], nw), dtype=v.dtype) if nw else None
-    sub = _row_chunks(v, _CHUNK_BYTES // 4)[0][1] if m is np else gemm[0][1]
+    sub = _row_chunks(v, SLICE_BYTES)[0][1] if m is np else gemm[0][1]
     threads = kernel_threads() if m is np else 1  # the sub-slices shared (same bits)
     scratch = [m.empty((sub, cols), dtype=v.dtype) for _ in range(threads)] \
         if lr is not None else None

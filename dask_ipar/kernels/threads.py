@@ -1,9 +1,9 @@
 """Element-wise passes of a kernel shared among the threads its process may use.
 
 A worker with several cores multiplies on all of them (its BLAS threads) but NumPy's
-element-wise passes run on the calling thread alone: on a 1x1 grid of the 4096-wide MLP,
-momentum SGD's passes over the weights (read ``v``, ``dW``, ``w``; write ``v``, ``w``) were
-about a tenth of the step on one core while PyTorch's optimizer used both. :func:`over_rows`
+element-wise passes run on the calling thread alone: on a 1x1 grid of the 4096-wide MLP
+they (momentum SGD's passes over the weights, the activations) were 7-8% of the program
+thread's samples (py-spy, sessions 39 and 40) while PyTorch's optimizer used both cores. :func:`over_rows`
 shares the row slices of such a pass among :func:`kernel_threads` threads: each slice is
 computed exactly as before, by one thread, so the results are the same bits (NumPy's ufuncs
 release the GIL in their loops). Workers of one thread (the grids' usual worker) run the
@@ -19,10 +19,14 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["kernel_threads", "over_rows"]
+import numpy as np
+
+__all__ = ["SLICE_BYTES", "kernel_threads", "over_rows", "by_rows"]
+
+#: Bytes of a row slice of the element-wise passes on NumPy blocks (stays in cache).
+SLICE_BYTES = 1 << 18
 
 _pool: ThreadPoolExecutor | None = None
-_pool_size = 0
 _lock = threading.Lock()
 
 
@@ -41,14 +45,14 @@ def kernel_threads() -> int:
     return max(1, min(n, cpus))
 
 
-def _executor(n: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
+def _executor() -> ThreadPoolExecutor:
+    """The process's one pool (its threads start as calls need them, at most one per CPU:
+    never resized, so concurrent calls never meet a pool being shut down)."""
+    global _pool
     with _lock:
-        if _pool is None or _pool_size < n:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="ipar-kernel")
-            _pool_size = n
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                       thread_name_prefix="ipar-kernel")
         return _pool
 
 
@@ -72,9 +76,18 @@ def over_rows(fn, r0: int, r1: int, step: int, threads: int | None = None) -> No
         for s0, s1 in runs[t]:
             fn(s0, s1, t)
 
-    futures = [_executor(n - 1).submit(run, t) for t in range(1, n) if runs[t]]
+    futures = [_executor().submit(run, t) for t in range(1, n) if runs[t]]
     try:
         run(0)
     finally:
         for f in futures:
             f.result()
+
+
+def by_rows(x, fn) -> None:
+    """``fn(r0, r1, t)`` over ``x``'s rows: on NumPy matrices by :func:`over_rows`, a slice
+    of about :data:`SLICE_BYTES` at a time; other arrays once, on all rows (``t`` 0)."""
+    if isinstance(x, np.ndarray) and x.ndim == 2 and x.shape[0] > 1:
+        over_rows(fn, 0, x.shape[0], max(1, SLICE_BYTES // max(1, x.shape[1] * x.itemsize)))
+    else:
+        fn(0, x.shape[0], 0)
