@@ -58,7 +58,7 @@ def main(argv=None):
 
         def cost(func, *args):
             shape = lambda v: tuple(v.shape) if isinstance(v, np.ndarray) else None  # noqa: E731
-            _, flops, nbytes = kernel_cost(func, args, shape, 4)
+            _, flops, nbytes, _ = kernel_cost(func, args, shape, 4)
             return flops / rate + nbytes / ew
 
         c, h = 3, 64

@@ -41,6 +41,10 @@ def test_calibrate_measures_every_figure(client, tmp_path):
 
     (rounds,) = [line for line in lines if "workers at once)" in line and "GFLOP/s" in line]
     assert f"fastest of {CLUSTER_ROUNDS} rounds" in rounds, rounds
+    # a thin product's rate beside the square one's: what its edge costs (flop-equivalents
+    # per element; 0 where the thin one ran as fast)
+    assert 0 <= m.gemm_edge_flops < 600, m.gemm_edge_flops
+    assert any("thin product" in line and "per element" in line for line in lines)
     # the memory its blocks leave on the workers goes back once they idle
     from dask_ipar.runtime.release import RELEASE_NAME
 

@@ -27,7 +27,7 @@ def test_the_mix_counts_its_kernels_model_costs_and_times_them():
     # the counts are the cost model's own, call by call, as the simulator charges a task
     want_f = want_m = 0.0
     for f, args in kernel_calls("float32"):
-        _, fl, mb = kernel_cost(f, args, lambda v: tuple(v.shape)
+        _, fl, mb, _ = kernel_cost(f, args, lambda v: tuple(v.shape)
                                 if isinstance(v, np.ndarray) else None, 4)
         want_f, want_m = want_f + fl, want_m + mb
     assert (flops1, mem1) == pytest.approx((want_f, want_m))
@@ -63,3 +63,21 @@ def test_two_sizes_of_the_mix_give_the_small_and_the_large_blocks_rates():
     assert elementwise_rates(runs[0], fast, rate) == (elementwise_rate(*runs[0], rate), None)
     # the large mix runs (its conv block on 16 MiB)
     assert kernel_calls("float32", LARGE_IMAGES)[0][1][0].nbytes == 16 * 2**20
+
+
+def test_the_mix_solved_with_its_products_edge_priced():
+    """With ``gemm_edge_flops`` the mix's products cost their flops and their edge's
+    flop-equivalents (as the step model charges them); runs timed that way give the rates
+    back, and the edge-free solve of the same runs reads the element-wise work slower."""
+    e = 90.0
+    f16, a16, b16 = mix_split("float32", IMAGES)
+    f64, a64, b64 = mix_split("float32", LARGE_IMAGES)
+    g16, g64 = (mix_split("float32", n, e)[0] for n in (IMAGES, LARGE_IMAGES))
+    # the mix's dense kernels are thin products (64 rows): their edge costs time
+    assert g16 > f16 and g64 - f64 == pytest.approx(g16 - f16)
+    rate, small, large = 1e11, 1.8e10, 1.5e10
+    runs = [(f * k, (a + b) * k, g * k / rate + a * k / small + b * k / large)
+            for (f, g, a, b), k in (((f16, g16, a16, b16), 2), ((f64, g64, a64, b64), 1))]
+    assert elementwise_rates(*runs, rate, edge_flops=e) == pytest.approx((small, large))
+    plain = elementwise_rates(*runs, rate)
+    assert plain[0] < small and plain[1] < large

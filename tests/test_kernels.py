@@ -314,7 +314,7 @@ def test_dense_forward_cost_prices_the_path_taken():
     passes = 1 + 3 + 2  # written, the bias added, the ReLU
     for b, extra in [(8, 4 * 4096 * 8), (8192, 2 * 4096 * 4097)]:
         x = np.zeros((4096, b), np.float32)
-        out, flops, mem = kernel_cost(K.dense_forward, (wb, xb, 4096, "relu", *w, x), shape, 4)
+        out, flops, mem, _ = kernel_cost(K.dense_forward, (wb, xb, 4096, "relu", *w, x), shape, 4)
         assert out == (4096, b) and flops == 2.0 * 4096 * 4096 * b
         assert mem == 4 * (passes * 4096 * b + extra)
         assert (K.forward_segments(wb, xb, 4096, 4096, b) is None) == (b == 8192)
@@ -336,15 +336,15 @@ def test_backward_costs_price_the_joins_of_several_slices():
     w = [np.zeros((rows, 32), np.float32), np.zeros((rows, 32), np.float32)]
     wb = ((0, 32), (32, 64))
     for c0, c1, join in [(0, 32, 0), (8, 56, 2 * rows * 48)]:
-        _, flops, mem = kernel_cost(K.dx_piece, (wb, c0, c1, dz, *w), shape, 4)
+        _, flops, mem, _ = kernel_cost(K.dx_piece, (wb, c0, c1, dz, *w), shape, 4)
         assert flops == 2.0 * rows * (c1 - c0) * b
         assert mem == 4 * ((c1 - c0) * b + join)
-    _, _, mem = kernel_cost(K.dz_from_pieces, (a, "relu", wb, 8, 56, dz, *w), shape, 4)
+    _, _, mem, _ = kernel_cost(K.dz_from_pieces, (a, "relu", wb, 8, 56, dz, *w), shape, 4)
     assert mem == 4 * ((1 + 4) * 48 * b + 2 * rows * 48)  # written, ReLU', the join
     x = [np.zeros((32, b), np.float32), np.zeros((32, b), np.float32)]
     xb = ((0, 32), (32, 64))
     for c0, c1, join in [(0, 16, 0), (16, 48, 2 * 32 * b)]:
-        _, flops, mem = kernel_cost(K.dw_piece, (dz, xb, c0, c1, 64, *x), shape, 4)
+        _, flops, mem, _ = kernel_cost(K.dw_piece, (dz, xb, c0, c1, 64, *x), shape, 4)
         assert flops == 2.0 * rows * (c1 - c0) * b
         assert mem == 4 * (rows * (c1 - c0) + join)
     # the kernels do join: the joined operand equals the concatenation's range

@@ -204,6 +204,16 @@ class Machine:
         dask's profiler, the scheduler, the client: 0.066, 0.09 and 0.12 on 2, 4 and 8
         emulated hosts sharing 2 cores); where the workers share cores, the step-time
         model leaves them ``cores - background_cores``.
+    gemm_edge_flops : float, optional
+        What a thin product costs beyond its flops: flop-equivalents (at ``flops_per_s``,
+        the rate of a square 1024 product) per element of a product's edge, the elements of
+        its operands and result beyond those of a square 1024 product of the same flops
+        (:func:`dask_ipar.kernels.cost_shapes.gemm`): a product of ``m x k`` by ``k x n``
+        costs ``2mkn + gemm_edge_flops * (mk + kn + mn - 2mkn * 3 / 2048)``. Measured by
+        ``dask-ipar calibrate`` from the all-workers rates of a square and a thin product
+        (OpenBLAS and MKL, 8 one-thread processes on 2 cores: a 4096 x 4096 x 128 product at
+        0.82 of the square's rate, 88-96); 0 (every product at the square's rate) where
+        None. Below ``2048 / 3``, where the largest products would cost nothing.
     """
 
     alpha_s: float = 2e-6
@@ -227,6 +237,7 @@ class Machine:
     step_cpu_s: float | None = None
     background_cores: float | None = None
     elementwise_large_Bps: float | None = None
+    gemm_edge_flops: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -243,12 +254,16 @@ class Machine:
                       "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
                       "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps",
                       "loaded_message_s", "step_cpu_s", "background_cores",
-                      "elementwise_large_Bps"):
+                      "elementwise_large_Bps", "gemm_edge_flops"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
         if self.flops_per_s == 0:
             raise ValueError("flops_per_s: got 0; expected a positive flop rate or None")
+        if self.gemm_edge_flops is not None and self.gemm_edge_flops >= 2048 / 3:
+            raise ValueError(f"gemm_edge_flops: got {self.gemm_edge_flops!r}; expected below "
+                             f"{2048 / 3:.1f} (flop-equivalents per element of a product's "
+                             "edge; 'dask-ipar calibrate' measures it, tens on CPUs)")
 
     def elementwise_s_per_B(self, block_bytes: float, default_Bps: float) -> float:
         """Seconds per byte of the kernels' element-wise work in a kernel whose largest array
@@ -303,7 +318,7 @@ _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compu
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
                  "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
                  "busy_exchange_Bps", "loaded_message_s", "step_cpu_s", "background_cores",
-                 "elementwise_large_Bps")
+                 "elementwise_large_Bps", "gemm_edge_flops")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -314,8 +329,8 @@ def load_machine(path: str | Path) -> Machine:
     ``cluster_flops_per_s``, ``task_s``, ``mem_Bps``, ``cluster_bandwidth_Bps``,
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
     ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
-    ``loaded_message_s``, ``step_cpu_s``, ``background_cores``, ``elementwise_large_Bps``.
-    Missing keys take the paper machine's values.
+    ``loaded_message_s``, ``step_cpu_s``, ``background_cores``, ``elementwise_large_Bps``,
+    ``gemm_edge_flops``. Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files
 

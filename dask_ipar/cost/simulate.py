@@ -55,6 +55,9 @@ class SimTask:
     mem_bytes: float = 0.0  # bytes read and written by copies and elementwise work
     out_bytes: float = 0.0  # size of the result (what a remote consumer fetches)
     block_bytes: float = 0.0  # its largest array, read or written (the element-wise rate's)
+    # its products' elements beyond a square product's (dask_ipar.kernels.cost_shapes.gemm;
+    # the simulators price flops alone: dask_ipar.runtime.stepmodel adds the edge's)
+    edge: float = 0.0
 
 
 @dataclass

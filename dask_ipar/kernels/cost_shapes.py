@@ -1,9 +1,29 @@
 """The shapes of kernels' results as the step model sees them (:mod:`dask_ipar.kernels.costs`,
-:mod:`dask_ipar.kernels.conv_costs`): a tuple result's :class:`Parts`, element counts."""
+:mod:`dask_ipar.kernels.conv_costs`): a tuple result's :class:`Parts`, element counts, and
+a product's flops and edge (:func:`gemm`)."""
 
 from __future__ import annotations
 
-__all__ = ["Parts", "numel", "item", "block_bytes"]
+__all__ = ["Parts", "numel", "item", "block_bytes", "gemm", "GEMM_REF_N"]
+
+#: The side of the square product whose rate is a machine's ``flops_per_s``
+#: (``dask-ipar calibrate``'s): a product's edge (:func:`gemm`) is counted against it.
+GEMM_REF_N = 1024
+_REF_EDGE_PER_FLOP = 3.0 / (2.0 * GEMM_REF_N)
+
+
+def gemm(m, k, n):
+    """``(flops, edge)`` of one product of an ``m x k`` and a ``k x n`` matrix: ``2mkn``,
+    and the elements of its operands and result beyond those of a square
+    :data:`GEMM_REF_N` product of the same flops (``mk + kn + mn - 2mkn * 3 / (2 * 1024)``;
+    negative for a larger one). A BLAS streams its operands and result through the caches
+    once per block of the others: the thinner a product, the more of that per flop. The
+    step model charges :class:`dask_ipar.cost.Machine`'s ``gemm_edge_flops``
+    flop-equivalents per element of edge, measured by ``dask-ipar calibrate``."""
+    flops = 2.0 * m * k * n
+    if not flops:
+        return 0.0, 0.0
+    return flops, m * k + k * n + m * n - flops * _REF_EDGE_PER_FLOP
 
 
 class Parts(tuple):

@@ -7,7 +7,11 @@ simulator of :mod:`dask_ipar.cost.simulate` turns these into step times
 (:func:`dask_ipar.nn.graph.sim_tasks`).
 
 ``mem_bytes`` counts passes over the output of the allocating elementwise work (a fresh
-array written is one pass, ``a += b`` three, ``a = s * b`` two).
+array written is one pass, ``a += b`` three, ``a = s * b`` two). A kernel with products
+also returns their edge (:func:`~dask_ipar.kernels.cost_shapes.gemm`: the elements its
+products stream beyond a square product's of the same flops), which the step model prices
+at the machine's ``gemm_edge_flops``; the conv front's products (short contractions,
+priced with its element-wise work by the calibration's kernel mix) have none.
 
 A kernel that returns a tuple (a conv block's backward: input gradient, weight gradient)
 has a :class:`Parts` shape, one shape per item (``None`` for an item that is None); its
@@ -17,7 +21,7 @@ bytes are the sum of its items'.
 from __future__ import annotations
 
 from dask_ipar.kernels.conv_costs import CONV_COSTS
-from dask_ipar.kernels.cost_shapes import Parts, block_bytes, item as _item, numel
+from dask_ipar.kernels.cost_shapes import Parts, block_bytes, gemm, item as _item, numel
 from dask_ipar.kernels.dense import contract_ranges, forward_segments
 
 __all__ = ["KERNEL_COSTS", "Parts", "block_bytes", "kernel_cost", "numel"]
@@ -40,26 +44,37 @@ def _dense_forward(wb, xb, n_in, activation, *blocks):
     segments = forward_segments(wb, xb, n_in, w[0], x[1])
     if segments is None:  # the gathers end here: joining slices (pieces) copies them
         extra = (2 * w[0] * n_cols if len(wb) > 1 else 0) + (2 * n_in * x[1] if len(xb) > 1 else 0)
+        flops, edge = gemm(w[0], n_in, x[1])
     else:  # one more product per range, added: write it, read it, read and write the sum
         extra = 4 * out[0] * out[1] * (len(segments) - 1)
+        flops, edge = _products(w[0], segments, x[1])
     passes = 1 + (3 if n_cols > n_in else 0) + (2 if activation != "linear" else 0)
-    return out, 2.0 * w[0] * n_in * x[1], passes * out[0] * out[1] + extra
+    return out, flops, passes * out[0] * out[1] + extra, edge
+
+
+def _products(rows, ranges, cols):
+    """``(flops, edge)`` of one product per contraction range, ``rows x (b - a) x cols``."""
+    flops = edge = 0.0
+    for a, b in ranges:
+        f, e = gemm(rows, b - a, cols)
+        flops, edge = flops + f, edge + e
+    return flops, edge
 
 
 def _dense_forward_own(wb, xb, n_in, *blocks):
     w, x = blocks[0], blocks[len(wb)]
     out = (w[0], x[1])
     ranges = contract_ranges(wb, xb, n_in)
-    k = sum(b - a for a, b in ranges)
     extra = 4 * out[0] * out[1] * (len(ranges) - 1)
-    return out, 2.0 * w[0] * k * x[1], out[0] * out[1] + extra
+    flops, edge = _products(w[0], ranges, x[1])
+    return out, flops, out[0] * out[1] + extra, edge
 
 
 def _dense_forward_rest(wb, xb, n_in, activation, own, *blocks):
-    out, flops, mem = _dense_forward_own(wb, xb, n_in, *blocks)
+    out, flops, mem, edge = _dense_forward_own(wb, xb, n_in, *blocks)
     # the own product added (read both, write), the bias, the activation
     passes = 3 + (3 if wb[-1][1] > n_in else 0) + (2 if activation != "linear" else 0)
-    return out, flops, mem + passes * out[0] * out[1]
+    return out, flops, mem + passes * out[0] * out[1], edge
 
 
 def _logits(parts):  # the logits pieces are joined first
@@ -86,14 +101,15 @@ def _span(bounds, lo, hi, other):
 
 def _dx_piece(wb, c0, c1, dz, *w):
     out = (c1 - c0, dz[1])
-    return out, 2.0 * dz[0] * out[0] * out[1], out[0] * out[1] + _span(wb, c0, c1, dz[0])
+    flops, edge = gemm(out[0], dz[0], out[1])
+    return out, flops, out[0] * out[1] + _span(wb, c0, c1, dz[0]), edge
 
 
 def _dz_from_pieces(a, activation, wb, c0, c1, dz, *rest):
     out = (c1 - c0, dz[1])
     passes = 1 + 3 * (len(rest) - len(wb)) + {"relu": 4, "tanh": 6}.get(activation, 0)
-    return out, 2.0 * dz[0] * out[0] * out[1], \
-        passes * out[0] * out[1] + _span(wb, c0, c1, dz[0])
+    flops, edge = gemm(out[0], dz[0], out[1])
+    return out, flops, passes * out[0] * out[1] + _span(wb, c0, c1, dz[0]), edge
 
 
 def _dz_from_own(a, activation, own, *remote):
@@ -102,17 +118,19 @@ def _dz_from_own(a, activation, own, *remote):
 
 
 def _dw_product(dz, xb, c0, c1, n_in):
-    """``(flops, joined elements)`` of a dW slice's product ``dZ [X; 1]^T`` over columns
-    ``c0:c1``: the input's row pieces (``xb``) are joined where several hold the rows."""
+    """``(flops, joined elements, edge)`` of a dW slice's product ``dZ [X; 1]^T`` over
+    columns ``c0:c1``: the input's row pieces (``xb``) are joined where several hold the
+    rows."""
     nw = max(0, min(c1, n_in) - c0)
-    return 2.0 * dz[0] * nw * dz[1], (_span(xb, c0, c0 + nw, dz[1]) if nw else 0)
+    flops, edge = gemm(dz[0], dz[1], nw)
+    return flops, (_span(xb, c0, c0 + nw, dz[1]) if nw else 0), edge
 
 
 def _dw(dz, c0, c1, n_in, passes, xb=()):
     """A dW slice's products and passes (``xb``: see :func:`_dw_product`)."""
     out = (dz[0], c1 - c0)
-    flops, joined = _dw_product(dz, xb, c0, c1, n_in)
-    return out, flops, passes * out[0] * out[1] + joined
+    flops, joined, edge = _dw_product(dz, xb, c0, c1, n_in)
+    return out, flops, passes * out[0] * out[1] + joined, edge
 
 
 def _dw_piece(dz, xb, c0, c1, n_in, *x):
@@ -140,14 +158,14 @@ def _sgd_update(w, v, lr, momentum, weight_decay, n_decay, in_place, n_after, dz
         passes = 4 + nrem + (1 if weight_decay and n_decay else 0)
     else:
         passes = 3 + 3 * nrem + (3 if weight_decay and n_decay else 0) + 5
-    flops, joined = _dw_product(dz, xb, c0, c1, n_in)
-    return w, flops, passes * w[0] * w[1] + joined
+    flops, joined, edge = _dw_product(dz, xb, c0, c1, n_in)
+    return w, flops, passes * w[0] * w[1] + joined, edge
 
 
 def _adam_state(w, hp, n_decay, state, dz, xb, c0, c1, n_in, *rest):
     # dW, then the two moments (each read and written) from the gradient (read twice)
-    out, flops, mem = _dw(dz, c0, c1, n_in, 1 + 3 * (len(rest) - len(xb)) + 7, xb)
-    return (2, *out), flops + 5.0 * out[0] * out[1], mem
+    out, flops, mem, edge = _dw(dz, c0, c1, n_in, 1 + 3 * (len(rest) - len(xb)) + 7, xb)
+    return (2, *out), flops + 5.0 * out[0] * out[1], mem, edge
 
 
 def _adam_weight(w, state, hp, n_decay, lr, t):
@@ -158,14 +176,14 @@ def _adam_weight(w, state, hp, n_decay, lr, t):
 def _adam_update(w, state, hp, n_decay, lr, t, in_place, n_after, dz, xb, c0, c1, n_in,
                  *rest):
     rest = rest[:len(rest) - n_after] if n_after else rest
-    out, flops, mem = _adam_state(w, hp, n_decay, state, dz, xb, c0, c1, n_in, *rest)
-    return w, flops + 4.0 * w[0] * w[1], mem + 4 * w[0] * w[1]
+    out, flops, mem, edge = _adam_state(w, hp, n_decay, state, dz, xb, c0, c1, n_in, *rest)
+    return w, flops + 4.0 * w[0] * w[1], mem + 4 * w[0] * w[1], edge
 
 
 def _nesterov_update(w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1, n_in, *rest):
     passes = 1 + 3 * (len(rest) - len(xb)) + 3 + 3 + 3 + 5
-    flops, joined = _dw_product(dz, xb, c0, c1, n_in)
-    return w, flops, passes * w[0] * w[1] + joined
+    flops, joined, edge = _dw_product(dz, xb, c0, c1, n_in)
+    return w, flops, passes * w[0] * w[1] + joined, edge
 
 
 def _sum_squares(*blocks):
@@ -235,24 +253,26 @@ def _dx_image_piece(wrow, dz, chw, axis, a, b):
     out = (dz[1], *shape)
     # the columns of a row strip are gathered first (a copy); channels are a view
     cut = 2 * wrow[0] * k if axis == 2 else 0
-    return out, 2.0 * wrow[0] * k * dz[1], cut + k * dz[1]
+    flops, edge = gemm(k, wrow[0], dz[1])
+    return out, flops, cut + k * dz[1], edge
 
 
 def _dz_image_from_pieces(wrow, dz, chw, axis, a, b, *remote):
-    out, flops, mem = _dx_image_piece(wrow, dz, chw, axis, a, b)
+    out, flops, mem, edge = _dx_image_piece(wrow, dz, chw, axis, a, b)
     # each remote piece added into a new array, then the contiguous copy
-    return out, flops, mem + 3 * len(remote) * numel(out) + 2 * numel(out)
+    return out, flops, mem + 3 * len(remote) * numel(out) + 2 * numel(out), edge
 
 
 def _dx_sample_piece(wrow, dz, chw, s0, s1):
     k = numel(chw)
     out = (s1 - s0, *chw)
-    return out, 2.0 * wrow[0] * k * (s1 - s0), numel(out)
+    flops, edge = gemm(s1 - s0, wrow[0], k)
+    return out, flops, numel(out), edge
 
 
 def _dz_sample_from_pieces(wrow, dz, chw, s0, s1, *remote):
-    out, flops, mem = _dx_sample_piece(wrow, dz, chw, s0, s1)
-    return out, flops, mem + 3 * len(remote) * numel(out) + 2 * numel(out)
+    out, flops, mem, edge = _dx_sample_piece(wrow, dz, chw, s0, s1)
+    return out, flops, mem + 3 * len(remote) * numel(out) + 2 * numel(out), edge
 
 
 def _grad_block(grad, r0, r1, c0, c1):
@@ -295,7 +315,8 @@ def _block_adam_weight(wfull, r0, r1, c0, c1, state, hp, n_decay, lr, t):
 
 def _partial_forward(c0, c1, wfull, x, *after):
     out = (wfull[0], x[1])
-    return out, 2.0 * wfull[0] * (c1 - c0) * x[1], numel(out)
+    flops, edge = gemm(wfull[0], c1 - c0, x[1])
+    return out, flops, numel(out), edge
 
 
 def _partial_sum(n_in, bias, activation, wfull, *partials):
@@ -307,17 +328,20 @@ def _partial_sum(n_in, bias, activation, wfull, *partials):
 
 def _dz_rows(a, activation, c0, c1, wfull, dz):
     out = (c1 - c0, dz[1])
-    return out, 2.0 * wfull[0] * (c1 - c0) * dz[1], (1 + (3 if activation != "linear" else 0)) * numel(out)
+    flops, edge = gemm(c1 - c0, wfull[0], dz[1])
+    return out, flops, (1 + (3 if activation != "linear" else 0)) * numel(out), edge
 
 
 def _grad_partial(c0, c1, n_cols, bias_sum, dz, x):
     g = (dz[0], n_cols)
     # zeros written, the product written, then copied into its columns
-    return Parts((None, g)), 2.0 * dz[0] * (c1 - c0) * dz[1], numel(g) + 3 * dz[0] * (c1 - c0)
+    flops, edge = gemm(dz[0], c1 - c0, dz[1])
+    return Parts((None, g)), flops, numel(g) + 3 * dz[0] * (c1 - c0), edge
 
 
 #: Cost function of each kernel, by the kernel's name; each takes the kernel's parameters
-#: (array arguments as shapes) and returns ``(out_shape, flops, mem_words)``.
+#: (array arguments as shapes) and returns ``(out_shape, flops, mem_words)``, or
+#: ``(out_shape, flops, mem_words, edge)`` where it has products.
 KERNEL_COSTS = {
     **CONV_COSTS,
     "concat_rows": _concat_rows,
@@ -371,7 +395,8 @@ KERNEL_COSTS = {
 
 
 def kernel_cost(func, args, shape, itemsize):
-    """``(out_shape, flops, mem_bytes)`` of one call ``func(*args)``.
+    """``(out_shape, flops, mem_bytes, edge)`` of one call ``func(*args)`` (``edge``: see
+    :func:`~dask_ipar.kernels.cost_shapes.gemm`; 0 for a kernel without products).
 
     ``shape(arg)`` gives the shape of a dependency, or None for a literal argument (passed
     to the cost function as it is).
@@ -380,5 +405,5 @@ def kernel_cost(func, args, shape, itemsize):
     if cost is None:
         raise ValueError(f"no cost model for kernel {func.__name__}")
     values = [a if s is None else s for a, s in ((a, shape(a)) for a in args)]
-    out, flops, mem = cost(*values)
-    return out, flops, mem * itemsize
+    out, flops, mem, *edge = cost(*values)
+    return out, flops, mem * itemsize, (edge[0] if edge else 0.0)

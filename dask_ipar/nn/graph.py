@@ -216,11 +216,11 @@ def sim_tasks(g: StepGraph, external: dict, itemsize: int):
         if isinstance(node, DataNode):
             shapes[key] = tuple(node.value.shape)
             continue
-        oshape, flops, mem = kernel_cost(node.func, node.args, shape, itemsize)
+        oshape, flops, mem, edge = kernel_cost(node.func, node.args, shape, itemsize)
         shapes[key] = oshape
         deps = tuple(a.key for a in node.args if isinstance(a, TaskRef))
         out.append(SimTask(key, g.place[key], deps, flops, mem, numel(oshape) * itemsize,
-                           block_bytes(oshape, [shapes[d] for d in deps], itemsize)))
+                           block_bytes(oshape, [shapes[d] for d in deps], itemsize), edge))
     available = {k: (w, numel(s) * itemsize) for k, (w, s) in external.items()}
     for key, node in g.dsk.items():
         if isinstance(node, DataNode):

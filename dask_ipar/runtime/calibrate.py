@@ -13,6 +13,11 @@ What the engine pays, measured the way the engine pays it:
 * ``cluster_flops_per_s``: the matmul rate of all workers computing at once
   (worker processes that share cores get this together, not P times the above): the
   fastest of :data:`CLUSTER_ROUNDS` rounds of :data:`CLUSTER_REPEATS` matmuls each.
+* ``gemm_edge_flops``: what a thin product costs beyond its flops, from the all-workers
+  rate of a thin product (:data:`THIN`: 16 MiB of weights by 128 columns, a pure-batch
+  grid's kind) beside the square one's (:func:`~dask_ipar.kernels.cost_shapes.gemm`; 8
+  one-thread processes on 2 cores: 4096 x 4096 x 128 at 0.82 of 1024-cubed's rate with
+  OpenBLAS and MKL alike, 88-96 flop-equivalents per element).
 * ``task_s``: seconds per task of one graph of many small pinned tasks spread
   over all workers (scheduler, worker and client work per task on the shared
   cores): the throughput cost that every task of a step pays.
@@ -75,6 +80,7 @@ from dask._task_spec import TaskRef
 
 from dask_ipar.cost import Machine
 from dask_ipar.kernels.blas import matmul
+from dask_ipar.kernels.cost_shapes import GEMM_REF_N, gemm
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.linkprobe import (
     BUSY_REPEATS,
@@ -90,12 +96,16 @@ from dask_ipar.runtime.linkprobe import (
 )
 from dask_ipar.runtime.stepprobe import background_cores, measurable, step_cpu
 
-__all__ = ["calibrate", "program_hop", "CLUSTER_REPEATS", "CLUSTER_ROUNDS"]
+__all__ = ["calibrate", "program_hop", "edge_flops", "CLUSTER_REPEATS", "CLUSTER_ROUNDS",
+           "THIN"]
 
 #: Matmuls (1024-cubed) per worker in one round of the all-workers matmul rate
 #: (``cluster_flops_per_s``), and its rounds (the fastest taken).
 CLUSTER_REPEATS = 32
 CLUSTER_ROUNDS = 3
+#: The thin product ``(m, k, n)`` whose all-workers rate beside the square one's gives
+#: ``gemm_edge_flops``.
+THIN = (2048, 2048, 128)
 
 
 def _tiny(*deps):
@@ -127,17 +137,36 @@ def _wait_until(start_at):
         time.sleep(max(0.0, start_at - time.time()))
 
 
-def _matmul_work(n, dtype, repeats, start_at=None):
-    """``(flops, start, stop)`` of ``repeats`` matmuls (wall-clock stamps for a cluster
-    rate), started at ``start_at`` (a ``time.time()``) where given."""
-    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
-    b = a.copy()
-    matmul(a, b)  # the BLAS ipar.matmul picks imported before the clock starts
+def _matmul_work(shape, dtype, repeats, start_at=None):
+    """``(flops, start, stop)`` of ``repeats`` matmuls of ``shape`` (``(m, k, n)``, or
+    ``n`` for a square one; wall-clock stamps for a cluster rate), started at ``start_at``
+    (a ``time.time()``) where given."""
+    m, k, n = (shape,) * 3 if isinstance(shape, int) else shape
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    out = np.empty((m, n), dtype)
+    matmul(a, b, out)  # the BLAS ipar.matmul picks imported before the clock starts
     _wait_until(start_at)
     t0 = time.time()
     for _ in range(repeats):
-        matmul(a, b)
-    return 2.0 * n ** 3 * repeats, t0, time.time()
+        matmul(a, b, out)
+    return 2.0 * m * k * n * repeats, t0, time.time()
+
+
+def edge_flops(square_rate, n, thin_rate, thin):
+    """``gemm_edge_flops`` from the rate of a square ``n`` product and that of a ``thin``
+    one, ``(m, k, n)``: the ``e`` for which ``flops + e * edge`` at one rate gives both
+    times (:func:`~dask_ipar.kernels.cost_shapes.gemm`), 0 where the thin one is as fast,
+    at most 600 (below :class:`~dask_ipar.cost.Machine`'s bound)."""
+    f_sq, e_sq = gemm(n, n, n)
+    f_th, e_th = gemm(*thin)
+    ratio = square_rate / thin_rate  # the thin product's time per flop over the square's
+    # ratio = (1 + e * e_th / f_th) / (1 + e * e_sq / f_sq), solved for e
+    denominator = e_th / f_th - ratio * e_sq / f_sq
+    if ratio <= 1.0 or denominator <= 0:
+        return 0.0
+    return min(600.0, (ratio - 1.0) / denominator)
 
 
 def _mem_work(nbytes, repeats, start_at=None):
@@ -242,7 +271,7 @@ def _hop_time(client, a, b, hops, tag):
     return (time.perf_counter() - t) / hops
 
 
-def _mix_rate(client, worker, flops_per_s, repeats):
+def _mix_rate(client, worker, flops_per_s, repeats, edge_flops):
     """The step-time model's element-wise rates (:mod:`dask_ipar.runtime.kernelmix`): the
     kernel mix run on one worker while the others idle, ``repeats`` rounds with its conv
     block on 4 MiB and one round on 16 MiB, the fastest of three runs of each (as
@@ -258,7 +287,7 @@ def _mix_rate(client, worker, flops_per_s, repeats):
 
     # solved on the worker: the mix's model terms build its inputs (128 MiB at the large size)
     return client.submit(elementwise_rates, fastest(repeats, IMAGES), fastest(1, LARGE_IMAGES),
-                         flops_per_s, workers=[worker], pure=False,
+                         flops_per_s, edge_flops=edge_flops, workers=[worker], pure=False,
                          allow_other_workers=False).result()
 
 
@@ -321,6 +350,7 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     fut = client.submit(_matmul_rate, matmul_n, dtype, 3, workers=[a], pure=False)
     flops = float(fut.result())
     log(f"compute ({dtype} matmul {matmul_n}^3 on one worker): {flops / 1e9:.1f} GFLOP/s")
+    m_th, k_th, n_th = THIN
     everyone = sorted(scheduler_workers(client))
     _cluster_rate(client, everyone, tag + "w", _matmul_work, 256, dtype, 2)
     # rounds of 0.5 s of a core per worker here: with 4 matmuls (60 ms) a round on 2 workers
@@ -331,11 +361,22 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     cluster = max(rounds)
     log(f"compute (all {len(everyone)} workers at once): {cluster / 1e9:.1f} GFLOP/s, the "
         f"fastest of {len(rounds)} rounds (" + ", ".join(f"{r / 1e9:.1f}" for r in rounds) + ")")
+    # the thin product: as many flops a round as the square one's
+    thin_repeats = max(1, round(CLUSTER_REPEATS * matmul_n ** 3 / (m_th * k_th * n_th)))
+    thin = max(_cluster_rate(client, everyone, f"{tag}t{r}", _matmul_work, THIN, dtype,
+                             thin_repeats) for r in range(CLUSTER_ROUNDS))
+    edge = edge_flops(cluster, matmul_n, thin, THIN)
+    log(f"compute of a thin product ({m_th} x {k_th} x {n_th}, every worker at once): "
+        f"{thin / 1e9:.1f} GFLOP/s, {thin / cluster:.2f} of the square one's: "
+        f"{edge:.0f} flop-equivalents per element of a product's edge")
+    if matmul_n != GEMM_REF_N:  # the rates at the model's square product
+        f_sq, e_sq = gemm(matmul_n, matmul_n, matmul_n)
+        flops, cluster = (r * (1.0 + edge * e_sq / f_sq) for r in (flops, cluster))
     mem = max(_cluster_rate(client, everyone, f"{tag}m{r}", _mem_work, block_mib * 2**20, 10)
               for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
-    elementwise, elementwise_large = _mix_rate(client, a, flops, mix_repeats)
+    elementwise, elementwise_large = _mix_rate(client, a, flops, mix_repeats, edge)
     log("element-wise rate of the kernels (conv, pooling and dense kernels, one worker): "
         + ("not measured (the matmul part took the whole time)" if elementwise is None
            else f"{elementwise / 1e9:.1f} GB/s" + (
@@ -410,4 +451,4 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
                    exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
                    direct_message_cpu_s=direct_msg, message_cpu_s=comms_msg,
                    step_cpu_s=step_s, background_cores=background,
-                   elementwise_large_Bps=elementwise_large)
+                   elementwise_large_Bps=elementwise_large, gemm_edge_flops=edge)

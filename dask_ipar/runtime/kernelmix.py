@@ -66,28 +66,31 @@ def _shape(v):
     return tuple(v.shape) if isinstance(v, np.ndarray) else None
 
 
-def _terms(calls, itemsize):
-    """``(flops, small, large)`` of ``calls`` by the cost model: their flops and their
-    memory bytes split by each call's largest array between the small and the large block
-    of :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS` (``mem * (1 - w)`` and ``mem * w``,
-    ``w`` of :func:`dask_ipar.cost.machine.block_weight`)."""
+def _terms(calls, itemsize, edge_flops=0.0):
+    """``(flops, small, large)`` of ``calls`` by the cost model: their flops (with
+    ``edge_flops`` per element of their products' edge: the step model's
+    ``gemm_edge_flops``) and their memory bytes split by each call's largest array between
+    the small and the large block of :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS`
+    (``mem * (1 - w)`` and ``mem * w``, ``w`` of
+    :func:`dask_ipar.cost.machine.block_weight`)."""
     from dask_ipar.cost.machine import block_weight
     from dask_ipar.kernels.costs import block_bytes, kernel_cost
 
     flops = small = large = 0.0
     for f, args in calls:
-        out, fl, mb = kernel_cost(f, args, _shape, itemsize)
+        out, fl, mb, edge = kernel_cost(f, args, _shape, itemsize)
         w = block_weight(block_bytes(out, [a.shape for a in args if isinstance(a, np.ndarray)],
                                      itemsize))
-        flops, small, large = flops + fl, small + mb * (1 - w), large + mb * w
+        flops += fl + edge_flops * edge
+        small, large = small + mb * (1 - w), large + mb * w
     return flops, small, large
 
 
-def mix_split(dtype="float32", images=IMAGES):
+def mix_split(dtype="float32", images=IMAGES, edge_flops=0.0):
     """The model's terms of one round of the mix with its conv block on ``images`` images:
     ``(flops, small, large)``, its memory bytes split by each call's largest array (see
     :func:`_terms`)."""
-    return _terms(kernel_calls(dtype, images), np.dtype(dtype).itemsize)
+    return _terms(kernel_calls(dtype, images), np.dtype(dtype).itemsize, edge_flops)
 
 
 def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
@@ -107,26 +110,30 @@ def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
     return flops * repeats, (small + large) * repeats, seconds
 
 
-def elementwise_rates(small_run, large_run, flops_per_s, dtype="float32"):
+def elementwise_rates(small_run, large_run, flops_per_s, dtype="float32", edge_flops=0.0):
     """The element-wise rates at the small and the large block
     (``elementwise_Bps``, ``elementwise_large_Bps`` of :class:`dask_ipar.cost.Machine`) that
     make the model's times of two kernel-mix runs, ``(flops, mem_bytes, seconds)`` of
     :func:`kernel_mix` at :data:`IMAGES` and at :data:`LARGE_IMAGES` images, equal their
     measured seconds: per run, ``seconds - flops / flops_per_s = small / r_small + large /
-    r_large`` (:func:`mix_split` times the run's rounds), two equations. ``(rate, None)``
-    (:func:`elementwise_rate` of the small run) where they have no positive solution."""
+    r_large`` (:func:`mix_split` times the run's rounds), two equations, the products'
+    flops with ``edge_flops`` per element of their edge (the machine's ``gemm_edge_flops``).
+    ``(rate, None)`` (:func:`elementwise_rate` of the small run) where they have no
+    positive solution."""
     rows = []
+    priced = []  # the runs' flop-equivalents
     for (flops, _, seconds), images in ((small_run, IMAGES), (large_run, LARGE_IMAGES)):
         f1, a, b = mix_split(dtype, images)
         rounds = flops / f1
-        rows.append((a * rounds, b * rounds, seconds - flops / flops_per_s))
+        priced.append(rounds * mix_split(dtype, images, edge_flops)[0] if edge_flops else flops)
+        rows.append((a * rounds, b * rounds, seconds - priced[-1] / flops_per_s))
     (a1, b1, l1), (a2, b2, l2) = rows
     det = a1 * b2 - a2 * b1
     if det > 0.05 * a1 * b2:  # the large run's bytes lie mostly at the large block
         x, y = (l1 * b2 - l2 * b1) / det, (a1 * l2 - a2 * l1) / det
         if x > 0 and y > 0:
             return 1.0 / x, 1.0 / y
-    return elementwise_rate(*small_run, flops_per_s), None
+    return elementwise_rate(priced[0], *small_run[1:], flops_per_s), None
 
 
 def elementwise_rate(flops, mem_bytes, seconds, flops_per_s, speed=1.0):

@@ -11,7 +11,10 @@ worker's tasks in the step's order, blocks pushed as they exist, processor shari
 the cores, the transports' CPU and dask's own work on shared cores; a submission's step
 ends when its programs have pushed the new weights to the next step's readers, and the
 next submission starts after it; within a submission of several steps a step's forward
-overlaps the push before it, two steps' makespan less one's).
+overlaps the push before it, two steps' makespan less one's). A task's products cost their
+flops and their edge (:func:`dask_ipar.kernels.cost_shapes.gemm`) at the machine's
+``gemm_edge_flops`` flop-equivalents per element (:func:`priced`): a thin product runs
+below a square one's rate.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dask_ipar.nn.graph import StepGraph, sim_tasks
 from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
 from dask_ipar.runtime.placement import placement_blocks
 
-__all__ = ["predict_step_s", "step_tasks", "sim_step_graph", "simulate_engine",
+__all__ = ["predict_step_s", "step_tasks", "sim_step_graph", "simulate_engine", "priced",
            "ELEMENTWISE_BPS"]
 
 #: Bytes per second of one worker's elementwise work in the kernels (copies, strided
@@ -129,8 +132,19 @@ def _with_push(tasks, available):
             return dataclasses.replace(t, deps=tuple(
                 d for d in t.deps if d not in available or available[d][0] == t.worker))
         return dataclasses.replace(t, deps=tuple(d for d in t.deps if d in first),
-                                   flops=0.0, mem_bytes=0.0, out_bytes=0.0)
+                                   flops=0.0, mem_bytes=0.0, out_bytes=0.0, edge=0.0)
     return [cut(t) for t in tasks]
+
+
+def priced(tasks, machine):
+    """``tasks`` with each one's product edge added to its flops as the machine's
+    ``gemm_edge_flops`` flop-equivalents per element (:class:`dask_ipar.cost.Machine`;
+    unchanged where it has none): what the simulators charge at ``flops_per_s``."""
+    e = machine.gemm_edge_flops or 0.0
+    if not e:
+        return list(tasks)
+    return [dataclasses.replace(t, flops=t.flops + e * t.edge, edge=0.0) if t.edge else t
+            for t in tasks]
 
 
 def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, optimizer,
@@ -171,7 +185,7 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
 
         def run(tasks, available):
             return simulate_programs(
-                tasks, flops_per_s=machine.flops_per_s, mem_s_per_B=mem_s_per_B,
+                priced(tasks, machine), flops_per_s=machine.flops_per_s, mem_s_per_B=mem_s_per_B,
                 mem_Bps=machine.elementwise_Bps or ELEMENTWISE_BPS, bandwidth_Bps=link,
                 latency_s=(machine.message_s if machine.message_s is not None
                            else machine.alpha_s),
@@ -197,7 +211,7 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
             seconds /= steps_per_program
         return dataclasses.replace(pushed, seconds=seconds, latency_s=seconds)
     tasks, available = one_step()
-    return simulate_step(tasks, flops_per_s=machine.flops_per_s,
+    return simulate_step(priced(tasks, machine), flops_per_s=machine.flops_per_s,
                          bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
                          cores=cores, available=available, task_s=machine.task_s or 0.0,
                          cluster_flops_per_s=machine.cluster_flops_per_s,
