@@ -114,3 +114,42 @@ def test_adam_by_row_slices_same_bits_as_whole_arrays(monkeypatch, decoupled):
         state, wt = A._moments(w0, hp, n_decay, st0.copy(), g0.copy()), w0.copy()
         A._step(wt, state, hp, n_decay, lr, t)
         assert np.array_equal(state, st) and np.array_equal(wt, w)
+
+
+@pytest.mark.parametrize("cols", ["bias", "weights", "bias-only"])
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_fused_adam_update_equals_the_whole_gradients(monkeypatch, cols, decoupled):
+    """``adam_update`` in place fuses the dW product (chunks of about 16 MiB of rows), the
+    bias column, the remote pieces, the moments and the weight step: on 1 to 3 threads
+    the same bits, and the values of the unfused update (the whole gradient, then the
+    moments, then a new slice), float64 to 1e-12, over two chunks."""
+    from dask_ipar.kernels import adam as A
+
+    rng = np.random.default_rng(3)
+    n_in, batch = 1024, 48
+    c0, c1 = {"bias": (0, n_in + 1), "weights": (0, n_in), "bias-only": (n_in, n_in + 1)}[cols]
+    rows = 2100 if cols != "bias-only" else 300  # float64: 2048 rows a 16 MiB chunk
+    dtype = np.float64
+    w0 = rng.standard_normal((rows, c1 - c0)).astype(dtype)
+    st0 = np.abs(rng.standard_normal((2, rows, c1 - c0))).astype(dtype)
+    dz = rng.standard_normal((rows, batch)).astype(dtype)
+    xb = [(0, 600), (600, n_in)]  # the input in two row pieces
+    x = [rng.standard_normal((b - a, batch)).astype(dtype) for a, b in xb]
+    remote = [rng.standard_normal((rows, c1 - c0)).astype(dtype) for _ in range(2)]
+    hp, lr, t, n_decay = (0.9, 0.999, 1e-8, 0.01, decoupled), 1e-3, 4, min(c1, n_in) - c0
+    args = (hp, n_decay, lr, t)
+    want_st = st0.copy()
+    want_w = A.adam_update(w0.copy(), want_st, *args, False, 0, dz, xb, c0, c1, n_in, *x,
+                           *remote)
+    got = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr("dask_ipar.kernels.adam.kernel_threads", lambda n=threads: n)
+        w, st = w0.copy(), st0.copy()
+        assert A.adam_update(w, st, *args, True, 0, dz, xb, c0, c1, n_in, *x, *remote) is w
+        got.append((w, st))
+    for w, st in got[1:]:
+        assert np.array_equal(w, got[0][0]) and np.array_equal(st, got[0][1])
+    w, st = got[0]
+    assert np.abs(st - want_st).max() <= 1e-12 * np.abs(want_st).max()
+    assert np.abs(w - want_w).max() <= 1e-12 * np.abs(w0).max()
+    assert np.abs(w - w0).max() > 1e-4  # the step moved the weights

@@ -15,56 +15,99 @@ update count of the state (bias correction). Per step, as ``torch.optim.Adam``/`
 The state block is read by nothing but its owner's next update (ordered after this one
 through the weights), so it is rewritten in place where it may be. On NumPy blocks both
 passes run a row slice at a time, shared among the worker's kernel threads (the same bits).
+Where the update rewrites the slice in place (:func:`adam_update`), the gradient is never
+whole either: the local dW product is made about 16 MiB of rows at a time into one scratch
+buffer, and each row slice of it gets its bias column, the remote pieces, the moments and
+the weight step while it is in cache (as momentum SGD's fused update does).
 """
 
 from __future__ import annotations
 
 import math
 
-from dask_ipar.kernels.blocks import xp_of
-from dask_ipar.kernels.dense import _writable, block_reduce, dw_reduce
-from dask_ipar.kernels.threads import by_rows
+import numpy as np
+
+from dask_ipar.kernels.blas import matmul
+from dask_ipar.kernels.blocks import ufuncs_of, xp_of
+from dask_ipar.kernels.dense import _CHUNK_BYTES, _row_chunks, _writable, block_reduce, \
+    dw_reduce, span
+from dask_ipar.kernels.threads import SLICE_BYTES, by_rows, kernel_threads, over_rows
 
 __all__ = ["adam_state", "adam_weight", "adam_update", "block_adam_state",
            "block_adam_weight"]
 
 
-def _moments(w, hp, n_decay, state, g):
+def _moment_rows(hp, n_decay, w, state, g, r0, r1):
+    """The moments of rows ``r0:r1`` from their gradient rows ``g`` (decayed in place)."""
     b1, b2, _, wd, decoupled = hp
+    m, s = state[0][r0:r1], state[1][r0:r1]
+    if wd and n_decay and not decoupled:
+        g[:, :n_decay] += wd * w[r0:r1, :n_decay]
+    m *= b1
+    m += (1 - b1) * g
+    s *= b2
+    s += (1 - b2) * (g * g)
+
+
+def _step_rows(xp, hp, n_decay, lr, t, out, state, r0, r1):
+    """Rows ``r0:r1`` of ``out`` (the slice or its copy) minus the Adam step, in place."""
+    b1, b2, eps, wd, decoupled = hp
+    c2, c1 = math.sqrt(1 - b2 ** t), lr / (1 - b1 ** t)
+    o = out[r0:r1]
+    if wd and n_decay and decoupled:
+        o[:, :n_decay] *= 1 - lr * wd
+    denom = xp.sqrt(state[1][r0:r1]) / c2 + eps
+    o -= c1 * state[0][r0:r1] / denom
+
+
+def _moments(w, hp, n_decay, state, g):
     xp = xp_of(g)
     if state is None:
         state = xp.zeros((2, *g.shape), dtype=g.dtype)
     elif not _writable(state):
         state = xp.asarray(state, copy=True)
-
-    def rows(r0, r1, t):
-        gr, m, s = g[r0:r1], state[0][r0:r1], state[1][r0:r1]
-        if wd and n_decay and not decoupled:
-            gr[:, :n_decay] += wd * w[r0:r1, :n_decay]
-        m *= b1
-        m += (1 - b1) * gr
-        s *= b2
-        s += (1 - b2) * (gr * gr)
-
-    by_rows(g, rows)
+    by_rows(g, lambda r0, r1, _: _moment_rows(hp, n_decay, w, state, g[r0:r1], r0, r1))
     return state
 
 
 def _step(out, state, hp, n_decay, lr, t):
     """``out`` (a copy of the slice, or the slice itself) minus the Adam step, in place."""
-    b1, b2, eps, wd, decoupled = hp
     xp = xp_of(out)
-    c2, c1 = math.sqrt(1 - b2 ** t), lr / (1 - b1 ** t)
-
-    def rows(r0, r1, _):
-        o = out[r0:r1]
-        if wd and n_decay and decoupled:
-            o[:, :n_decay] *= 1 - lr * wd
-        denom = xp.sqrt(state[1][r0:r1]) / c2 + eps
-        o -= c1 * state[0][r0:r1] / denom
-
-    by_rows(out, rows)
+    by_rows(out, lambda r0, r1, _: _step_rows(xp, hp, n_decay, lr, t, out, state, r0, r1))
     return out
+
+
+def _adam_rows(m, w, state, hp, n_decay, lr, t, dz, xb, c0, c1, n_in, *rest):
+    """:func:`adam_update` in place, fused: the local dW product a chunk of about 16 MiB of
+    rows at a time into one scratch buffer (smaller products lose BLAS speed), each chunk
+    then finished in row slices that stay in cache (its bias column, the remote pieces,
+    the moments, the weight step), the slices shared among the kernel threads (NumPy; the
+    same bits on any number). Each element as :func:`adam_state` then :func:`_step` make
+    it. ``m``: the array module (NumPy or CuPy; CuPy gets whole chunks)."""
+    nx = len(xb)
+    remote = rest[nx:]
+    nw = max(0, min(c1, n_in) - c0)  # weight columns of the slice (then maybe the bias)
+    xs = span(xb, c0, c0 + nw, 0, *rest[:nx]) if nw else None
+    bias = m.sum(dz, axis=1) if c1 > n_in else None
+    chunks = _row_chunks(w, 16 * _CHUNK_BYTES)
+    tmp = m.empty((chunks[0][1], w.shape[1]), dtype=w.dtype)
+    sub = _row_chunks(w, SLICE_BYTES)[0][1] if m is np else chunks[0][1]
+    threads = kernel_threads() if m is np else 1
+
+    def finish(s0, s1, r0):
+        g = tmp[s0 - r0:s1 - r0]
+        if bias is not None:
+            g[:, nw] = bias[s0:s1]
+        for r in remote:
+            g += r[s0:s1, :]
+        _moment_rows(hp, n_decay, w, state, g, s0, s1)
+        _step_rows(m, hp, n_decay, lr, t, w, state, s0, s1)
+
+    for r0, r1 in chunks:
+        if nw:
+            matmul(dz[r0:r1, :], xs.T, out=tmp[:r1 - r0, :nw])
+        over_rows(lambda s0, s1, _, r0=r0: finish(s0, s1, r0), r0, r1, sub, threads)
+    return w
 
 
 def adam_state(w, hp, n_decay, state, dz, xb, c0, c1, n_in, *rest):
@@ -86,6 +129,10 @@ def adam_update(w, state, hp, n_decay, lr, t, in_place, n_after, dz, xb, c0, c1,
     read ``w`` (they run first; their values are unused)."""
     if n_after:
         rest = rest[:-n_after]
+    m = ufuncs_of(w)
+    if in_place and m is not None and ufuncs_of(state) is m and _writable(w) \
+            and _writable(state):
+        return _adam_rows(m, w, state, hp, n_decay, lr, t, dz, xb, c0, c1, n_in, *rest)
     new = adam_state(w, hp, n_decay, state, dz, xb, c0, c1, n_in, *rest)
     if new is not state:
         state[...] = new

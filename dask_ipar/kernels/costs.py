@@ -176,6 +176,13 @@ def _adam_weight(w, state, hp, n_decay, lr, t):
 def _adam_update(w, state, hp, n_decay, lr, t, in_place, n_after, dz, xb, c0, c1, n_in,
                  *rest):
     rest = rest[:len(rest) - n_after] if n_after else rest
+    if in_place:  # fused in place, a cache-sized slice at a time (as _sgd_update): both
+        # moments and the slice read and written once from memory, the remote pieces and
+        # the decayed weights read; the local dW slice stays in cache
+        nrem = len(rest) - len(xb)
+        passes = 6 + nrem + (1 if hp[3] and n_decay else 0)
+        flops, joined, edge = _dw_product(dz, xb, c0, c1, n_in)
+        return w, flops + 9.0 * w[0] * w[1], passes * w[0] * w[1] + joined, edge
     out, flops, mem, edge = _adam_state(w, hp, n_decay, state, dz, xb, c0, c1, n_in, *rest)
     return w, flops + 4.0 * w[0] * w[1], mem + 4 * w[0] * w[1], edge
 
