@@ -212,7 +212,8 @@ class Machine:
         costs ``2mkn + gemm_edge_flops * (mk + kn + mn - 2mkn * 3 / 2048)``. Measured by
         ``dask-ipar calibrate`` from the all-workers rates of a square and a thin product
         (OpenBLAS and MKL, 8 one-thread processes on 2 cores: a 4096 x 4096 x 128 product at
-        0.82 of the square's rate, 88-96); 0 (every product at the square's rate) where
+        0.82 of the square's rate, 88-96; the calibration's 2048 x 2048 x 128 at 0.89-0.93,
+        26-43); 0 (every product at the square's rate) where
         None. Below ``2048 / 3``, where the largest products would cost nothing.
     """
 
