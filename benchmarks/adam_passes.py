@@ -54,6 +54,31 @@ def kernels(w, state, g, n_decay):
     adam._step(w, adam._moments(w, HP, n_decay, state, g), HP, n_decay, LR, T)
 
 
+def timed(variants, repeats, fresh, same):
+    """Best seconds and peak temporaries (``tracemalloc``) of each ``(name, fn, threads)``
+    of ``variants`` over ``repeats`` turns, each ``fn(*fresh())`` on fresh copies made
+    before the clock starts; ``same(name, data, ref)`` checks a variant's data after it
+    against the first variant's (it raises where they differ)."""
+    best = {name: math.inf for name, _, _ in variants}
+    peak = dict.fromkeys(best, 0)
+    ref = None
+    for _ in range(repeats):
+        for name, fn, threads in variants:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            data = fresh()
+            tracemalloc.start()
+            t = time.perf_counter()
+            fn(*data)
+            best[name] = min(best[name], time.perf_counter() - t)
+            peak[name] = max(peak[name], tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+            if ref is None:
+                ref = data
+            else:
+                same(name, data, ref)
+    return best, peak
+
+
 def update_unfused(w, st, args):
     dz, xb, n_in, x, remote = args
     adam._step(w, adam.adam_state(w, HP, n_in, st, dz, xb, 0, n_in + 1, n_in, x, remote), HP,
@@ -76,23 +101,12 @@ def time_updates(a, rng):
     variants = [(f"{name}, {n} thread{'s' if n > 1 else ''}", fn, n)
                 for n in map(int, a.threads.split(","))
                 for name, fn in (("unfused", update_unfused), ("fused", update_fused))]
-    best = {name: math.inf for name, _, _ in variants}
-    peak = dict.fromkeys(best, 0)
-    ref = None
-    for _ in range(a.repeats):
-        for name, fn, threads in variants:
-            os.environ["OMP_NUM_THREADS"] = str(threads)
-            w, st = w0.copy(), st0.copy()
-            tracemalloc.start()
-            t = time.perf_counter()
-            fn(w, st, args)
-            best[name] = min(best[name], time.perf_counter() - t)
-            peak[name] = max(peak[name], tracemalloc.get_traced_memory()[1])
-            tracemalloc.stop()
-            if ref is None:
-                ref = w
-            elif np.abs(w - ref).max() > 1e-5 * np.abs(w0).max():
-                raise SystemExit(f"{name}: not the unfused update's values")
+
+    def same(name, data, ref):
+        if np.abs(data[0] - ref[0]).max() > 1e-5 * np.abs(w0).max():
+            raise SystemExit(f"{name}: not the unfused update's values")
+
+    best, peak = timed(variants, a.repeats, lambda: (w0.copy(), st0.copy(), args), same)
     print(f"Adam (AdamW) update with its dW product ({a.rows} x {a.batch} by {a.batch} x "
           f"{n_in}, one remote piece), best of {a.repeats}:")
     for name in best:
@@ -117,23 +131,13 @@ def main(argv=None):
     variants = [("whole arrays", whole_arrays, 1)] + [
         (f"kernels, {n} thread{'s' if n > 1 else ''}", kernels, n)
         for n in map(int, a.threads.split(","))]
-    best = {name: math.inf for name, _, _ in variants}
-    peak = dict.fromkeys(best, 0)
-    ref = None
-    for _ in range(a.repeats):
-        for name, fn, threads in variants:
-            os.environ["OMP_NUM_THREADS"] = str(threads)
-            w, st, g = w0.copy(), st0.copy(), g0.copy()
-            tracemalloc.start()
-            t = time.perf_counter()
-            fn(w, st, g, n_decay)
-            best[name] = min(best[name], time.perf_counter() - t)
-            peak[name] = max(peak[name], tracemalloc.get_traced_memory()[1])
-            tracemalloc.stop()
-            if ref is None:
-                ref = (w, st)
-            elif not (np.array_equal(w, ref[0]) and np.array_equal(st, ref[1])):
-                raise SystemExit(f"{name}: not the whole-array bits")
+
+    def same(name, data, ref):
+        if not (np.array_equal(data[0], ref[0]) and np.array_equal(data[1], ref[1])):
+            raise SystemExit(f"{name}: not the whole-array bits")
+
+    best, peak = timed(variants, a.repeats, lambda: (w0.copy(), st0.copy(), g0.copy(), n_decay),
+                       same)
     base = best["whole arrays"]
     print(f"Adam (AdamW) update of a {a.rows} x {a.cols} float32 slice, best of {a.repeats}:")
     for name in best:
