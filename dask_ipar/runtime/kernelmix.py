@@ -66,31 +66,37 @@ def _shape(v):
     return tuple(v.shape) if isinstance(v, np.ndarray) else None
 
 
-def _terms(calls, itemsize, edge_flops=0.0):
-    """``(flops, small, large)`` of ``calls`` by the cost model: their flops (with
-    ``edge_flops`` per element of their products' edge: the step model's
-    ``gemm_edge_flops``) and their memory bytes split by each call's largest array between
-    the small and the large block of :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS`
-    (``mem * (1 - w)`` and ``mem * w``, ``w`` of
-    :func:`dask_ipar.cost.machine.block_weight`)."""
+def _terms(calls, itemsize):
+    """``(flops, edge, small, large)`` of ``calls`` by the cost model: their flops, their
+    products' edge (priced by the step model at ``gemm_edge_flops`` per element) and their
+    memory bytes split by each call's largest array between the small and the large block
+    of :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS` (``mem * (1 - w)`` and ``mem * w``,
+    ``w`` of :func:`dask_ipar.cost.machine.block_weight`)."""
     from dask_ipar.cost.machine import block_weight
     from dask_ipar.kernels.costs import block_bytes, kernel_cost
 
-    flops = small = large = 0.0
+    flops = edge = small = large = 0.0
     for f, args in calls:
-        out, fl, mb, edge = kernel_cost(f, args, _shape, itemsize)
+        out, fl, mb, e = kernel_cost(f, args, _shape, itemsize)
         w = block_weight(block_bytes(out, [a.shape for a in args if isinstance(a, np.ndarray)],
                                      itemsize))
-        flops += fl + edge_flops * edge
+        flops, edge = flops + fl, edge + e
         small, large = small + mb * (1 - w), large + mb * w
-    return flops, small, large
+    return flops, edge, small, large
+
+
+def _split(dtype, images):
+    """:func:`_terms` of one round of the mix with its conv block on ``images`` images."""
+    return _terms(kernel_calls(dtype, images), np.dtype(dtype).itemsize)
 
 
 def mix_split(dtype="float32", images=IMAGES, edge_flops=0.0):
     """The model's terms of one round of the mix with its conv block on ``images`` images:
-    ``(flops, small, large)``, its memory bytes split by each call's largest array (see
-    :func:`_terms`)."""
-    return _terms(kernel_calls(dtype, images), np.dtype(dtype).itemsize, edge_flops)
+    ``(flops, small, large)``, its flops with ``edge_flops`` per element of its products'
+    edge (the step model's ``gemm_edge_flops``), its memory bytes split by each call's
+    largest array (see :func:`_terms`)."""
+    flops, edge, small, large = _split(dtype, images)
+    return flops + edge_flops * edge, small, large
 
 
 def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
@@ -99,7 +105,7 @@ def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
     ``(flops, mem_bytes, seconds)``: the model's flops and memory bytes of the calls
     (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took."""
     calls = kernel_calls(dtype, images)
-    flops, small, large = _terms(calls, np.dtype(dtype).itemsize)
+    flops, _, small, large = _terms(calls, np.dtype(dtype).itemsize)
     for f, args in calls:  # warm: the first call of a kernel allocates and imports
         f(*args)
     t = time.perf_counter()
@@ -123,9 +129,9 @@ def elementwise_rates(small_run, large_run, flops_per_s, dtype="float32", edge_f
     rows = []
     priced = []  # the runs' flop-equivalents
     for (flops, _, seconds), images in ((small_run, IMAGES), (large_run, LARGE_IMAGES)):
-        f1, a, b = mix_split(dtype, images)
+        f1, e1, a, b = _split(dtype, images)  # one round's terms (its inputs made once)
         rounds = flops / f1
-        priced.append(rounds * mix_split(dtype, images, edge_flops)[0] if edge_flops else flops)
+        priced.append(flops + rounds * edge_flops * e1)
         rows.append((a * rounds, b * rounds, seconds - priced[-1] / flops_per_s))
     (a1, b1, l1), (a2, b2, l2) = rows
     det = a1 * b2 - a2 * b1
