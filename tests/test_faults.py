@@ -281,19 +281,25 @@ class KillAt(Callback):
 
 
 def _fit(model, X, y, **kw):
-    return model.fit(X, y, epochs=3, batch_size=12, optimizer=OPT, progress=False, **kw)
+    kw.setdefault("optimizer", OPT)
+    return model.fit(X, y, epochs=3, batch_size=12, progress=False, **kw)
 
 
-@pytest.mark.parametrize("grid,seed", [("2x2", 1), ("4x1", 2), ("1x4", 3)])
-def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, seed):
+@pytest.mark.parametrize("grid,seed,opt", [("2x2", 1, "sgd"), ("4x1", 2, "sgd"),
+                                           ("1x4", 3, "sgd"), ("2x2", 4, "adamw")])
+def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, seed, opt):
     """No checkpoint: a grid worker SIGKILLed at a random step is rebuilt from its buddy's
     replica on the worker its nanny restarts, and the run ends bit-equal (float64); the
-    replicas' bytes are measured equal to the cost model's."""
+    replicas' bytes are measured equal to the cost model's. With AdamW the replica carries
+    both moments and the restored update count (bias correction), and the rebuilt cell's
+    fused in-place update makes the same bits as the uninterrupted run's."""
+    from dask_ipar import AdamW
     from dask_ipar.runtime.replicas import Replicas
 
     X, y = data
+    optimizer, slots = (OPT, 1) if opt == "sgd" else (AdamW(lr=0.05, weight_decay=0.01), 2)
     plain = make_model().distribute(client4, grid)
-    h = _fit(plain, X, y, replicas=1)
+    h = _fit(plain, X, y, replicas=1, optimizer=optimizer)
     expected = plain.get_weights()
     plain.close()
     rows = {(r.layer, r.phase): r for r in h.comm.rows}
@@ -305,7 +311,8 @@ def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, see
 
     pr, pc = map(int, grid.split("x"))
     net = [FC(7, 9), FC(9, 5)]
-    planned = evaluate_grid(net, pr, pc, 12, Machine(word_bytes=8), replicas=1)
+    planned = evaluate_grid(net, pr, pc, 12, Machine(word_bytes=8), replicas=1,
+                            opt_slots=slots)
     per_refresh = next(p for p in planned.phases if p.phase == "replica").total_bytes
     first = sum(network_state_words(net, pr, pc, 0).values()) * 8
     assert rep.measured_bytes * h.comm.steps == first + 11 * per_refresh
@@ -316,7 +323,8 @@ def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, see
     victim = model.binding.worker(grid.startswith("4") and 2 or 0, grid.startswith("1") and 3 or 0)
     [pid] = pids_of(client4, [victim])
     lines = []
-    h = _fit(model, X, y, replicas=Replicas(1, log=lines.append), callbacks=[KillAt([pid], at)])
+    h = _fit(model, X, y, replicas=Replicas(1, log=lines.append), callbacks=[KillAt([pid], at)],
+             optimizer=optimizer)
     msg = f"killed after step {at}: {lines}"
     assert any(ln.startswith("recovered from the replicas of step") for ln in lines), msg
     assert victim not in model.binding.workers and len(h.steps) == 12, msg

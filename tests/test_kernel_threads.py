@@ -143,7 +143,7 @@ def test_fused_adam_update_equals_the_whole_gradients(monkeypatch, cols, decoupl
                            *remote)
     got = []
     for threads in (1, 2, 3):
-        monkeypatch.setattr("dask_ipar.kernels.adam.kernel_threads", lambda n=threads: n)
+        monkeypatch.setattr("dask_ipar.kernels.dense.kernel_threads", lambda n=threads: n)
         w, st = w0.copy(), st0.copy()
         assert A.adam_update(w, st, *args, True, 0, dz, xb, c0, c1, n_in, *x, *remote) is w
         got.append((w, st))

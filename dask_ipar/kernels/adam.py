@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
-from dask_ipar.kernels.blas import matmul
 from dask_ipar.kernels.blocks import ufuncs_of, xp_of
-from dask_ipar.kernels.dense import _CHUNK_BYTES, _row_chunks, _writable, block_reduce, \
-    dw_reduce, span
-from dask_ipar.kernels.threads import SLICE_BYTES, by_rows, kernel_threads, over_rows
+from dask_ipar.kernels.dense import _writable, block_reduce, dw_reduce, fused_dw_rows
+from dask_ipar.kernels.threads import by_rows
 
 __all__ = ["adam_state", "adam_weight", "adam_update", "block_adam_state",
            "block_adam_weight"]
@@ -78,24 +75,13 @@ def _step(out, state, hp, n_decay, lr, t):
 
 
 def _adam_rows(m, w, state, hp, n_decay, lr, t, dz, xb, c0, c1, n_in, *rest):
-    """:func:`adam_update` in place, fused: the local dW product a chunk of about 16 MiB of
-    rows at a time into one scratch buffer (smaller products lose BLAS speed), each chunk
-    then finished in row slices that stay in cache (its bias column, the remote pieces,
-    the moments, the weight step), the slices shared among the kernel threads (NumPy; the
-    same bits on any number). Each element as :func:`adam_state` then :func:`_step` make
-    it. ``m``: the array module (NumPy or CuPy; CuPy gets whole chunks)."""
-    nx = len(xb)
-    remote = rest[nx:]
-    nw = max(0, min(c1, n_in) - c0)  # weight columns of the slice (then maybe the bias)
-    xs = span(xb, c0, c0 + nw, 0, *rest[:nx]) if nw else None
-    bias = m.sum(dz, axis=1) if c1 > n_in else None
-    chunks = _row_chunks(w, 16 * _CHUNK_BYTES)
-    tmp = m.empty((chunks[0][1], w.shape[1]), dtype=w.dtype)
-    sub = _row_chunks(w, SLICE_BYTES)[0][1] if m is np else chunks[0][1]
-    threads = kernel_threads() if m is np else 1
+    """:func:`adam_update` in place, fused (:func:`~dask_ipar.kernels.dense.fused_dw_rows`:
+    the local dW product by chunks of about 16 MiB of rows into a scratch buffer as wide
+    as the slice): each row slice, in cache, gets its bias column and the remote pieces,
+    then the moments and the weight step. Each element as :func:`adam_state` then
+    :func:`_step` make it. ``m``: the array module (NumPy or CuPy)."""
 
-    def finish(s0, s1, r0):
-        g = tmp[s0 - r0:s1 - r0]
+    def finish(g, s0, s1, _, nw, bias, remote):
         if bias is not None:
             g[:, nw] = bias[s0:s1]
         for r in remote:
@@ -103,10 +89,7 @@ def _adam_rows(m, w, state, hp, n_decay, lr, t, dz, xb, c0, c1, n_in, *rest):
         _moment_rows(hp, n_decay, w, state, g, s0, s1)
         _step_rows(m, hp, n_decay, lr, t, w, state, s0, s1)
 
-    for r0, r1 in chunks:
-        if nw:
-            matmul(dz[r0:r1, :], xs.T, out=tmp[:r1 - r0, :nw])
-        over_rows(lambda s0, s1, _, r0=r0: finish(s0, s1, r0), r0, r1, sub, threads)
+    fused_dw_rows(m, w, True, dz, xb, c0, c1, n_in, *rest, finish=finish)
     return w
 
 

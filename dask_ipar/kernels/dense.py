@@ -39,6 +39,7 @@ __all__ = [
     "dz_from_own",
     "dw_piece",
     "dw_reduce",
+    "fused_dw_rows",
     "sgd_velocity",
     "sgd_weight",
     "sgd_update",
@@ -282,37 +283,53 @@ def sgd_velocity(w, momentum, weight_decay, n_decay, v, dz, xb, c0, c1, n_in, *r
                           n_in, *rest)
 
 
-def _momentum_rows(m, w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1, n_in,
-                   *rest):
-    """The in-place momentum step of :func:`sgd_velocity` (and, with ``lr``, the weight
-    step of :func:`sgd_update`), fused, a slice of rows at a time.
-
-    The local dW piece is one matmul per slice of about 16 MiB (smaller slices lose BLAS
-    speed), into one scratch buffer; on NumPy each slice is then finished in sub-slices
-    that stay in cache: ``v = momentum * v + dW + remote pieces + weight_decay * w``, then
-    ``w -= lr * v`` while ``v`` is still in cache (one pass over ``v`` and ``w`` from memory
-    instead of four). ``m`` is the array module (NumPy or CuPy; CuPy gets whole slices).
-    NumPy's sub-slices are shared among the process's kernel threads
-    (:func:`~dask_ipar.kernels.threads.over_rows`: the same bits on any number).
-    """
+def fused_dw_rows(m, like, full, dz, xb, c0, c1, n_in, *rest, finish):
+    """The driver of the fused in-place updates (momentum SGD's :func:`_momentum_rows`,
+    Adam's ``kernels.adam._adam_rows``): the local dW product of the slice shaped as
+    ``like`` (columns ``c0:c1`` of the layer; ``rest``: the input pieces, then the remote
+    dW pieces) one matmul per chunk of about 16 MiB of rows (smaller products lose BLAS
+    speed) into one scratch buffer, each chunk then handed on in sub-slices that stay in
+    cache: ``finish(g, s0, s1, t, nw, bias, remote)`` with ``g`` the scratch rows of
+    ``s0:s1`` (their first ``nw`` columns the product; all ``like``'s columns with
+    ``full``, else just those), ``t`` the kernel thread, ``bias`` the bias column's
+    gradient (or None), ``remote`` the remote pieces. ``m`` is the array module (NumPy or
+    CuPy): NumPy's sub-slices are shared among the process's kernel threads
+    (:func:`~dask_ipar.kernels.threads.over_rows`: each by one thread, the same bits on
+    any number); CuPy gets whole chunks."""
     nx = len(xb)
     remote = rest[nx:]
     nw = max(0, min(c1, n_in) - c0)  # weight columns of the slice (then maybe the bias)
     xs = span(xb, c0, c0 + nw, 0, *rest[:nx]) if nw else None
     bias = m.sum(dz, axis=1) if c1 > n_in else None
-    rows, cols = v.shape
-    gemm = _row_chunks(v, 16 * _CHUNK_BYTES)
-    tmp = m.empty((gemm[0][1], nw), dtype=v.dtype) if nw else None
-    sub = _row_chunks(v, SLICE_BYTES)[0][1] if m is np else gemm[0][1]
-    threads = kernel_threads() if m is np else 1  # the sub-slices shared (same bits)
-    scratch = [m.empty((sub, cols), dtype=v.dtype) for _ in range(threads)] \
-        if lr is not None else None
+    chunks = _row_chunks(like, 16 * _CHUNK_BYTES)
+    width = like.shape[1] if full else nw
+    tmp = m.empty((chunks[0][1], width), dtype=like.dtype) if width else None
+    sub = _row_chunks(like, SLICE_BYTES)[0][1] if m is np else chunks[0][1]
+    threads = kernel_threads() if m is np else 1
 
-    def finish(s0, s1, t, r0):
+    def part(s0, s1, t, r0):
+        finish(None if tmp is None else tmp[s0 - r0:s1 - r0], s0, s1, t, nw, bias, remote)
+
+    for r0, r1 in chunks:
+        if nw:
+            matmul(dz[r0:r1, :], xs.T, out=tmp[:r1 - r0, :nw])
+        over_rows(lambda s0, s1, t, r0=r0: part(s0, s1, t, r0), r0, r1, sub, threads)
+
+
+def _momentum_rows(m, w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1, n_in,
+                   *rest):
+    """The in-place momentum step of :func:`sgd_velocity` (and, with ``lr``, the weight
+    step of :func:`sgd_update`), fused (:func:`fused_dw_rows`): each sub-slice gets
+    ``v = momentum * v + dW + remote pieces + weight_decay * w``, then ``w -= lr * v``
+    while ``v`` is still in cache (one pass over ``v`` and ``w`` from memory instead of
+    four). ``m`` is the array module (NumPy or CuPy)."""
+    scratch = {}  # per kernel thread, for ``-lr * v``
+
+    def finish(g, s0, s1, t, nw, bias, remote):
         vr = v[s0:s1, :]
         vr *= momentum
         if nw:
-            vr[:, :nw] += tmp[s0 - r0:s1 - r0]
+            vr[:, :nw] += g
         if bias is not None:
             vr[:, nw] += bias[s0:s1]
         for r in remote:
@@ -320,14 +337,14 @@ def _momentum_rows(m, w, v, lr, momentum, weight_decay, n_decay, dz, xb, c0, c1,
         if weight_decay and n_decay:
             vr[:, :n_decay] += weight_decay * w[s0:s1, :n_decay]
         if lr is not None:
-            sc = scratch[t][:s1 - s0]
+            sc = scratch.get(t)
+            if sc is None or sc.shape[0] < s1 - s0:
+                sc = scratch[t] = m.empty((s1 - s0, v.shape[1]), dtype=v.dtype)
+            sc = sc[:s1 - s0]
             m.multiply(vr, -lr, out=sc)
             w[s0:s1, :] += sc
 
-    for r0, r1 in gemm:
-        if nw:
-            matmul(dz[r0:r1, :], xs.T, out=tmp[:r1 - r0])
-        over_rows(lambda s0, s1, t, r0=r0: finish(s0, s1, t, r0), r0, r1, sub, threads)
+    fused_dw_rows(m, v, False, dz, xb, c0, c1, n_in, *rest, finish=finish)
     return v
 
 
