@@ -86,6 +86,11 @@ def _cell(times: list, median: float | None) -> str:
     return f"{median:.3f} ({', '.join(f'{x:.3f}' for x in times)})"
 
 
+def _json_where(name: str) -> str:
+    """Where the raw numbers are: a bare file name lies in ``benchmarks/results``."""
+    return name if os.sep in name else f"benchmarks/results/{name}"
+
+
 def _variants_flag(res: dict) -> str:
     v = res.get("variants") or ["auto"]
     return "" if v == ["auto"] else f" --variants {','.join(v)}"
@@ -94,7 +99,7 @@ def _variants_flag(res: dict) -> str:
 def render(res: dict) -> str:
     head = (f"`python benchmarks/one_process.py --rounds {res['rounds']} --steps "
             f"{res['steps']}{_variants_flag(res)}` on {res['when']} ({res['cores']} cores; raw numbers in "
-            f"`benchmarks/results/{res['json_name']}`): step seconds, per round NumPy / "
+            f"`{_json_where(res['json_name'])}`): step seconds, per round NumPy / "
             "dask-ipar 1x1 / PyTorch, back to back; the verdict from the medians over the "
             "rounds.")
     cols = ("| MLP | NumPy (s) | dask-ipar 1x1 (s) | PyTorch, one process (s) | 1x1 / faster "
@@ -152,7 +157,8 @@ def main(argv=None):
     stamp = time.strftime("%Y%m%dT%H%M%S")
     path = a.json or os.path.join(HERE, "results", f"one-{stamp}.json")
     res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cores": cores, "rounds": a.rounds,
-           "steps": a.steps, "variants": list(variants), "json_name": os.path.basename(path), "mlps": {}}
+           "steps": a.steps, "variants": list(variants),
+           "json_name": os.path.basename(path) if a.json is None else a.json, "mlps": {}}
     cluster, client, _ = C.local_cluster(1, cores)
     try:
         for k in keys:
