@@ -110,14 +110,16 @@ def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold
 def main(argv=None):
     from threadpoolctl import threadpool_limits
 
-    from dask_ipar.runtime.worker_env import REUSE_MEMORY_ENV
+    from dask_ipar.runtime.worker_env import REUSE_MEMORY_ENV, blas_environ
 
-    if argv is None and any(os.environ.get(k) != v for k, v in REUSE_MEMORY_ENV.items()):
-        # the malloc settings of dask-ipar's workers (they are read at the process's start):
-        # fresh arrays reuse freed memory, as in the workers (the kernel mix read 15.2 GB/s
-        # without them, 17.0 with)
-        os.execve(sys.executable, [sys.executable, *sys.argv],
-                  {**os.environ, **REUSE_MEMORY_ENV})
+    # a one-thread worker's settings, read at the process's start: the malloc settings of
+    # dask-ipar's workers (fresh arrays reuse freed memory, as in the workers: the kernel
+    # mix read 15.2 GB/s without them, 17.0 with) and one BLAS thread, PyTorch's too
+    # (threadpoolctl below limits NumPy's BLAS only: before session 42 the products of
+    # matmul auto ran on all cores here, and the rates of the model with them)
+    worker = {**REUSE_MEMORY_ENV, **blas_environ(1)}
+    if argv is None and any(os.environ.get(k) != v for k, v in worker.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **worker})
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="cnn", choices=["cnn", "compute", "weight"])
