@@ -340,7 +340,8 @@ def _peer(cl, mode, mesh, cfg, steps, threads, check=False):
 
 def link_check(client, rate) -> dict:
     """The link between the first two workers: a 64 MiB block's time, less a 4-byte one's
-    (its rate), and a 4-byte hop between worker programs (direct, and over dask's comms)."""
+    (its rate), and a 4-byte hop between worker programs (direct, and over dask's comms);
+    ``rate`` the nominal one (None: no limit, loopback)."""
     import common as C
     from dask_ipar.runtime.calibrate import program_hop
     from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
@@ -351,11 +352,11 @@ def link_check(client, rate) -> dict:
     hop = program_hop(client, ws[0], ws[1])
     via_dask = program_hop(client, ws[0], ws[1], direct=False)
     print(f"link check: 64 MiB in {big:.3f} s -> {bw * 8 / 1e9:.3f} Gbit/s "
-          f"(nominal {rate}); 4-byte dask task transfer {small * 1e3:.1f} ms, "
+          f"(nominal {rate or 'none'}); 4-byte dask task transfer {small * 1e3:.1f} ms, "
           f"4-byte program hop {hop * 1e3:.2f} ms (over dask's comms "
           f"{via_dask * 1e3:.2f} ms)", flush=True)
     return {"t_64MiB_s": big, "t_4B_s": small, "bandwidth_Bps": bw,
-            "nominal_Bps": parse_rate_Bps(rate), "program_hop_4B_s": hop,
+            "nominal_Bps": parse_rate_Bps(rate) if rate else None, "program_hop_4B_s": hop,
             "program_hop_dask_s": via_dask, "direct_max_bytes": DIRECT_MAX_BYTES,
             "wire_reader": "program"}
 

@@ -319,3 +319,29 @@ def test_dask_fine_performance_metrics_split_programs_by_layer_and_phase(client)
             break
         time.sleep(0.2)
     assert want <= seen, sorted(seen)
+
+
+def test_kernel_cpu_counts_each_kernel_call_of_the_programs(client):
+    """``programs.kernel_cpu``: off by default; switched on, each worker counts its
+    programs' kernel calls by task and function (the forward's, one per cell and step) and
+    their CPU time; switched off, it returns the counts and stops."""
+    from dask_ipar.runtime.programs import kernel_cpu
+
+    model, X, y = _small_model(client, "2x1", 60.0)
+    try:
+        assert set(client.run(kernel_cpu).values()) == {None}
+        workers = [model.binding.worker(i, 0) for i in range(2)]
+        client.run(kernel_cpu, True, workers=workers)
+        opt = SGD(lr=0.1)
+        for _ in range(2):
+            client.gather(model.train_step(X, y, opt))
+        _weight_futures(model)
+        got = client.run(kernel_cpu, False, workers=workers)
+        for counts in got.values():
+            forward = {k: v for k, v in counts.items() if k.startswith("act:dense_forward")}
+            assert sum(n for _, n in forward.values()) == 2 * 2  # two layers, two steps
+            assert all(sec >= 0.0 for sec, _ in counts.values())
+            assert sum(sec for sec, _ in counts.values()) > 0.0
+        assert set(client.run(kernel_cpu, workers=workers).values()) == {None}
+    finally:
+        model.close()

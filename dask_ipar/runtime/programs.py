@@ -75,8 +75,8 @@ from dask_ipar.runtime.collector import collector_paused
 from dask_ipar.runtime.exchange import plugin_of
 from dask_ipar.runtime.sender import Sender
 
-__all__ = ["Program", "run_program", "pick", "step_of", "MUTATES", "DEFAULT_TIMEOUT_S",
-           "QUICK_S"]
+__all__ = ["Program", "run_program", "pick", "step_of", "kernel_cpu", "MUTATES",
+           "DEFAULT_TIMEOUT_S", "QUICK_S"]
 
 #: Seconds a program waits without receiving any block before it gives up.
 DEFAULT_TIMEOUT_S = 300.0
@@ -87,6 +87,34 @@ SECEDE_AFTER_S = 2.0
 #: not make the program send the small blocks it holds back first: they wait for the next
 #: longer task, a wait for blocks, or the program's end (:meth:`Sender.phase`).
 QUICK_S = 5e-4
+
+
+#: This process's programs' CPU time per kernel while :func:`kernel_cpu` has it on
+#: (``{(task, function): [seconds, calls]}``), else None: nothing measured.
+_KERNEL_CPU: dict | None = None
+
+
+def kernel_cpu(on: bool | None = None) -> dict | None:
+    """The CPU time (``time.thread_time``: not the turns other processes take on the core)
+    of the kernels this worker's programs ran, ``{"<task>:<function>": (seconds, calls)}``
+    with ``<task>`` the key's task name (``act``, ``bwd``, ``dxp``, ...), and
+    ``"program:push"`` for handing the blocks to the transports, since the accounting was
+    switched on; None while it is off (the default). ``on``: True starts it from zero,
+    False stops it (what it counted is returned). Run it on the workers
+    (``client.run(kernel_cpu, True)``): ``benchmarks/kernel_cpu.py`` sets each kernel's
+    CPU in real steps beside the step model's price of it."""
+    global _KERNEL_CPU
+    got = None if _KERNEL_CPU is None else {
+        f"{t}:{f}": (v[0], v[1]) for (t, f), v in _KERNEL_CPU.items()}
+    if on is not None:
+        _KERNEL_CPU = {} if on else None
+    return got
+
+
+def _count_cpu(counts, task, func, c0):
+    entry = counts.setdefault((task, func), [0.0, 0])
+    entry[0] += time.thread_time() - c0
+    entry[1] += 1
 
 
 def _mutating_kernels() -> frozenset:
@@ -312,6 +340,8 @@ def _run(prog, *values):
             if rec is not None:
                 rec.now("computing", N(key[0]))
                 t0 = time.time()
+            counts = _KERNEL_CPU
+            c0 = time.thread_time() if counts is not None else 0.0
             t1 = time.perf_counter()
             try:
                 env[key] = value = node({d: env[d] for d in deps})
@@ -320,12 +350,18 @@ def _run(prog, *values):
                 label = _meter_label(task)
                 spent[label] = spent.get(label, 0.0) + took
                 quick[task] = took < QUICK_S
+            if counts is not None:
+                _count_cpu(counts, task.rsplit(".", 1)[-1], getattr(node, "func", None)
+                           and node.func.__name__, c0)
             if rec is not None:
                 trace.append([key[0], "compute", t0, time.time()])
                 rec.add(N(key[0]), "compute", t0, trace[-1][3])
             ready.arrived((key,))
             if key in prog.sends:
+                c0 = time.thread_time() if counts is not None else 0.0
                 sender.push(R(key), value, prog.sends[key], prog.later.get(key))
+                if counts is not None:
+                    _count_cpu(counts, "program", "push", c0)
                 sent(key)
             for d in deps:
                 uses[d] -= 1

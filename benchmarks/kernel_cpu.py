@@ -1,0 +1,227 @@
+"""Where a step's CPU goes on workers that share cores, beside the step model (issue 23).
+
+    python benchmarks/kernel_cpu.py [--model cnn] [--workers 8] [--grids 8x1,4x2]
+                                    [--steps 10] [--json out.json]
+
+A ``LocalCluster`` of ``--workers`` one-thread worker processes (dask-ipar's worker
+settings) on this machine's cores, calibrated as ``dask-ipar calibrate`` does (the link
+figures from ``netcluster.link_check``: loopback here), then per grid ``--steps`` steps of
+``--model`` (``cnn``, ``compute`` or ``weight`` of ``benchmarks/common.py``; the conv
+schemes the planner picks) after three untimed ones, the train-step loop of
+``common.time_dask_grid``. Measured over the timed steps, per step:
+
+* each process's threads' CPU time (``psutil``), by role: the workers' program threads,
+  event loops, direct-transport threads, and the client's process (the scheduler runs in
+  it);
+* each kernel's CPU time inside the programs (``dask_ipar.runtime.programs.kernel_cpu``:
+  the thread's CPU clock around each call, so not the turns the other processes take),
+  summed over the workers, beside the step model's price of the same kernels at the
+  calibrated rates (``flops / flops_per_s`` with the product edge, plus ``bytes`` at the
+  element-wise rate for the kernel's block size) before the cores' sharing.
+
+Writes ``benchmarks/results/kernel-cpu-<time>.json`` (or ``--json``) and prints markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def _thread_names():
+    import threading
+
+    return {t.native_id: t.name for t in threading.enumerate()}
+
+
+def _cpu_by_thread(pids) -> dict:
+    import psutil
+
+    out = {}
+    for pid in pids:
+        try:
+            for th in psutil.Process(pid).threads():
+                out[(pid, th.id)] = th.user_time + th.system_time
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _role(name) -> str:
+    if name is None:
+        return "BLAS and other native threads"
+    if "Dask-Default-Threads" in name:
+        return "program threads"
+    if name == "MainThread":
+        return "event loops"
+    if name.startswith("ipar-wire"):
+        return "direct-transport threads"
+    if name.startswith("ipar-kernel"):
+        return "kernel threads"
+    return "other threads"
+
+
+def model_costs(cfg, grid: str, layers, machine) -> dict:
+    """``{"<task>:<function>": seconds}`` per step over all workers: the step model's price
+    of each kernel at ``machine``'s rates, before the sharing of cores."""
+    import common as C
+    from dask_ipar import SGD
+    from dask_ipar.nn.graph import sim_tasks
+    from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS, priced, sim_step_graph
+    from dask_ipar.testing import fake_binding
+
+    shape = cfg.image if isinstance(cfg, C.CNNConfig) else (cfg.widths[0],)
+    engine = cfg.build_model(layers)._make_engine(fake_binding(grid))
+    names = [f"w{k}" for k in range(len(engine.param_layouts))]
+    g, external = sim_step_graph(engine, names, cfg.batch, shape, "float32",
+                                 SGD(lr=0.01, momentum=0.9))
+    out: dict = collections.Counter()
+    for t in priced(sim_tasks(g, external, 4)[0], machine):
+        name = (t.key[0] if isinstance(t.key, tuple) else t.key).split("-")[0]
+        out[f"{name.rsplit('.', 1)[-1]}:{g.dsk[t.key].func.__name__}"] += (
+            t.flops / machine.flops_per_s
+            + t.mem_bytes * machine.elementwise_s_per_B(t.block_bytes, ELEMENTWISE_BPS))
+    return dict(out)
+
+
+def measure(client, cfg, grid: str, layers, steps: int, pids: dict, names: dict) -> dict:
+    """One grid: the step time, the CPU by role and by kernel, per step."""
+    from distributed import wait
+
+    from dask_ipar import SGD
+    from dask_ipar.runtime.programs import kernel_cpu
+
+    opt = SGD(lr=0.01, momentum=0.9)
+    model = cfg.build_model(layers)
+    X, y = cfg.data(2)
+    batches = [(X[k * cfg.batch:(k + 1) * cfg.batch], y[k * cfg.batch:(k + 1) * cfg.batch])
+               for k in range(2)]
+    model.distribute(client, grid)
+    model.executor = "programs"
+    try:
+        for k in range(3):
+            client.gather(model.train_step(*batches[k % 2], opt, more=True))
+        client.run(kernel_cpu, True)
+        workers = {pid: addr for addr, pid in pids.items()}
+        everyone = [os.getpid(), *workers]
+        before, t0 = _cpu_by_thread(everyone), time.perf_counter()
+        ends = []
+        for k in range(steps):
+            client.gather(model.train_step(*batches[k % 2], opt, more=True))
+            ends.append(time.perf_counter())
+        wall = time.perf_counter() - t0
+        after = _cpu_by_thread(everyone)
+        kernels = client.run(kernel_cpu, False)
+        client.gather(model.train_step(*batches[0], opt, more=False))
+        wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
+    finally:
+        model.close()
+    roles: dict = collections.Counter()
+    for (pid, tid), cpu in after.items():
+        role = ("client and scheduler process" if pid == os.getpid() else
+                "workers' " + _role(names[workers[pid]].get(tid)))
+        roles[role] += (cpu - before.get((pid, tid), 0.0)) / steps
+    per_kernel: dict = collections.Counter()
+    calls: dict = collections.Counter()
+    for got in kernels.values():
+        for k, (sec, n) in (got or {}).items():
+            per_kernel[k] += sec / steps
+            calls[k] += n / steps
+    return {"grid": grid, "step_s": statistics.median(
+        b - a for a, b in zip([t0, *ends], ends)), "wall_s": wall, "steps": steps,
+        "cpu_by_role_s": dict(roles), "kernel_cpu_s": dict(per_kernel),
+        "kernel_calls": dict(calls)}
+
+
+def render(res: dict) -> str:
+    lines = [f"`python benchmarks/kernel_cpu.py --model {res['model']} --workers "
+             f"{res['workers']} --grids {','.join(r['grid'] for r in res['grids'])} --steps "
+             f"{res['steps']}` on {res['when']} ({res['cores']} cores; raw numbers in "
+             f"`{res['json']}`), per step:", ""]
+    for r in res["grids"]:
+        lines += [f"**{r['grid']}**: step {r['step_s']:.3f} s measured, {r['model_step_s']:.3f} s "
+                  f"predicted ({r['model_step_s'] / r['step_s']:.2f}); CPU "
+                  f"{sum(r['cpu_by_role_s'].values()) * 1e3:.0f} ms of the "
+                  f"{res['cores'] * r['wall_s'] / r['steps'] * 1e3:.0f} ms the cores had.", "",
+                  "| where | CPU (ms) |", "|---|---|"]
+        for role, v in sorted(r["cpu_by_role_s"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {role} | {v * 1e3:.1f} |")
+        lines += ["", "| kernel (task:function) | calls | CPU (ms) | model (ms) | CPU / model |",
+                  "|---|---|---|---|---|"]
+        model = r["model_kernel_s"]
+        tot_cpu = tot_model = 0.0
+        for k, v in sorted(r["kernel_cpu_s"].items(), key=lambda kv: -kv[1]):
+            m = model.get(k)
+            tot_cpu += v
+            tot_model += m or 0.0
+            ratio = f"{v / m:.2f}" if m else "-"
+            lines.append(f"| {k} | {r['kernel_calls'].get(k, 0):.0f} | {v * 1e3:.1f} | "
+                         f"{'-' if m is None else f'{m * 1e3:.1f}'} | {ratio} |")
+        lines += [f"| all | | {tot_cpu * 1e3:.1f} | {tot_model * 1e3:.1f} | "
+                  f"{tot_cpu / tot_model if tot_model else float('nan'):.2f} |", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    import dataclasses
+
+    import common as C
+    import netcluster as N
+    from dask_ipar.runtime.gridrank import rank_grids
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="cnn", choices=["cnn", "compute", "weight"])
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--grids", default="8x1,4x2", help="grids, comma-separated")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--json", default=None, help="where to write the raw numbers (default: "
+                   "benchmarks/results/kernel-cpu-<time>.json)")
+    a = p.parse_args(argv)
+    if a.steps < 2 or a.workers < 2:
+        p.error(f"--steps {a.steps}, --workers {a.workers}: expected at least 2 of each")
+    grids = [g.strip() for g in a.grids.split(",") if g.strip()]
+    cfg = C.sweep_models()[a.model]
+    cores = os.cpu_count() or 1
+    path = a.json or os.path.join(HERE, "results",
+                                  f"kernel-cpu-{time.strftime('%Y%m%dT%H%M%S')}.json")
+    res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cores": cores, "model": a.model,
+           "workers": a.workers, "steps": a.steps, "grids": [],
+           "json": path if a.json else f"benchmarks/results/{os.path.basename(path)}"}
+    cluster, client, _ = C.local_cluster(a.workers, cores)
+    try:
+        machine = N.step_machine(client, N.link_check(client, None), log=False)
+        res["machine"] = dataclasses.asdict(machine)
+        shape = cfg.image if isinstance(cfg, C.CNNConfig) else (cfg.widths[0],)
+        ranked = {str(c.grid): c for c in rank_grids(cfg.layers(), shape, a.workers, cfg.batch,
+                                                      machine, cores=cores,
+                                                      executor="programs")}
+        bad = [g for g in grids if g not in ranked]
+        if bad:
+            p.error(f"--grids: {', '.join(bad)} not among the grids of {a.workers} workers "
+                    f"for this model ({', '.join(ranked)})")
+        pids, names = client.run(os.getpid), client.run(_thread_names)
+        for g in grids:
+            c = ranked[g]
+            print(f"{cfg.label} {g} ...", file=sys.stderr, flush=True)
+            r = measure(client, cfg, g, c.layers, a.steps, pids, names)
+            r["model_step_s"] = c.seconds
+            r["model_kernel_s"] = model_costs(cfg, g, c.layers, machine)
+            res["grids"].append(r)
+    finally:
+        client.close()
+        cluster.close()
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(render(res))
+
+
+if __name__ == "__main__":
+    main()
