@@ -270,16 +270,22 @@ def _dz_image_from_pieces(wrow, dz, chw, axis, a, b, *remote):
     return out, flops, mem + 3 * len(remote) * numel(out) + 2 * numel(out), edge
 
 
-def _dx_sample_piece(wrow, dz, chw, s0, s1):
+def _dx_samples(wrow, dz, chw):
     k = numel(chw)
-    out = (s1 - s0, *chw)
-    flops, edge = gemm(s1 - s0, wrow[0], k)
+    out = (dz[1], *chw)
+    flops, edge = gemm(dz[1], wrow[0], k)
     return out, flops, numel(out), edge
 
 
-def _dz_sample_from_pieces(wrow, dz, chw, s0, s1, *remote):
-    out, flops, mem, edge = _dx_sample_piece(wrow, dz, chw, s0, s1)
-    return out, flops, mem + 3 * len(remote) * numel(out) + 2 * numel(out), edge
+def _sample_rows(images, s0, s1):
+    out = (s1 - s0, *images[1:])
+    return out, 0.0, 2 * numel(out)
+
+
+def _dz_samples_from_pieces(images, s0, s1, *remote):
+    out = (s1 - s0, *images[1:])
+    # each remote piece added into a new array, then the contiguous copy
+    return out, 0.0, 3 * len(remote) * numel(out) + 2 * numel(out)
 
 
 def _grad_block(grad, r0, r1, c0, c1):
@@ -385,8 +391,9 @@ KERNEL_COSTS = {
     "flatten_gather": _flatten_gather,
     "dx_image_piece": _dx_image_piece,
     "dz_image_from_pieces": _dz_image_from_pieces,
-    "dx_sample_piece": _dx_sample_piece,
-    "dz_sample_from_pieces": _dz_sample_from_pieces,
+    "dx_samples": _dx_samples,
+    "sample_rows": _sample_rows,
+    "dz_samples_from_pieces": _dz_samples_from_pieces,
     "grad_block": _grad_block,
     "block_reduce": _block_reduce,
     "block_sgd_velocity": _block_sgd_velocity,

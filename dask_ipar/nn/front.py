@@ -198,18 +198,21 @@ class Front:
         grid = self.binding.grid
         samples = self.samples(batch)
         c, h, w = self.out_shape
+        # every cell's product for all its column's samples at once, then cut per owner
+        whole = D._name(lay0.name, "dxs", token)
+        for cell in grid.cells():
+            g.add((whole, *cell), self.binding.worker(*cell), F.dx_samples, wrow[cell],
+                  TaskRef((dz, *cell)), self.out_shape)
         pieces = C.reduce_scatter(
             g, self.binding, "pr", D._name(lay0.name, "dxp", token),
-            lambda src, dst: (F.dx_sample_piece, wrow[src], TaskRef((dz, *src)), self.out_shape,
-                              *samples[src[1]][dst[0]]),
+            lambda src, dst: (F.sample_rows, TaskRef((whole, *src)), *samples[src[1]][dst[0]]),
             layer=lay0.name, phase="dx_reduce",
             words=lambda src, dst: _width(samples[dst[1]][dst[0]]) * c * h * w)
         name = D._name(self.flatten, "dx", token)
         out = {}
         for k, j in grid.cells():
-            g.add((name, k, j), self.binding.worker(k, j), F.dz_sample_from_pieces,
-                  wrow[(k, j)], TaskRef((dz, k, j)), self.out_shape, *samples[j][k],
-                  *pieces[(k, j)])
+            g.add((name, k, j), self.binding.worker(k, j), F.dz_samples_from_pieces,
+                  TaskRef((whole, k, j)), *samples[j][k], *pieces[(k, j)])
             out[(k, j)] = (name, k, j)
         return out
 
