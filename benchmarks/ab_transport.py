@@ -29,8 +29,8 @@ def _switch(limit, dask_worker=None):
 
 
 def _mode_name(limit, default) -> str:
-    if limit is None:
-        return "direct links, all messages"
+    if limit is None or limit == float("inf"):
+        return "direct links, all messages" + (" (the default)" if limit == default else "")
     if limit == 0:
         return "dask comms"
     return (f"direct links, messages up to {limit // 1024} KiB"

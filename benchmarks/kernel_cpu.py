@@ -36,6 +36,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
+#: The key of :func:`model_costs` for the transports' CPU (per message and byte, both ends).
+TRANSPORTS = "transports"
+
+
 def _thread_names():
     import threading
 
@@ -75,6 +79,7 @@ def model_costs(cfg, grid: str, layers, machine) -> dict:
     import common as C
     from dask_ipar import SGD
     from dask_ipar.nn.graph import sim_tasks
+    from dask_ipar.runtime.wire import DIRECT_BYTES
     from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS, priced, sim_step_graph
     from dask_ipar.testing import fake_binding
 
@@ -83,8 +88,24 @@ def model_costs(cfg, grid: str, layers, machine) -> dict:
     names = [f"w{k}" for k in range(len(engine.param_layouts))]
     g, external = sim_step_graph(engine, names, cfg.batch, shape, "float32",
                                  SGD(lr=0.01, momentum=0.9))
+    tasks, available = sim_tasks(g, external, 4)
     out: dict = collections.Counter()
-    for t in priced(sim_tasks(g, external, 4)[0], machine):
+    # the transports' CPU as the simulator charges it: per block and reader on another
+    # worker, each end its per-message work (a small or a large message) and its bytes
+    where = {t.key: (t.worker, t.out_bytes) for t in tasks}
+    where.update(available)
+    readers: dict = collections.defaultdict(set)
+    for t in tasks:
+        for d in t.deps:
+            if d in where and where[d][0] != t.worker:
+                readers[d].add(t.worker)
+    for d, ws in readers.items():
+        nbytes = where[d][1]
+        per_end = ((machine.direct_message_cpu_s if nbytes <= DIRECT_BYTES
+                    else machine.message_cpu_s) or 0.0) \
+            + nbytes * (machine.transfer_cpu_s_per_B or 0.0)
+        out[TRANSPORTS] += 2 * len(ws) * per_end
+    for t in priced(tasks, machine):
         name = (t.key[0] if isinstance(t.key, tuple) else t.key).split("-")[0]
         out[f"{name.rsplit('.', 1)[-1]}:{g.dsk[t.key].func.__name__}"] += (
             t.flops / machine.flops_per_s
@@ -154,6 +175,16 @@ def render(res: dict) -> str:
                   "| where | CPU (ms) |", "|---|---|"]
         for role, v in sorted(r["cpu_by_role_s"].items(), key=lambda kv: -kv[1]):
             lines.append(f"| {role} | {v * 1e3:.1f} |")
+        m = res["machine"]
+        outside = {
+            "transports' CPU": r["model_kernel_s"].get(TRANSPORTS, 0.0),
+            "a submitted step's CPU (step_cpu_s, each worker)":
+                (m.get("step_cpu_s") or 0.0) * res["workers"],
+            "dask's background (background_cores over the step)":
+                (m.get("background_cores") or 0.0) * r["model_step_s"]}
+        lines += ["", "The model's CPU outside the kernels: " + "; ".join(
+            f"{k} {v * 1e3:.1f} ms" for k, v in outside.items())
+            + f"; {sum(outside.values()) * 1e3:.1f} ms in all."]
         lines += ["", "| kernel (task:function) | calls | CPU (ms) | model (ms) | CPU / model |",
                   "|---|---|---|---|---|"]
         model = r["model_kernel_s"]

@@ -357,7 +357,8 @@ def link_check(client, rate) -> dict:
           f"{via_dask * 1e3:.2f} ms)", flush=True)
     return {"t_64MiB_s": big, "t_4B_s": small, "bandwidth_Bps": bw,
             "nominal_Bps": parse_rate_Bps(rate) if rate else None, "program_hop_4B_s": hop,
-            "program_hop_dask_s": via_dask, "direct_max_bytes": DIRECT_MAX_BYTES,
+            "program_hop_dask_s": via_dask, "direct_max_bytes": (None if DIRECT_MAX_BYTES == float("inf")
+                                                      else DIRECT_MAX_BYTES),
             "wire_reader": "program"}
 
 

@@ -189,8 +189,10 @@ class Machine:
         queues hold (3-7 ms on emulated 1 Gbit/s hosts, against 0.06 ms idle).
     direct_message_cpu_s, message_cpu_s : float, optional
         CPU seconds a worker's transport spends per message on each end beyond
-        ``transfer_cpu_s_per_B`` (framing, system calls, event-loop turns): over the
-        programs' direct links (blocks of at most 64 KiB) and over dask's comms (larger).
+        ``transfer_cpu_s_per_B`` (framing, system calls, event-loop turns): a small message
+        (at most 64 KiB, which the sending program writes into the direct link itself) and
+        a larger one (handed to the direct link's thread, or to dask's comms where the
+        workers have no direct links).
     step_cpu_s : float, optional
         CPU seconds per worker that one submitted training step costs outside its worker
         programs: the scheduler's and the client's work for its dask tasks, its batch and

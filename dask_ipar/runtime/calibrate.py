@@ -50,7 +50,9 @@ What the engine pays, measured the way the engine pays it:
   (:func:`~dask_ipar.runtime.linkprobe.loaded_hop`): a small block behind the links' queues.
 * ``direct_message_cpu_s``, ``message_cpu_s``: the transports' CPU per message on each
   end beyond the bytes' (framing, system calls, event-loop turns): all-to-all exchanges of
-  4-byte blocks (the direct links) and of 256 KiB blocks (dask's comms). A step's
+  4-byte blocks (small messages, written by the sending program itself over the direct
+  links) and of 256 KiB blocks (large ones: the direct links' own threads, or dask's comms
+  where the workers have no direct links). A step's
   all-to-all phases of mid-sized blocks pay it P - 1 times per worker on shared cores (8
   workers on 2 cores: an all-to-all of 4-byte blocks took 4 ms, 1.4 ns per byte at 256 KiB
   against 0.26 at 16 MiB).
@@ -432,8 +434,8 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
                                       if loaded_s is None else f"{loaded_s * 1e3:.2f} ms"))
     direct_msg, comms_msg = message_cpu(client, everyone, cpu_B)
     log(f"transfer CPU per message, each end (all-to-all exchanges of 4-byte and 256 KiB "
-        f"blocks): {direct_msg * 1e6:.0f} us over the direct links, {comms_msg * 1e6:.0f} us "
-        f"over dask's comms")
+        f"blocks): {direct_msg * 1e6:.0f} us a small message, {comms_msg * 1e6:.0f} us a "
+        f"large one")
     background = step_s = None
     if not measurable(client, everyone):
         log("dask's own CPU: not measured (workers in the client's process, or no thread "

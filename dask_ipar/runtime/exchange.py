@@ -10,11 +10,10 @@ plugin's mailbox until a program takes them. Each transfer is logged on its send
 own transfer logs). Client side: :func:`install_exchange` registers the plugin and
 :func:`abort_programs` stops the programs of a model.
 
-Transport: messages up to :data:`DIRECT_MAX_BYTES` travel over direct TCP links between
-the plugins (:mod:`dask_ipar.runtime.wire`: no event loop between a program and the socket)
-where the workers' addresses are plain ``tcp://``; larger ones, and all with TLS, in-process
-or UCX addresses, or ``ExchangePlugin(transport="dask")``, through dask's comms (the
-``ipar_put`` handlers).
+Transport: messages travel over direct TCP links between the plugins
+(:mod:`dask_ipar.runtime.wire`: no event loop between a program and the socket) where the
+workers' addresses are plain ``tcp://``; all with TLS, in-process or UCX addresses, or
+``ExchangePlugin(transport="dask")``, through dask's comms (the ``ipar_put`` handlers).
 """
 
 from __future__ import annotations
@@ -51,13 +50,17 @@ KEEP_STEPS = 32
 #: How blocks travel: ``socket`` (direct TCP links where the addresses allow, else dask's
 #: comms) or ``dask`` (dask's comms always).
 TRANSPORTS = ("socket", "dask")
-#: Messages up to this many bytes take the direct links, larger ones dask's comms: the
-#: direct links win where latency counts (small blocks in sequence: a 4-byte hop 5x
-#: shorter); for large blocks the two measured alike within the machine's noise (a CNN step
-#: on an emulated 4-host 1 Gbit/s cluster: 1x4 1.80-2.00 s either way, 4x1 0.82-0.86 s
-#: direct, 0.91-0.95 s dask's comms; ``benchmarks/ab_transport.py``), so the long-tested
-#: path keeps them. Per worker: ``ExchangePlugin.direct_bytes`` (``inf``: all messages).
-DIRECT_MAX_BYTES = 1 << 16
+#: Messages up to this many bytes take the direct links, larger ones dask's comms: all of
+#: them (since session 42; 64 KiB before). The direct links win where latency counts (a
+#: 4-byte hop 5x shorter) and, on workers sharing cores, for larger blocks too: each
+#: message over dask's comms costs each end about 0.3 ms more CPU (two event loops on its
+#: way), and a step sends hundreds. ``benchmarks/ab_transport.py``, interleaved rounds,
+#: all messages direct against 64 KiB and up over dask's comms: 8 emulated hosts at 10
+#: Gbit/s, 8x1 steps of the CNN 0.412-0.459 s against 0.460-0.555, the compute-bound MLP
+#: 1.637-1.655 against 1.701-1.744, the weight-dominated 0.703-0.722 against 0.711-0.779; 4
+#: hosts at 1 Gbit/s, the weight-dominated MLP's pure batch 1x4 (blocks of 64 MiB) 7.81-7.84
+#: against 8.36-8.99 s. Per worker: ``ExchangePlugin.direct_bytes``.
+DIRECT_MAX_BYTES = float("inf")
 
 
 # ------------------------------------------------------------------ worker side

@@ -251,16 +251,18 @@ def busy_exchange(client, workers, nbytes: int) -> float:
 
 
 def message_cpu(client, workers, per_byte: float, repeats: int = 3) -> tuple[float, float]:
-    """``(CPU seconds per message end over the direct links, over dask's comms)``: the
+    """``(CPU seconds per message end of a small message, of a large one)``: the
     transports' fixed work per message beyond ``per_byte``, from all-to-all exchanges
-    (:func:`_exchange`) of 4-byte blocks (every message small: the block and the exchange's
-    barrier message per pair) and of 256 KiB blocks (over dask's comms, beside one small
-    barrier message per pair); medians of ``repeats`` after one of each."""
-    from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
+    (:func:`_exchange`) of 4-byte blocks (every message small, written by the sending
+    program itself over the direct links: the block and the exchange's barrier message per
+    pair) and of 256 KiB blocks (each handed to the link's own thread, or to dask's comms
+    where the workers have no direct links, beside one small barrier message per pair);
+    medians of ``repeats`` after one of each."""
+    from dask_ipar.runtime.wire import DIRECT_BYTES
 
     workers = list(workers)
     ends = 2 * len(workers) * (len(workers) - 1)  # messages of one kind, both ends counted
-    big = max(4 * DIRECT_MAX_BYTES, 1 << 18)
+    big = max(4 * DIRECT_BYTES, 1 << 18)
     out = []
     for nbytes in (4, big):
         _exchange(client, workers, nbytes)  # warm: the first exchange of a size costs more

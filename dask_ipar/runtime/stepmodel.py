@@ -28,7 +28,7 @@ from dask_ipar.cost import simulate_programs, simulate_step
 from dask_ipar.errors import IparError
 from dask_ipar.layout.partition import split_bounds
 from dask_ipar.nn.graph import StepGraph, sim_tasks
-from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
+from dask_ipar.runtime.wire import DIRECT_BYTES
 from dask_ipar.runtime.placement import placement_blocks
 
 __all__ = ["predict_step_s", "step_tasks", "sim_step_graph", "simulate_engine", "priced",
@@ -175,8 +175,8 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         busy_link = min(link, machine.busy_exchange_Bps) if machine.busy_exchange_Bps else None
         direct_msg, comms_msg = machine.direct_message_cpu_s, machine.message_cpu_s
 
-        def message_cpu(nbytes):  # each end's fixed work: the transport a block takes
-            return (direct_msg if nbytes <= DIRECT_MAX_BYTES else comms_msg) or 0.0
+        def message_cpu(nbytes):  # each end's fixed work: written by the program or not
+            return (direct_msg if nbytes <= DIRECT_BYTES else comms_msg) or 0.0
 
         # the element-wise rate by the size of a kernel's arrays, where measured at two
         mem_s_per_B = (functools.partial(machine.elementwise_s_per_B,

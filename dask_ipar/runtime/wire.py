@@ -16,7 +16,7 @@ buffers out of band). The receiver does not answer: the program that waits for t
 is the acknowledgement.
 
 Which messages: those up to :data:`~dask_ipar.runtime.exchange.DIRECT_MAX_BYTES` (the
-exchange decides), on plain TCP addresses only: with TLS (a cluster's security settings),
+exchange decides: all of them by default), on plain TCP addresses only: with TLS (a cluster's security settings),
 in-process or UCX addresses, :class:`~dask_ipar.runtime.exchange.ExchangePlugin` keeps
 dask's comms.
 """
