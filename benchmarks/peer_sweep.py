@@ -94,6 +94,8 @@ def render(res: dict) -> str:
           + ((f"their direct TCP links up to {link['direct_max_bytes'] // 1024} KiB a message "
               + ("(read by the waiting program itself)" if _program_reads(run) else
                  "(read by a thread of the receiver)") + ", dask's comms above."
+              if link.get("direct_max_bytes") is not None else
+              "their direct TCP links, every message (read by the waiting program itself)."
               if "direct_max_bytes" in link else
               "their direct TCP links, all of them (the first version of the links).")
              if direct else "dask's comms (before the direct links; hop: half an rpc round "
