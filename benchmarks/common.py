@@ -664,6 +664,12 @@ def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 
     return out
 
 
+def write_json(path: str, res: dict) -> None:
+    """A benchmark's raw numbers to ``path`` (indented JSON)."""
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def write_section(path: str, name: str, body: str) -> None:
     """Put ``body`` (which starts with ``<!-- NAME:begin -->`` and ends with
     ``<!-- NAME:end -->``) into the markdown file ``path``: in place of the old section of

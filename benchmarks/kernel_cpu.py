@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -249,8 +248,7 @@ def main(argv=None):
     finally:
         client.close()
         cluster.close()
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    C.write_json(path, res)
     print(render(res))
 
 
