@@ -60,3 +60,13 @@ def test_unknown_device_is_a_clear_error():
 
     with pytest.raises(IparError, match=r"device must be 'cpu' or 'cuda', got 'tpu'"):
         Sequential([Dense(4)], input_dim=3, device="tpu")
+
+
+def test_batch_parallel_conv_front_on_strict_blocks(client, strict_device):
+    """Convs that split the batch: the first dense layer's input gradient goes back by
+    samples (one product per cell, cut per owner), on strict blocks too."""
+    from dask_ipar import Conv2d
+    from dask_ipar.testing import check_layer
+
+    check_layer(client, Conv2d(3, 3, parallel="batch"), (2, 4, 4), grids=["2x2"],
+                device=strict_device)

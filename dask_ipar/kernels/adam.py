@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 
-
 from dask_ipar.kernels.blocks import ufuncs_of, xp_of
 from dask_ipar.kernels.dense import _writable, block_reduce, dw_reduce, fused_dw_rows
 from dask_ipar.kernels.threads import by_rows

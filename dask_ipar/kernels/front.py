@@ -30,7 +30,7 @@ def dx_samples(wrow, dz, chw):
 
 def sample_rows(images, s0, s1):
     """Samples ``s0:s1`` of :func:`dx_samples`' images, contiguous: a piece to send."""
-    return xp_of(images).asarray(images[s0:s1], copy=True)
+    return xp_of(images).asarray(images[s0:s1, ...], copy=True)
 
 
 def _plus_pieces(own, remote):
@@ -43,7 +43,7 @@ def _plus_pieces(own, remote):
 def dz_samples_from_pieces(images, s0, s1, *remote):
     """The owner's input-gradient images: its own samples ``s0:s1`` of :func:`dx_samples`
     plus those of the other grid rows."""
-    return _plus_pieces(images[s0:s1], remote)
+    return _plus_pieces(images[s0:s1, ...], remote)
 
 
 def flatten_gather(axis, *blocks):

@@ -64,6 +64,7 @@ TASK_SPAN = {
     "act_own": "forward",  # a forward task's product over its own input rows
     "xgather": "fwd_gather",
     "dxp": "dx_reduce",
+    "dxs": "dx_reduce",  # the product a cell's input-gradient pieces by samples are cut from
     "dz": "backward",
     "dwp": "dw_reduce",
     "v": "update",
