@@ -286,7 +286,8 @@ def _fit(model, X, y, **kw):
 
 
 @pytest.mark.parametrize("grid,seed,opt", [("2x2", 1, "sgd"), ("4x1", 2, "sgd"),
-                                           ("1x4", 3, "sgd"), ("2x2", 4, "adamw")])
+                                           ("1x4", 3, "sgd"), ("2x2", 4, "adamw"),
+                                           ("4x1", 5, "adamw")])
 def test_killed_worker_is_rebuilt_from_replicas_exactly(client4, data, grid, seed, opt):
     """No checkpoint: a grid worker SIGKILLed at a random step is rebuilt from its buddy's
     replica on the worker its nanny restarts, and the run ends bit-equal (float64); the

@@ -278,8 +278,7 @@ def _dx_samples(wrow, dz, chw):
 
 
 def _sample_rows(images, s0, s1):
-    out = (s1 - s0, *images[1:])
-    return out, 0.0, 2 * numel(out)
+    return (s1 - s0, *images[1:]), 0.0, 0.0  # a view
 
 
 def _dz_samples_from_pieces(images, s0, s1, *remote):

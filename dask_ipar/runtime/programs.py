@@ -351,8 +351,8 @@ def _run(prog, *values):
                 spent[label] = spent.get(label, 0.0) + took
                 quick[task] = took < QUICK_S
             if counts is not None:
-                _count_cpu(counts, task.rsplit(".", 1)[-1], getattr(node, "func", None)
-                           and node.func.__name__, c0)
+                _count_cpu(counts, task.rsplit(".", 1)[-1],
+                           getattr(getattr(node, "func", None), "__name__", None), c0)
             if rec is not None:
                 trace.append([key[0], "compute", t0, time.time()])
                 rec.add(N(key[0]), "compute", t0, trace[-1][3])
