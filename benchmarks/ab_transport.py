@@ -1,12 +1,14 @@
 """A/B of the worker programs' transports on one emulated cluster, interleaved.
 
     sudo python benchmarks/ab_transport.py [--workers 4] [--rate 1gbit] [--models cnn,weight]
-        [--grid 4x1] [--rounds 2] [--steps 3] [--limits default,inf,0]
+        [--grid 4x1] [--rounds 2] [--steps 3] [--limits default,inf,0] [--data client]
 
 The same model and grid timed with the programs' messages up to each of ``--limits`` bytes
 over their direct links (default: up to ``DIRECT_MAX_BYTES``, all of them, and none, i.e.
-dask's comms; set on every worker between the runs), alternating ``--rounds`` times, so
-that the machine's drift shows in all alike. A CNN's convs are batch-parallel.
+dask's comms; set on every worker between the runs), and with the batches from each of
+``--data`` (``common.DATA_PATHS``: a ``.npy`` file the workers read, or the client's memory,
+sent every step), alternating ``--rounds`` times, so that the machine's drift shows in all
+alike. A CNN's convs are batch-parallel.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def main(argv=None):
                     help="the direct links' message limits to compare, in bytes: a comma list "
                          "of numbers, 'default' (DIRECT_MAX_BYTES), 'inf' (all messages), 0 "
                          "(none: dask's comms)")
+    ap.add_argument("--data", default="client",
+                    help="where the batches come from, a comma list of: file (a .npy file "
+                         "each worker reads), client (NumPy batches sent from the client)")
     a = ap.parse_args(argv)
     from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
 
@@ -61,6 +66,10 @@ def main(argv=None):
     from distributed import Client
 
     import common as C
+
+    paths = [d.strip() for d in a.data.split(",") if d.strip()]
+    if not paths or any(d not in C.DATA_PATHS for d in paths):
+        ap.error(f"--data {a.data}: expected a comma list of {', '.join(C.DATA_PATHS)}")
     import netcluster as N
     from dask_ipar.nn.layers import Conv2d
     from dask_ipar.runtime.exchange import install_exchange
@@ -78,14 +87,16 @@ def main(argv=None):
                 layers = [dataclasses.replace(lay, parallel="batch")
                           if isinstance(lay, Conv2d) else lay
                           for lay in cfg.layers()] if key == "cnn" else None
-                modes = {_mode_name(x, DIRECT_MAX_BYTES): x for x in limits}
+                modes = {_mode_name(x, DIRECT_MAX_BYTES)
+                         + ("" if len(paths) == 1 else f", batches from the {d}"): (x, d)
+                         for x in limits for d in paths}
                 got = {name: [] for name in modes}
                 for _ in range(a.rounds):
-                    for name, limit in modes.items():
+                    for name, (limit, data) in modes.items():
                         client.run(_switch, limit)
                         r = C.time_dask_grid(client, cfg, grid, a.steps, warmup=1,
                                              executor="programs", profile=False,
-                                             layers=layers)
+                                             layers=layers, data=data)
                         got[name].append(r["step_s"])
                         print(f"{cfg.label} {grid} {name}: {r['step_s']:.3f} s", flush=True)
                 print(f"{cfg.label} {grid}: " + ", ".join(

@@ -7,6 +7,7 @@ Only the engine's public API is used (``Sequential``, ``Dense``, ``SGD``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -153,6 +154,42 @@ def make_data(cfg: MLPConfig, n_batches: int = 2, seed: int = 0):
     X = rng.standard_normal((cfg.batch * n_batches, cfg.widths[0]), dtype=np.float32)
     y = rng.integers(0, cfg.widths[-1], cfg.batch * n_batches)
     return X, y
+
+
+#: Where dask-ipar's training batches come from in the timed steps (``--data``): ``file``,
+#: a ``.npy`` file each worker reads its own blocks of (the cells' reads of data that
+#: lives outside the client, :mod:`dask_ipar.io.lazy`; on the emulated clusters the hosts
+#: share this machine's file system, as the nodes of a cluster share its file system),
+#: as the PyTorch peers hold their batch on each rank; ``client``, NumPy batches in the
+#: client's memory, sent to the workers every step (8x1 with the compute-bound MLP: the
+#: whole 16 MiB batch to each of the 8 workers).
+DATA_PATHS = ("file", "client")
+
+
+@contextlib.contextmanager
+def step_batches(cfg, model, data: str = "client", n_batches: int = 2):
+    """``cfg``'s ``n_batches`` training batches for ``model``, as ``[(Xb, yb), ...]``, from
+    where ``data`` (one of :data:`DATA_PATHS`) says; a ``file``'s directory is removed on
+    exit."""
+    import tempfile
+
+    from dask_ipar.io.data import as_inputs, as_labels
+
+    if data not in DATA_PATHS:
+        raise ValueError(f"data={data!r}: expected one of {', '.join(DATA_PATHS)}")
+    X, y = cfg.data(n_batches)
+    B = cfg.batch
+    if data == "client":
+        yield [(X[k * B:(k + 1) * B], y[k * B:(k + 1) * B]) for k in range(n_batches)]
+        return
+    with tempfile.TemporaryDirectory(prefix="dask-ipar-bench-") as tmp:
+        np.save(os.path.join(tmp, "X.npy"), X)
+        np.save(os.path.join(tmp, "y.npy"), y)
+        Xf = as_inputs(np.load(os.path.join(tmp, "X.npy"), mmap_mode="r"), model.input_dim,
+                       model.input_shape, np.float32)
+        yf = as_labels(np.load(os.path.join(tmp, "y.npy"), mmap_mode="r"), len(y),
+                       cfg.widths[-1])
+        yield [(Xf[k * B:(k + 1) * B], yf[k * B:(k + 1) * B]) for k in range(n_batches)]
 
 
 def sweep_parser(doc: str, default_runs: str):
@@ -595,21 +632,29 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
 # -------------------------------------------------------------- timed dask steps
 def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 1,
                    memory: bool = False, pids=None, profile: bool = True,
-                   executor: str = "graph", layers=None, more: bool = True) -> dict:
+                   executor: str = "graph", layers=None, more: bool = True,
+                   data: str = "client") -> dict:
     """Median step time of dask-ipar on ``grid`` (train_step + gather), with the
     per-step overhead profile and (optionally) peak RSS per worker. ``executor``:
     ``Sequential.executor`` of the steps; ``layers``: the model's layers (a CNN's with the
     planner's conv schemes), else ``cfg``'s; ``more``: every step but the last says
-    another follows (``train_step(more=True)``, as ``fit`` within an epoch)."""
+    another follows (``train_step(more=True)``, as ``fit`` within an epoch); ``data``:
+    where the batches come from (:data:`DATA_PATHS`)."""
+    model = cfg.build_model(layers)
+    with step_batches(cfg, model, data) as batches:
+        out = _time_steps(client, cfg, model, batches, grid, steps, warmup, memory, profile,
+                          executor, more)
+    out["data"] = data
+    return out
+
+
+def _time_steps(client, cfg, model, batches, grid, steps, warmup, memory, profile, executor,
+                more) -> dict:
     from distributed import wait
 
     from dask_ipar import SGD
 
     opt = SGD(lr=0.01, momentum=0.9)
-    model = cfg.build_model(layers)
-    X, y = cfg.data(2)
-    batches = [(X[k * cfg.batch:(k + 1) * cfg.batch], y[k * cfg.batch:(k + 1) * cfg.batch])
-               for k in range(2)]
     out = {"grid": grid, "executor": executor, "load1": os.getloadavg()[0]}
     try:
         model.distribute(client, grid)

@@ -112,18 +112,24 @@ def model_costs(cfg, grid: str, layers, machine) -> dict:
     return dict(out)
 
 
-def measure(client, cfg, grid: str, layers, steps: int, pids: dict, names: dict) -> dict:
-    """One grid: the step time, the CPU by role and by kernel, per step."""
-    from distributed import wait
-
+def measure(client, cfg, grid: str, layers, steps: int, pids: dict, names: dict,
+            data: str = "client") -> dict:
+    """One grid: the step time, the CPU by role and by kernel, per step (``data``: where
+    the batches come from, ``common.DATA_PATHS``)."""
+    import common as C
     from dask_ipar import SGD
-    from dask_ipar.runtime.programs import kernel_cpu
 
     opt = SGD(lr=0.01, momentum=0.9)
     model = cfg.build_model(layers)
-    X, y = cfg.data(2)
-    batches = [(X[k * cfg.batch:(k + 1) * cfg.batch], y[k * cfg.batch:(k + 1) * cfg.batch])
-               for k in range(2)]
+    with C.step_batches(cfg, model, data) as batches:
+        return _measure(client, model, opt, batches, grid, steps, pids, names)
+
+
+def _measure(client, model, opt, batches, grid, steps, pids, names) -> dict:
+    from distributed import wait
+
+    from dask_ipar.runtime.programs import kernel_cpu
+
     model.distribute(client, grid)
     model.executor = "programs"
     try:
@@ -164,7 +170,8 @@ def measure(client, cfg, grid: str, layers, steps: int, pids: dict, names: dict)
 def render(res: dict) -> str:
     lines = [f"`python benchmarks/kernel_cpu.py --model {res['model']} --workers "
              f"{res['workers']} --grids {','.join(r['grid'] for r in res['grids'])} --steps "
-             f"{res['steps']}` on {res['when']} ({res['cores']} cores; raw numbers in "
+             f"{res['steps']}" + (f" --data {res['data']}" if res.get("data", "client") !=
+                                  "client" else "") + f"` on {res['when']} ({res['cores']} cores; raw numbers in "
              f"`{res['json']}`), per step:", ""]
     for r in res["grids"]:
         lines += [f"**{r['grid']}**: step {r['step_s']:.3f} s measured, {r['model_step_s']:.3f} s "
@@ -212,6 +219,9 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--grids", default="8x1,4x2", help="grids, comma-separated")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--data", default="client", choices=["client", "file"],
+                   help="where the batches come from: the client's memory (sent every "
+                        "step) or a .npy file each worker reads")
     p.add_argument("--json", default=None, help="where to write the raw numbers (default: "
                    "benchmarks/results/kernel-cpu-<time>.json)")
     a = p.parse_args(argv)
@@ -223,7 +233,7 @@ def main(argv=None):
     path = a.json or os.path.join(HERE, "results",
                                   f"kernel-cpu-{time.strftime('%Y%m%dT%H%M%S')}.json")
     res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cores": cores, "model": a.model,
-           "workers": a.workers, "steps": a.steps, "grids": [],
+           "workers": a.workers, "steps": a.steps, "data": a.data, "grids": [],
            "json": path if a.json else f"benchmarks/results/{os.path.basename(path)}"}
     cluster, client, _ = C.local_cluster(a.workers, cores)
     try:
@@ -241,7 +251,7 @@ def main(argv=None):
         for g in grids:
             c = ranked[g]
             print(f"{cfg.label} {g} ...", file=sys.stderr, flush=True)
-            r = measure(client, cfg, g, c.layers, a.steps, pids, names)
+            r = measure(client, cfg, g, c.layers, a.steps, pids, names, a.data)
             r["model_step_s"] = c.seconds
             r["model_kernel_s"] = model_costs(cfg, g, c.layers, machine)
             res["grids"].append(r)

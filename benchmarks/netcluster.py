@@ -386,7 +386,8 @@ def step_machine(client, link, log=True):
 
 
 def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, only=None,
-                  executor="graph", peers=(), configs=None, pairs=0, passes=1):
+                  executor="graph", peers=(), configs=None, pairs=0, passes=1,
+                  data="client"):
     """Time dask-ipar on every grid of the emulated cluster, and with ``peers`` (modes of
     peers.py) the PyTorch peers on the same links, side by side in one run: per MLP, DDP
     first, dask-ipar's grids, FSDP and tensor + data parallel, DDP again (so drift shows).
@@ -396,7 +397,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     they are close). ``passes``: the grids timed that many times, every pass after the
     first in the other order, after the peers and before DDP's second run; a grid's step is the
     median over its passes' two-step windows (:func:`common.pipelined_step`), each pass's
-    own in ``passes_s`` (their spread: the run's drift and noise)."""
+    own in ``passes_s`` (their spread: the run's drift and noise). ``data``: where
+    dask-ipar's batches come from (``common.DATA_PATHS``)."""
     import numpy as np  # noqa: F401
     import warnings
     from distributed import Client
@@ -411,7 +413,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     out = {"workers": n_workers, "rate": rate, "client_rate": client_rate, "threads": threads,
            "steps": steps, "quick": quick, "grids": {}, "targets": [], "executor": executor,
            "peers": list(peers), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "dask_config": _dask_config()}
+           "dask_config": _dask_config(), "data": data}
     handle: list = []
     with emulated_cluster(n_workers, rate, client_rate=client_rate, threads=threads,
                           peers=n_workers if peers else 0, handle=handle) as addr:
@@ -470,7 +472,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                     for g in order:
                         print(f"{cfg.label} {g} ...", flush=True)
                         r = C.time_dask_grid(client, cfg, g, steps, warmup=1, profile=False,
-                                             executor=executor, layers=schemes.get(g))
+                                             executor=executor, layers=schemes.get(g),
+                                             data=data)
                         by[g]["passes_s"].append(r["step_s"])
                         by[g]["steps_s"].append(r["steps_s"])
                         print(f"   {r['step_s']:.3f} s (predicted {by[g]['pred_step_s']:.3f} "
@@ -522,7 +525,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                             print(f"{cfg.label} pair: {best} and {best_peer} ...", flush=True)
                             ours.append(C.time_dask_grid(
                                 client, cfg, best, steps, warmup=1, profile=False,
-                                executor=executor, layers=schemes.get(best))["step_s"])
+                                executor=executor, layers=schemes.get(best),
+                                data=data)["step_s"])
                             got[best_peer].append(_peer(cl, mode, mesh, cfg, steps, threads))
                         entry["pairs"] = {"rounds": pairs, "dask_s": ours,
                                           "peer_s": [r["step_s"] for r in got[best_peer]]}

@@ -99,7 +99,12 @@ def render(res: dict) -> str:
               if "direct_max_bytes" in link else
               "their direct TCP links, all of them (the first version of the links).")
              if direct else "dask's comms (before the direct links; hop: half an rpc round "
-             "trip on the event loop, not thread to thread)."))
+             "trip on the event loop, not thread to thread).")
+          + {"file": " dask-ipar's batches: a `.npy` file on the machine's file system, each "
+                     "worker reading its own blocks every step (as the peers hold theirs on "
+                     "each rank).",
+             "client": " dask-ipar's batches: NumPy arrays in the client's memory, sent to "
+                       "the workers every step."}.get(run.get("data"), ""))
         w("")
         w(f"Link check: dask 64 MiB in {link['t_64MiB_s']:.3f} s "
           f"({link['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s), gloo "
@@ -184,6 +189,10 @@ def main(argv=None):
     # the two windows, the median their mean (session 40: 2x4 2.3 s, 2.9 s with 5 steps)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--peers", default="ddp,fsdp,tp")
+    ap.add_argument("--data", default="file", choices=["file", "client"],
+                    help="where dask-ipar's batches come from: a .npy file each worker reads "
+                         "(default; the peers hold their batch on each rank), or the "
+                         "client's memory, sent every step (sweeps before 2026-12-06)")
     ap.add_argument("--only", default=None,
                     help="comma list of models: compute,weight (the MLPs), cnn")
     ap.add_argument("--quick", action="store_true", help="the small MLPs")
@@ -241,7 +250,7 @@ def main(argv=None):
             threads = max(1, (os.cpu_count() or 1) // p)
             out = N.run_benchmark(p, rate, a.quick, a.steps, None, threads, None, "programs",
                                   [m for m in a.peers.split(",") if m], configs=models,
-                                  pairs=a.pairs, passes=a.passes)
+                                  pairs=a.pairs, passes=a.passes, data=a.data)
             res["results"].append(out)
             with open(path, "w") as fh:  # after every run: a killed sweep keeps what it has
                 json.dump(res, fh, indent=1, default=str)
