@@ -2,13 +2,15 @@
 
     sudo python benchmarks/ab_transport.py [--workers 4] [--rate 1gbit] [--models cnn,weight]
         [--grid 4x1] [--rounds 2] [--steps 3] [--limits default,inf,0] [--data client]
+        [--linger default]
 
 The same model and grid timed with the programs' messages up to each of ``--limits`` bytes
 over their direct links (default: up to ``DIRECT_MAX_BYTES``, all of them, and none, i.e.
 dask's comms; set on every worker between the runs), and with the batches from each of
 ``--data`` (``common.DATA_PATHS``: a ``.npy`` file the workers read, or the client's memory,
-sent every step), alternating ``--rounds`` times, so that the machine's drift shows in all
-alike. A CNN's convs are batch-parallel.
+sent every step), and with each of ``--linger`` (seconds the links' background reader waits
+after a program stopped reading them, ``wire.LINGER_S``), alternating ``--rounds`` times, so
+that the machine's drift shows in all alike. A CNN's convs are batch-parallel.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ def _switch(limit, dask_worker=None):
 
     plugin = dask_worker.plugins[PLUGIN_NAME]
     plugin.direct_bytes = float("inf") if limit is None else limit
+
+
+def _linger(seconds, dask_worker=None):
+    """The links' background reader waits ``seconds`` after a program's wait."""
+    from dask_ipar.runtime import wire
+
+    wire.LINGER_S = seconds
 
 
 def _mode_name(limit, default) -> str:
@@ -55,8 +64,17 @@ def main(argv=None):
     ap.add_argument("--data", default="client",
                     help="where the batches come from, a comma list of: file (a .npy file "
                          "each worker reads), client (NumPy batches sent from the client)")
+    ap.add_argument("--linger", default="default",
+                    help="the links' background reader's wait after a program's, in seconds: "
+                         "a comma list of numbers or 'default' (wire.LINGER_S)")
     a = ap.parse_args(argv)
     from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
+    from dask_ipar.runtime.wire import LINGER_S
+
+    try:
+        lingers = [LINGER_S if x == "default" else float(x) for x in a.linger.split(",")]
+    except ValueError:
+        ap.error(f"--linger {a.linger}: give seconds or 'default'")
 
     try:
         limits = [DIRECT_MAX_BYTES if x == "default" else None if x == "inf" else int(x)
@@ -88,12 +106,14 @@ def main(argv=None):
                           if isinstance(lay, Conv2d) else lay
                           for lay in cfg.layers()] if key == "cnn" else None
                 modes = {_mode_name(x, DIRECT_MAX_BYTES)
-                         + ("" if len(paths) == 1 else f", batches from the {d}"): (x, d)
-                         for x in limits for d in paths}
+                         + ("" if len(paths) == 1 else f", batches from the {d}")
+                         + ("" if len(lingers) == 1 else f", reader lingers {g * 1e3:g} ms"):
+                         (x, d, g) for x in limits for d in paths for g in lingers}
                 got = {name: [] for name in modes}
                 for _ in range(a.rounds):
-                    for name, (limit, data) in modes.items():
+                    for name, (limit, data, linger) in modes.items():
                         client.run(_switch, limit)
+                        client.run(_linger, linger)
                         r = C.time_dask_grid(client, cfg, grid, a.steps, warmup=1,
                                              executor="programs", profile=False,
                                              layers=layers, data=data)
@@ -102,6 +122,7 @@ def main(argv=None):
                 print(f"{cfg.label} {grid}: " + ", ".join(
                     f"{n} {min(v):.3f}-{max(v):.3f} s" for n, v in got.items()), flush=True)
             client.run(_switch, DIRECT_MAX_BYTES)
+            client.run(_linger, LINGER_S)
     print("namespaces left:", N.list_namespaces())
     return 0
 
