@@ -170,8 +170,9 @@ def _measure(client, model, opt, batches, grid, steps, pids, names) -> dict:
 def render(res: dict) -> str:
     lines = [f"`python benchmarks/kernel_cpu.py --model {res['model']} --workers "
              f"{res['workers']} --grids {','.join(r['grid'] for r in res['grids'])} --steps "
-             f"{res['steps']}" + (f" --data {res['data']}" if res.get("data", "client") !=
-                                  "client" else "") + f"` on {res['when']} ({res['cores']} cores; raw numbers in "
+             f"{res['steps']}"
+             + (f" --data {res['data']}" if res.get("data", "client") != "client" else "")
+             + f"` on {res['when']} ({res['cores']} cores; raw numbers in "
              f"`{res['json']}`), per step:", ""]
     for r in res["grids"]:
         lines += [f"**{r['grid']}**: step {r['step_s']:.3f} s measured, {r['model_step_s']:.3f} s "
