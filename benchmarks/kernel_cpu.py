@@ -220,7 +220,7 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--grids", default="8x1,4x2", help="grids, comma-separated")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--data", default="client", choices=["client", "file"],
+    p.add_argument("--data", default="client", choices=C.DATA_PATHS,
                    help="where the batches come from: the client's memory (sent every "
                         "step) or a .npy file each worker reads")
     p.add_argument("--json", default=None, help="where to write the raw numbers (default: "

@@ -203,7 +203,7 @@ def main(argv=None):
     # the two windows, the median their mean (session 40: 2x4 2.3 s, 2.9 s with 5 steps)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--peers", default="ddp,fsdp,tp")
-    ap.add_argument("--data", default="file", choices=["file", "client"],
+    ap.add_argument("--data", default="file", choices=C.DATA_PATHS,
                     help="where dask-ipar's batches come from: a .npy file each worker reads "
                          "(default; the peers hold their batch on each rank), or the "
                          "client's memory, sent every step (sweeps before 2026-12-06)")
