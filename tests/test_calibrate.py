@@ -5,14 +5,13 @@ from __future__ import annotations
 import math
 import os
 
-from dask_ipar.runtime.calibrate import calibrate
+from dask_ipar.runtime.calibrate import QUICK, calibrate
 from dask_ipar.cost import load_machine, save_machine
 
 
 def test_calibrate_measures_every_figure(client, tmp_path):
     lines = []
-    m = calibrate(client, sizes_mib=(1, 2), hops=8, tasks=40, block_mib=2,
-                  mix_repeats=1, log=lines.append)
+    m = calibrate(client, effort=QUICK, block_mib=2, log=lines.append)
     for name in ("alpha_s", "bandwidth_Bps", "flops_per_s", "cluster_flops_per_s", "task_s",
                  "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
                  "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
@@ -37,10 +36,8 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert 1e-5 < m.step_cpu_s < 1.0, m.step_cpu_s
     assert any("per task" in line for line in lines)
     assert any("at rest" in line for line in lines)
-    from dask_ipar.runtime.calibrate import CLUSTER_ROUNDS
-
     (rounds,) = [line for line in lines if "workers at once)" in line and "GFLOP/s" in line]
-    assert f"fastest of {CLUSTER_ROUNDS} rounds" in rounds, rounds
+    assert f"fastest of {QUICK.cluster_rounds} rounds" in rounds, rounds
     # a thin product's rate beside the square one's: what its edge costs (flop-equivalents
     # per element; 0 where the thin one ran as fast)
     assert 0 <= m.gemm_edge_flops < 600, m.gemm_edge_flops

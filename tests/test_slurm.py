@@ -242,7 +242,7 @@ def test_verify_and_calibrate_run_on_the_configured_batch_system(slurm):
     assert "submitting 2 slurm job(s)" in proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("PASS in"), proc.stdout
     # calibrate reads cluster.kind from ./dask-ipar.yaml
-    proc = _cli(slurm, "calibrate", "-o", "machine.yaml", "--json")
+    proc = _cli(slurm, "calibrate", "-o", "machine.yaml", "--json", "--quick")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "submitting 2 slurm job(s)" in proc.stderr
     machine = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -35,11 +35,15 @@ def _add_calibrate(sub):
     add_cluster_flags(p, "the calibration")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--json", action="store_true", help="print the machine as JSON on stdout")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer repeats and smaller blocks, about 0.6 of the time: noisier "
+                   "figures, to check that a cluster works end to end (plan large runs on a "
+                   "full calibration)")
     p.set_defaults(func=run_calibrate)
 
 
 def run_calibrate(args) -> int:
-    from dask_ipar.runtime.calibrate import calibrate
+    from dask_ipar.runtime.calibrate import FULL, QUICK, calibrate
     from dask_ipar.cost import save_machine
 
     if args.workers < 2:
@@ -48,7 +52,8 @@ def run_calibrate(args) -> int:
     t0 = time.perf_counter()
     with command_cluster(args, args.workers,
                          threads_per_worker=args.threads_per_worker) as client:
-        machine = calibrate(client, dtype=args.dtype, log=lambda m: _eprint(f"dask-ipar: {m}"))
+        machine = calibrate(client, dtype=args.dtype, effort=QUICK if args.quick else FULL,
+                            log=lambda m: _eprint(f"dask-ipar: {m}"))
     save_machine(machine, args.output)
     _eprint(f"dask-ipar: wrote {args.output} in {time.perf_counter() - t0:.1f} s")
     if args.json:

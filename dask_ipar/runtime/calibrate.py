@@ -77,6 +77,7 @@ file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 from dask._task_spec import TaskRef
@@ -97,18 +98,52 @@ from dask_ipar.runtime.linkprobe import (
     rest_cores,
     transfer_cpu,
 )
-from dask_ipar.runtime.stepprobe import background_cores, measurable, step_cpu
+from dask_ipar.runtime.stepprobe import PROBE_STEPS, background_cores, measurable, step_cpu
 
-__all__ = ["calibrate", "program_hop", "edge_flops", "CLUSTER_REPEATS", "CLUSTER_ROUNDS",
-           "THIN"]
+__all__ = ["calibrate", "program_hop", "edge_flops", "Effort", "FULL", "QUICK",
+           "CLUSTER_REPEATS", "CLUSTER_ROUNDS", "THIN"]
 
-#: Matmuls (1024-cubed) per worker in one round of the all-workers matmul rate
-#: (``cluster_flops_per_s``), and its rounds (the fastest taken).
+#: :data:`FULL`'s matmuls (1024-cubed) per worker in one round of the all-workers matmul
+#: rate (``cluster_flops_per_s``), and its rounds (the fastest taken).
 CLUSTER_REPEATS = 32
 CLUSTER_ROUNDS = 3
 #: The thin product ``(m, k, n)`` whose all-workers rate beside the square one's gives
 #: ``gemm_edge_flops``.
 THIN = (2048, 2048, 128)
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How much a calibration measures: its sizes and its repeats (each figure the median,
+    or the fastest, of its repeats). :data:`FULL` is what ``dask-ipar calibrate`` runs;
+    :data:`QUICK` (``--quick``) about 0.6 of its time (2 workers on 2 cores: 17 s against
+    29 s), its figures noisier (the matmul
+    rates on 512-cubed products scaled to 1024-cubed by the edge model, the transfers on
+    4 MiB blocks): a check that a cluster works end to end, not a machine file to plan
+    large runs by."""
+
+    sizes_mib: tuple = (4, 16, 64)
+    hops: int = 40
+    matmul_n: int = 1024
+    tasks: int = 300
+    block_mib: int = 16
+    mix_repeats: int = 2
+    mix_runs: int = 3
+    cluster_repeats: int = CLUSTER_REPEATS
+    cluster_rounds: int = CLUSTER_ROUNDS
+    transfer_warmups: int = TRANSFER_WARMUPS
+    transfer_repeats: int = TRANSFER_REPEATS
+    busy_repeats: int = BUSY_REPEATS
+    loaded_repeats: int = LOADED_REPEATS
+    background_s: float = 1.0
+    probe_steps: int = PROBE_STEPS
+
+
+FULL = Effort()
+QUICK = Effort(sizes_mib=(1, 4), hops=10, matmul_n=512, tasks=60, block_mib=4, mix_repeats=1,
+               mix_runs=1, cluster_repeats=32, cluster_rounds=2,
+               transfer_warmups=1, transfer_repeats=2, busy_repeats=1, loaded_repeats=1,
+               background_s=0.3, probe_steps=6)
 
 
 def _tiny(*deps):
@@ -274,10 +309,10 @@ def _hop_time(client, a, b, hops, tag):
     return (time.perf_counter() - t) / hops
 
 
-def _mix_rate(client, worker, flops_per_s, repeats, edge_flops):
+def _mix_rate(client, worker, flops_per_s, repeats, edge_flops, tries=3):
     """The step-time model's element-wise rates (:mod:`dask_ipar.runtime.kernelmix`): the
     kernel mix run on one worker while the others idle, ``repeats`` rounds with its conv
-    block on 4 MiB and one round on 16 MiB, the fastest of three runs of each (as
+    block on 4 MiB and one round on 16 MiB, the fastest of ``tries`` runs of each (as
     ``flops_per_s``; the simulator shares the cores between running tasks with the matmul
     contention factor, flops and bytes alike): ``(small, large)`` of
     :func:`~dask_ipar.runtime.kernelmix.elementwise_rates`."""
@@ -285,7 +320,7 @@ def _mix_rate(client, worker, flops_per_s, repeats, edge_flops):
 
     def fastest(rounds, images):
         runs = [client.submit(kernel_mix, rounds, images=images, workers=[worker], pure=False,
-                              allow_other_workers=False).result() for _ in range(3)]
+                              allow_other_workers=False).result() for _ in range(tries)]
         return min(runs, key=lambda r: r[2])
 
     # solved on the worker: the mix's model terms build its inputs (128 MiB at the large size)
@@ -294,8 +329,8 @@ def _mix_rate(client, worker, flops_per_s, repeats, edge_flops):
                          allow_other_workers=False).result()
 
 
-def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), hops=40,
-              matmul_n=1024, tasks=300, block_mib=16, mix_repeats=2, log=None) -> Machine:
+def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, log=None,
+              **sizes) -> Machine:
     """Measure the alpha-beta machine of ``client``'s cluster (two workers, under a minute).
 
     Parameters
@@ -304,13 +339,19 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
         Two worker addresses to measure between (default: the first two).
     dtype : str
         Dtype of the matmul rate and the word size of the result.
-    mix_repeats : int
-        Rounds of the kernel mix per run for the element-wise rate (one round is about 0.2
-        s of one core; three runs).
+    effort : Effort
+        Sizes and repeats: :data:`FULL` (the default) or :data:`QUICK`.
+    **sizes
+        Fields of :class:`Effort` that replace ``effort``'s (e.g. ``block_mib=2``;
+        ``mix_repeats`` is the kernel mix's rounds per run for the element-wise rate, one
+        round about 0.2 s of one core, three runs).
     """
     from dask_ipar.runtime.release import install_release
     from dask_ipar.runtime.workers import scheduler_workers
 
+    e = replace(effort, **sizes)
+    sizes_mib, hops, matmul_n, tasks, block_mib = (e.sizes_mib, e.hops, e.matmul_n, e.tasks,
+                                                   e.block_mib)
     workers = list(workers or sorted(scheduler_workers(client)))
     if len(workers) < 2:
         from dask_ipar.errors import IparError
@@ -360,14 +401,14 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     # read 230-270 GFLOP/s, with 48 257-275 (and the best of two 220 once in a sweep, which
     # predicted its 2-host steps 1.33x long)
     rounds = [_cluster_rate(client, everyone, f"{tag}{r}", _matmul_work, matmul_n, dtype,
-                            CLUSTER_REPEATS) for r in range(CLUSTER_ROUNDS)]
+                            e.cluster_repeats) for r in range(e.cluster_rounds)]
     cluster = max(rounds)
     log(f"compute (all {len(everyone)} workers at once): {cluster / 1e9:.1f} GFLOP/s, the "
         f"fastest of {len(rounds)} rounds (" + ", ".join(f"{r / 1e9:.1f}" for r in rounds) + ")")
     # the thin product: as many flops a round as the square one's
-    thin_repeats = max(1, round(CLUSTER_REPEATS * matmul_n ** 3 / (m_th * k_th * n_th)))
+    thin_repeats = max(1, round(e.cluster_repeats * matmul_n ** 3 / (m_th * k_th * n_th)))
     thin = max(_cluster_rate(client, everyone, f"{tag}t{r}", _matmul_work, THIN, dtype,
-                             thin_repeats) for r in range(CLUSTER_ROUNDS))
+                             thin_repeats) for r in range(e.cluster_rounds))
     edge = edge_flops(cluster, matmul_n, thin, THIN)
     log(f"compute of a thin product ({m_th} x {k_th} x {n_th}, every worker at once): "
         f"{thin / 1e9:.1f} GFLOP/s, {thin / cluster:.2f} of the square one's: "
@@ -379,7 +420,7 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
               for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
-    elementwise, elementwise_large = _mix_rate(client, a, flops, mix_repeats, edge)
+    elementwise, elementwise_large = _mix_rate(client, a, flops, e.mix_repeats, edge, e.mix_runs)
     log("element-wise rate of the kernels (conv, pooling and dense kernels, one worker): "
         + ("not measured (the matmul part took the whole time)" if elementwise is None
            else f"{elementwise / 1e9:.1f} GB/s" + (
@@ -408,10 +449,10 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
     rest = rest_cores(client, everyone)
     log("hosts' CPU at rest (nothing submitted): " + (", ".join(
         f"{h} {c:.3f} cores" for h, c in sorted(rest.items())) or "not readable here"))
-    for _ in range(TRANSFER_WARMUPS):
+    for _ in range(e.transfer_warmups):
         transfer_cpu(client, everyone, block_mib * 2**20, rest)
     figures = [transfer_cpu(client, everyone, block_mib * 2**20, rest)
-               for _ in range(TRANSFER_REPEATS)]
+               for _ in range(e.transfer_repeats)]
     cpu_B = float(np.median([c for c, _ in figures]))
     exchange = float(np.median([e for _, e in figures]))
     log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once): "
@@ -423,10 +464,10 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
         bandwidth = exchange
     busy_exchange(client, everyone, block_mib * 2**20)  # warm the computing threads
     busy = float(np.median([busy_exchange(client, everyone, block_mib * 2**20)
-                            for _ in range(BUSY_REPEATS)]))
+                            for _ in range(e.busy_repeats)]))
     log(f"exchange beside computing (the same, every worker also running the kernel mix): "
         f"each worker sent {busy / 2**20:.0f} MiB/s")
-    loaded = [loaded_hop(client, everyone) for _ in range(LOADED_REPEATS)]
+    loaded = [loaded_hop(client, everyone) for _ in range(e.loaded_repeats)]
     loaded = [h for h in loaded if h is not None]
     loaded_s = float(np.median(loaded)) if loaded else None
     log("message beside an all-to-all (one way, a 4-byte block while every worker pushes "
@@ -441,10 +482,10 @@ def calibrate(client, workers=None, *, dtype="float32", sizes_mib=(4, 16, 64), h
         log("dask's own CPU: not measured (workers in the client's process, or no thread "
             "CPU clock on this platform)")
     else:
-        background = background_cores(client, everyone)
+        background = background_cores(client, everyone, e.background_s)
         log(f"dask's own CPU while the workers compute (their event loops, the scheduler, "
             f"the client): {background:.3f} of a core in all")
-        step_s = step_cpu(client, everyone, background)
+        step_s = step_cpu(client, everyone, background, e.probe_steps)
         log(f"CPU of a submitted step outside its programs (real steps of a small network, "
             f"its batch scattered): {step_s * 1e3:.1f} ms per worker")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
