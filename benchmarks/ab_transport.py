@@ -2,14 +2,15 @@
 
     sudo python benchmarks/ab_transport.py [--workers 4] [--rate 1gbit] [--models cnn,weight]
         [--grid 4x1] [--rounds 2] [--steps 3] [--limits default,inf,0] [--data client]
-        [--linger default]
+        [--linger default] [--steps-per-program 1,4]
 
 The same model and grid timed with the programs' messages up to each of ``--limits`` bytes
 over their direct links (default: up to ``DIRECT_MAX_BYTES``, all of them, and none, i.e.
 dask's comms; set on every worker between the runs), and with the batches from each of
 ``--data`` (``common.DATA_PATHS``: a ``.npy`` file the workers read, or the client's memory,
 sent every step), and with each of ``--linger`` (seconds the links' background reader waits
-after a program stopped reading them, ``wire.LINGER_S``), alternating ``--rounds`` times, so
+after a program stopped reading them, ``wire.LINGER_S``), and with each of
+``--steps-per-program`` (steps a submission), alternating ``--rounds`` times, so
 that the machine's drift shows in all alike. A CNN's convs are batch-parallel.
 """
 
@@ -67,8 +68,19 @@ def main(argv=None):
     ap.add_argument("--linger", default="default",
                     help="the links' background reader's wait after a program's, in seconds: "
                          "a comma list of numbers or 'default' (wire.LINGER_S)")
+    ap.add_argument("--steps-per-program", default="1",
+                    help="steps a submission: a comma list of whole numbers from 1 to 16")
     a = ap.parse_args(argv)
     from dask_ipar.runtime.exchange import DIRECT_MAX_BYTES
+    from dask_ipar.runtime.steps import MAX_STEPS_PER_PROGRAM
+
+    try:
+        groups = [int(x) for x in a.steps_per_program.split(",")]
+    except ValueError:
+        groups = []
+    if not groups or not all(1 <= k <= MAX_STEPS_PER_PROGRAM for k in groups):
+        ap.error(f"--steps-per-program {a.steps_per_program}: expected a comma list of whole "
+                 f"numbers from 1 to {MAX_STEPS_PER_PROGRAM}")
     from dask_ipar.runtime.wire import LINGER_S
 
     try:
@@ -107,16 +119,19 @@ def main(argv=None):
                           for lay in cfg.layers()] if key == "cnn" else None
                 modes = {_mode_name(x, DIRECT_MAX_BYTES)
                          + ("" if len(paths) == 1 else f", batches from the {d}")
-                         + ("" if len(lingers) == 1 else f", reader lingers {g * 1e3:g} ms"):
-                         (x, d, g) for x in limits for d in paths for g in lingers}
+                         + ("" if len(lingers) == 1 else f", reader lingers {g * 1e3:g} ms")
+                         + ("" if len(groups) == 1 else f", {k} steps a submission"):
+                         (x, d, g, k) for x in limits for d in paths for g in lingers
+                         for k in groups}
                 got = {name: [] for name in modes}
                 for _ in range(a.rounds):
-                    for name, (limit, data, linger) in modes.items():
+                    for name, (limit, data, linger, k) in modes.items():
                         client.run(_switch, limit)
                         client.run(_linger, linger)
                         r = C.time_dask_grid(client, cfg, grid, a.steps, warmup=1,
                                              executor="programs", profile=False,
-                                             layers=layers, data=data)
+                                             layers=layers, data=data,
+                                             steps_per_program=k)
                         got[name].append(r["step_s"])
                         print(f"{cfg.label} {grid} {name}: {r['step_s']:.3f} s", flush=True)
                 print(f"{cfg.label} {grid}: " + ", ".join(

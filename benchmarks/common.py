@@ -633,23 +633,38 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
 def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 1,
                    memory: bool = False, pids=None, profile: bool = True,
                    executor: str = "graph", layers=None, more: bool = True,
-                   data: str = "client") -> dict:
+                   data: str = "client", steps_per_program=1, machine=None,
+                   cores=None) -> dict:
     """Median step time of dask-ipar on ``grid`` (train_step + gather), with the
     per-step overhead profile and (optionally) peak RSS per worker. ``executor``:
     ``Sequential.executor`` of the steps; ``layers``: the model's layers (a CNN's with the
     planner's conv schemes), else ``cfg``'s; ``more``: every step but the last says
     another follows (``train_step(more=True)``, as ``fit`` within an epoch); ``data``:
-    where the batches come from (:data:`DATA_PATHS`)."""
+    where the batches come from (:data:`DATA_PATHS`); ``steps_per_program``: steps per
+    submission, or ``"auto"`` (what ``fit`` and ``dask-ipar train`` pick, on ``machine``
+    with ``cores``; recorded as ``out["steps_per_program"]``). With several, ``steps``
+    steps (at least 3 submissions) are timed a submission at a time."""
     model = cfg.build_model(layers)
     with step_batches(cfg, model, data) as batches:
         out = _time_steps(client, cfg, model, batches, grid, steps, warmup, memory, profile,
-                          executor, more)
+                          executor, more, (steps_per_program, machine, cores))
     out["data"] = data
     return out
 
 
+def _submit_k(model, batches, k, opt, more):
+    """``k`` steps as one submission (``fit``'s way): a function that waits for their loss
+    statistics and returns the last step's."""
+    from dask_ipar.runtime.steps import gather_losses, submit_steps
+
+    first = model._step + 1
+    losses = submit_steps(model, [(*batches[i % 2], opt) for i in range(k)], ahead=more)
+    return lambda: [gather_losses(model._store, f, first + i)
+                    for i, f in enumerate(losses)][-1]
+
+
 def _time_steps(client, cfg, model, batches, grid, steps, warmup, memory, profile, executor,
-                more) -> dict:
+                more, grouping=(1, None, None)) -> dict:
     from distributed import wait
 
     from dask_ipar import SGD
@@ -659,6 +674,15 @@ def _time_steps(client, cfg, model, batches, grid, steps, warmup, memory, profil
     try:
         model.distribute(client, grid)
         model.executor = executor
+        k, machine, cores = grouping
+        if k == "auto":
+            from dask_ipar.runtime.steps import auto_steps_per_program
+
+            k = auto_steps_per_program(model, cfg.batch, opt, machine, cores)
+        out["steps_per_program"] = k
+        if k > 1:
+            return _time_submissions(client, cfg, model, batches, k, steps, warmup, opt,
+                                     more, out)
         for k in range(warmup):
             Xb, yb = batches[k % 2]
             r0 = client.gather(model.train_step(Xb, yb, opt, more=more))
@@ -706,6 +730,30 @@ def _time_steps(client, cfg, model, batches, grid, steps, warmup, memory, profil
         wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
     finally:
         model.close()
+    return out
+
+
+def _time_submissions(client, cfg, model, batches, k, steps, warmup, opt, more, out):
+    """:func:`_time_steps` with ``k`` steps a submission: intervals end to end from one
+    submission's last loss statistics to the next's, each over its ``k`` steps."""
+    from distributed import wait
+
+    for w in range(warmup):
+        r0 = client.gather(model.train_step(*batches[w % 2], opt, more=more))
+        if w == 0:
+            out["first_loss"] = float(np.sum(r0, axis=0)[0]) / cfg.batch
+    _submit_k(model, batches, k, opt, more)()  # untimed: an interval holds the rest before
+    t_end, ts = time.perf_counter(), []
+    for _ in range(max(3, -(-steps // k))):
+        res = _submit_k(model, batches, k, opt, more)()
+        t2 = time.perf_counter()
+        ts.append((t2 - t_end) / k)
+        t_end = t2
+    if more:
+        client.gather(model.train_step(*batches[0], opt, more=False))
+    wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
+    out.update(step_s=pipelined_step(ts), steps_s=ts,
+               loss=float(np.sum(res, axis=0)[0]) / cfg.batch)
     return out
 
 

@@ -387,7 +387,7 @@ def step_machine(client, link, log=True):
 
 def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, only=None,
                   executor="graph", peers=(), configs=None, pairs=0, passes=1,
-                  data="client"):
+                  data="client", steps_per_program=1):
     """Time dask-ipar on every grid of the emulated cluster, and with ``peers`` (modes of
     peers.py) the PyTorch peers on the same links, side by side in one run: per MLP, DDP
     first, dask-ipar's grids, FSDP and tensor + data parallel, DDP again (so drift shows).
@@ -398,7 +398,9 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     first in the other order, after the peers and before DDP's second run; a grid's step is the
     median over its passes' two-step windows (:func:`common.pipelined_step`), each pass's
     own in ``passes_s`` (their spread: the run's drift and noise). ``data``: where
-    dask-ipar's batches come from (``common.DATA_PATHS``)."""
+    dask-ipar's batches come from (``common.DATA_PATHS``). ``steps_per_program``: dask-ipar's
+    steps a submission, or ``"auto"`` (each grid's as ``fit`` and ``dask-ipar train`` pick
+    them on the calibrated machine and these cores: the grids ranked and timed so)."""
     import numpy as np  # noqa: F401
     import warnings
     from distributed import Client
@@ -413,7 +415,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     out = {"workers": n_workers, "rate": rate, "client_rate": client_rate, "threads": threads,
            "steps": steps, "quick": quick, "grids": {}, "targets": [], "executor": executor,
            "peers": list(peers), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "dask_config": _dask_config(), "data": data}
+           "dask_config": _dask_config(), "data": data, "steps_per_program": steps_per_program}
     handle: list = []
     with emulated_cluster(n_workers, rate, client_rate=client_rate, threads=threads,
                           peers=n_workers if peers else 0, handle=handle) as addr:
@@ -443,7 +445,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                 shape = cfg.image if isinstance(cfg, C.CNNConfig) else (cfg.widths[0],)
                 # the grids (and a CNN's conv schemes) ranked by the simulated step
                 ranked = rank_grids(cfg.layers(), shape, n_workers, cfg.batch, sim_machine,
-                                    cores=cores, executor=executor)
+                                    cores=cores, executor=executor,
+                                    steps_per_program=steps_per_program)
                 sim = {str(c.grid): c for c in ranked}
                 best_g = str(ranked[0].grid)
                 schemes = {g: c.layers for g, c in sim.items()} \
@@ -465,6 +468,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                                         check=True)]
                 by = {g: {"pred_comm_s": pred[g].comm_s if g in pred else None,
                           "pred_step_s": sim[g].seconds if g in sim else None,
+                          "steps_per_program": sim[g].steps_per_program if g in sim else 1,
                           "passes_s": [], "steps_s": []}
                       for g in (f"{pr}x{pc}" for pr, pc in C.grids_of(n_workers))}
 
@@ -473,7 +477,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                         print(f"{cfg.label} {g} ...", flush=True)
                         r = C.time_dask_grid(client, cfg, g, steps, warmup=1, profile=False,
                                              executor=executor, layers=schemes.get(g),
-                                             data=data)
+                                             data=data,
+                                             steps_per_program=by[g]["steps_per_program"])
                         by[g]["passes_s"].append(r["step_s"])
                         by[g]["steps_s"].append(r["steps_s"])
                         print(f"   {r['step_s']:.3f} s (predicted {by[g]['pred_step_s']:.3f} "
@@ -526,7 +531,8 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
                             ours.append(C.time_dask_grid(
                                 client, cfg, best, steps, warmup=1, profile=False,
                                 executor=executor, layers=schemes.get(best),
-                                data=data)["step_s"])
+                                data=data,
+                                steps_per_program=by[best]["steps_per_program"])["step_s"])
                             got[best_peer].append(_peer(cl, mode, mesh, cfg, steps, threads))
                         entry["pairs"] = {"rounds": pairs, "dask_s": ours,
                                           "peer_s": [r["step_s"] for r in got[best_peer]]}

@@ -1,7 +1,7 @@
 """dask-ipar on one worker (grid 1x1) against PyTorch and NumPy in one process (issue 23).
 
     python benchmarks/one_process.py [--mlps compute,weight] [--rounds 3] [--steps 5]
-        [--variants auto,numpy-1t] [--json out.json]
+        [--variants auto,numpy-1t] [--data file] [--json out.json]
 
 The issue's target: the compute-bound MLP's 1x1 step at most 1.05x the faster of PyTorch
 (one process) and the NumPy reference, in the same run. Each round runs, back to back, the
@@ -9,7 +9,10 @@ NumPy reference (``common.NumpyMLP``: one process, preallocated buffers, every m
 sgemm), dask-ipar on 1x1 (a LocalCluster of one worker process with all the machine's BLAS
 threads; the programs executor, momentum SGD; ``common.time_dask_grid``) and PyTorch in one
 process (``torch_ddp.py --procs 1``, all cores); each figure the median of ``--steps``
-steps after a warm-up. The verdict compares the medians over the rounds, so that a phase
+steps after a warm-up. dask-ipar's batches come from where ``--data`` says
+(``common.DATA_PATHS``): by default a ``.npy`` file the worker reads (the peers draw theirs
+in their own memory), or the client's memory, sent every step (``client``, as before
+2026-12-06). The verdict compares the medians over the rounds, so that a phase
 of this shared machine's speed moves all three alike. With ``--variants`` dask-ipar runs
 once per setting each round (the worker's ``matmul`` setting, and ``-1t`` for element-wise
 passes on one thread): the first variant is the verdict's, the others are reported beside.
@@ -50,7 +53,7 @@ def _set_variant(client, variant: str, cores: int) -> None:
 
 
 def measure(cfg, client, rounds: int, steps: int, cores: int, log=print,
-            variants=("auto",)) -> dict:
+            variants=("auto",), data: str = "file") -> dict:
     """Interleaved rounds of NumPy, dask-ipar 1x1 (each of ``variants``) and PyTorch on
     ``cfg``; step seconds. The first variant is ``dask``, the others ``dask:<variant>``."""
     import common as C
@@ -62,7 +65,8 @@ def measure(cfg, client, rounds: int, steps: int, cores: int, log=print,
         for key, variant in zip(keys, variants):
             _set_variant(client, variant, cores)
             out[key].append(C.time_dask_grid(client, cfg, "1x1", steps, warmup=1,
-                                             profile=False, executor="programs")["step_s"])
+                                             profile=False, executor="programs",
+                                             data=data)["step_s"])
         t = C.time_torch(cfg, 1, cores, steps)
         out["torch"].append(t.get("step_s"))
         if "error" in t:
@@ -93,7 +97,9 @@ def _json_where(name: str) -> str:
 
 def _variants_flag(res: dict) -> str:
     v = res.get("variants") or ["auto"]
-    return "" if v == ["auto"] else f" --variants {','.join(v)}"
+    data = res.get("data", "client")  # runs before the flag: from the client
+    return ("" if v == ["auto"] else f" --variants {','.join(v)}") + (
+        "" if data == "file" else f" --data {data}")
 
 
 def render(res: dict) -> str:
@@ -140,6 +146,9 @@ def main(argv=None):
                    help="comma-separated dask-ipar settings timed in turn each round, the "
                         "first the verdict's: " + ", ".join(VARIANTS) + " (matmul setting; "
                         "-1t: element-wise passes on one thread)")
+    p.add_argument("--data", default="file", choices=C.DATA_PATHS,
+                   help="where dask-ipar's batches come from: a .npy file the worker reads "
+                   "(default) or the client, sent every step")
     p.add_argument("--json", default=None, help="where to write the raw numbers (default: "
                    "benchmarks/results/one-<time>.json)")
     a = p.parse_args(argv)
@@ -157,13 +166,14 @@ def main(argv=None):
     stamp = time.strftime("%Y%m%dT%H%M%S")
     path = a.json or os.path.join(HERE, "results", f"one-{stamp}.json")
     res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cores": cores, "rounds": a.rounds,
-           "steps": a.steps, "variants": list(variants),
+           "steps": a.steps, "variants": list(variants), "data": a.data,
            "json_name": os.path.basename(path) if a.json is None else a.json, "mlps": {}}
     cluster, client, _ = C.local_cluster(1, cores)
     try:
         for k in keys:
             t = measure(cfgs[k], client, a.rounds, a.steps, cores,
-                        log=lambda m: print(m, file=sys.stderr, flush=True), variants=variants)
+                        log=lambda m: print(m, file=sys.stderr, flush=True), variants=variants,
+                        data=a.data)
             res["mlps"][k] = {"label": cfgs[k].label, "describe": cfgs[k].describe(),
                               "steps_s": t, "summary": summarize(t)}
     finally:

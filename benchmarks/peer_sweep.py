@@ -2,7 +2,7 @@
 
     sudo python benchmarks/peer_sweep.py [--runs 4x1gbit,4x10gbit,2x1gbit] [--steps 5]
         [--peers ddp,fsdp,tp] [--only weight,compute] [--quick] [--pairs N] [--passes N]
-        [--data file] [--md docs/benchmarks.md]
+        [--data file] [--steps-per-program auto] [--md docs/benchmarks.md]
 
 For each ``PxRATE`` of ``--runs``: an emulated cluster of P dask workers and P PyTorch
 hosts, each in a network namespace of its own behind a ``tc tbf`` link of RATE
@@ -15,6 +15,10 @@ grid and the best peer back to back, their ratio from the medians over all runs.
 dask-ipar's batches come from a ``.npy`` file each worker reads its blocks of (``--data
 file``, the default: the peers draw their batch on each rank and keep it), or from the
 client's memory, sent every step (``--data client``, as the sweeps before 2026-12-06).
+dask-ipar runs each grid ``--steps-per-program`` steps a submission: ``auto`` (the default,
+as ``dask-ipar train`` and ``fit(steps_per_program="auto", machine=...)`` pick them on the
+calibrated machine: :func:`dask_ipar.runtime.steps.auto_steps_of_engine`; grids ranked and
+predicted so), or a number (1: one at a time, as the sweeps before 2026-12-06).
 Writes ``benchmarks/results/peers-<time>.json`` and, with ``--md``, the section between
 ``<!-- peers:begin -->`` and ``<!-- peers:end -->`` of that file (the other benchmark
 scripts keep it).
@@ -65,7 +69,9 @@ def render(res: dict) -> str:
       + (f" --peers {res['peers_arg']}" if res.get("peers_arg", "ddp,fsdp,tp") != "ddp,fsdp,tp"
          else "") + (f" --only {res['only']}" if res.get("only") else "")
       + (f" --pairs {pairs}" if pairs else "")
-      + (f" --passes {passes}" if passes > 1 else "") + f"` (runs "
+      + (f" --passes {passes}" if passes > 1 else "")
+      + (f" --steps-per-program {res['steps_per_program']}"
+         if str(res.get("steps_per_program", 1)) != "auto" else "") + f"` (runs "
       f"{res['runs_arg']}; each run's own time below) on {res['when']} (this 2-core machine; raw numbers in "
       f"`benchmarks/results/`: {res['json_name']}). Every dask worker and every PyTorch rank "
       "(gloo, CPU, torch " + res.get("torch", "?") + ") is a host of its own: a network "
@@ -144,7 +150,11 @@ def render(res: dict) -> str:
             best = v.get("planner_step_s") or v["by_grid"][v["planner_grid"]]["step_s"]
             for g in v["order_measured"]:
                 r = v["by_grid"][g]
-                mark = " (planner's)" if g == v["planner_grid"] else ""
+                k = r.get("steps_per_program", 1)
+                mark = ("planner's" if g == v["planner_grid"] else "") + (
+                    f"{'; ' if g == v['planner_grid'] else ''}{k} steps a submission"
+                    if k > 1 else "")
+                mark = f" ({mark})" if mark else ""
                 ts = _flat(r["steps_s"])
                 pred = r.get("pred_step_s")
                 ratio = "-" if pred is None else f"{pred / r['step_s']:.2f}"
@@ -196,6 +206,7 @@ def render(res: dict) -> str:
 
 def main(argv=None):
     import common as C
+    from dask_ipar.cli.args import steps_per_program
 
     ap = C.sweep_parser(__doc__, "4x1gbit,4x10gbit,2x1gbit")
     # 5: the timing takes the median of two consecutive intervals, and a grid's first
@@ -207,6 +218,9 @@ def main(argv=None):
                     help="where dask-ipar's batches come from: a .npy file each worker reads "
                          "(default; the peers hold their batch on each rank), or the "
                          "client's memory, sent every step (sweeps before 2026-12-06)")
+    ap.add_argument("--steps-per-program", default="auto", type=steps_per_program,
+                    help="dask-ipar's steps a submission: auto (the default: as dask-ipar "
+                         "train picks them on the calibrated machine) or 1 to 16")
     ap.add_argument("--only", default=None,
                     help="comma list of models: compute,weight (the MLPs), cnn")
     ap.add_argument("--quick", action="store_true", help="the small MLPs")
@@ -259,6 +273,7 @@ def main(argv=None):
 
         runs = C.parse_runs(ap, a.runs)
         res = {"runs_arg": a.runs, "steps": a.steps, "passes": a.passes, "data": a.data,
+               "steps_per_program": a.steps_per_program,
                "peers_arg": a.peers, "only": a.only,
                "timing": "pipelined", "torch": torch.__version__,
                "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": []}
@@ -270,7 +285,8 @@ def main(argv=None):
             threads = max(1, (os.cpu_count() or 1) // p)
             out = N.run_benchmark(p, rate, a.quick, a.steps, None, threads, None, "programs",
                                   [m for m in a.peers.split(",") if m], configs=models,
-                                  pairs=a.pairs, passes=a.passes, data=a.data)
+                                  pairs=a.pairs, passes=a.passes, data=a.data,
+                                  steps_per_program=a.steps_per_program)
             res["results"].append(out)
             with open(path, "w") as fh:  # after every run: a killed sweep keeps what it has
                 json.dump(res, fh, indent=1, default=str)

@@ -323,6 +323,16 @@ def test_simulated_grids_without_a_cluster_match_the_distributed_model(client):
         assert one - per_step(1, m.replace(round_s=0.0)) == pytest.approx(m.round_s)
         assert model.predict_step_s(32, m, executor="graph", steps_per_program=8).seconds \
             == model.predict_step_s(32, m, executor="graph").seconds
+        # "auto": the steps a submission fit picks on this machine, simulated so
+        from dask_ipar.runtime.steps import auto_steps_per_program
+
+        k = auto_steps_per_program(model, 32, SGD(), m, 2)
+        assert k > 1  # a 10 ms round trip beside a step of a few ms
+        assert simulate_layers(layers, (512,), "2x2", 32, m, cores=2, optimizer=SGD(),
+                               steps_per_program="auto").seconds == pytest.approx(per_step(k))
+        (auto,) = rank_grids(layers, (512,), 4, 32, m, cores=2, grids=["2x2"], optimizer=SGD(),
+                             steps_per_program="auto")
+        assert auto.steps_per_program == k and auto.seconds == pytest.approx(per_step(k))
     finally:
         model.close()
     ranked = rank_grids(layers, (512,), 4, 32, m, cores=2)

@@ -108,6 +108,48 @@ def test_auto_groups_the_steps_of_small_models_only(client):
         big.close()
 
 
+@pytest.mark.parametrize("round_s", [0.0, 0.05, 0.5])
+def test_auto_with_a_machine_groups_until_a_submission_costs_two_percent(client, round_s):
+    """With a calibrated machine, ``"auto"`` also groups a large model's steps: the fewest
+    per submission at which what a submission costs beyond its steps (by the step model:
+    one step a submission against many) is at most 2% of a step, within 8 s of steps; fit
+    runs what it picks."""
+    from dask_ipar.cost import Machine
+    from dask_ipar.runtime.steps import (AUTO_LONGEST_S, AUTO_OVERHEAD,
+                                         auto_steps_per_program)
+
+    class Seen(Callback):
+        def on_train_begin(self, loop):
+            self.k = loop.steps_per_program
+
+    machine = Machine(alpha_s=1e-3, bandwidth_Bps=1e9, word_bytes=4, flops_per_s=5e10,
+                      message_s=1e-4, round_s=round_s)
+    big = Sequential([Dense(1024, "relu"), Dense(1024, "relu"), Dense(10)],
+                     input_dim=1024).distribute(client, "2x1")
+    try:
+        k = auto_steps_per_program(big, 2048, SGD(), machine)
+        step = {j: big.predict_step_s(2048, machine, steps_per_program=j).seconds
+                for j in range(1, 17)}
+        most = max(1, min(16, int(AUTO_LONGEST_S / step[1])))
+        # the model is linear in 1/k: step(j) = own + submission / j
+        submission = (step[1] - step[most]) * most / (most - 1) if most > 1 else 0.0
+        own = step[1] - submission
+        for j in range(2, most + 1):
+            assert step[j] == pytest.approx(own + submission / j, rel=1e-6), j
+        assert 1 <= k <= most
+        assert k == most or submission / k <= AUTO_OVERHEAD * own * (1 + 1e-9)
+        assert k == 1 or submission / (k - 1) > AUTO_OVERHEAD * own
+        if round_s == 0.5:  # half a second a submission: as many as 8 s of steps hold
+            assert k == most > 1
+        seen = Seen()
+        X = np.random.default_rng(0).standard_normal((2048, 1024))
+        big.fit(X, np.zeros(2048, dtype=int), batch_size=2048, steps_per_program="auto",
+                machine=machine, callbacks=[seen], measure=False)
+        assert seen.k == k
+    finally:
+        big.close()
+
+
 def test_a_submissions_losses_come_as_one_block_per_worker(client):
     """Several steps: one loss future per worker of grid row 0 for all of them (not one per
     worker and step), each step reading its row; the values are the one-step ones."""

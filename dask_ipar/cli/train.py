@@ -75,8 +75,9 @@ def add_parser(sub):
                         "same results, far more scheduler work")
     p.add_argument("--steps-per-program", type=steps_per_program, metavar="N",
                    help="consecutive steps per submission, 1 to 16, or auto (the default: 16 "
-                        "for models whose step computes in a few ms, 1 for large ones); "
-                        "cheaper steps, losses and progress in bursts of N")
+                        "for models whose step computes in a few ms, 1 for large ones; with "
+                        "--machine, enough that a submission's own cost is at most 2%% of a "
+                        "step); cheaper steps, losses and progress in bursts of N")
     p.add_argument("--data", metavar="PATH",
                    help=".npz, .npy, Zarr or HDF5 with X and y, or a bundled set: digits "
                    "(the default: scikit-learn's 8x8 digits) or mnist5k (5,000 28x28 MNIST "
@@ -391,9 +392,13 @@ def _run(args, signals) -> int:
         model.distribute(client, grid)
         model.executor = t["executor"]
         from dask_ipar.runtime.steps import auto_steps_per_program as auto_k
+        from dask_ipar.runtime.workers import shared_cores
 
         spp = t["steps_per_program"]
-        spp = auto_k(model, t["batch"], optimizer) if spp == "auto" else spp
+        if spp == "auto":  # with --machine, also by the step model's price of a submission
+            spp = auto_k(model, t["batch"], optimizer, machine,
+                         None if machine is None else shared_cores(client,
+                                                                   model.binding.workers))
         page = training_page(client, cfg)
         if page:
             eprint(f"dask-ipar: training page {page}")

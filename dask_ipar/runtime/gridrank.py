@@ -19,6 +19,7 @@ from dask_ipar.nn.layers import Conv2d
 from dask_ipar.nn.planning import plan_layers
 from dask_ipar.optim import SGD
 from dask_ipar.runtime.stepmodel import simulate_engine
+from dask_ipar.runtime.steps import auto_steps_of_engine
 
 __all__ = ["GridChoice", "simulate_layers", "rank_grids", "plan_cnn"]
 
@@ -31,6 +32,7 @@ class GridChoice:
     layers: list  # the layers as run there (each Conv2d's ``parallel`` set)
     seconds: float
     result: object  # the SimResult
+    steps_per_program: int = 1  # steps a submission, as simulated
 
 
 def _schemes_of(layers) -> tuple:
@@ -60,11 +62,21 @@ def _candidates(layers, input_shape, grid, batch, machine):
 
 
 def simulate_layers(layers, input_shape, grid, batch: int, machine, *, cores=None,
-                    executor: str = "programs", optimizer=None, dtype="float32"):
+                    executor: str = "programs", optimizer=None, dtype="float32",
+                    steps_per_program: int = 1):
     """Simulated step (a :class:`~dask_ipar.cost.SimResult`) of the network ``layers`` on
-    ``grid`` without a cluster (the engine's graph on placeholder workers);
+    ``grid`` without a cluster (the engine's graph on placeholder workers), run
+    ``steps_per_program`` steps a submission (``"auto"``: as ``fit`` picks them on
+    ``machine``, :func:`~dask_ipar.runtime.steps.auto_steps_of_engine`);
     ``input_shape``: a CNN's ``(C, H, W)`` or ``(features,)``. Raises
     :class:`~dask_ipar.errors.IparError` (or ValueError) where the engine refuses the grid."""
+    return _simulate(layers, input_shape, grid, batch, machine, cores, executor, optimizer,
+                     dtype, steps_per_program)[0]
+
+
+def _simulate(layers, input_shape, grid, batch, machine, cores, executor, optimizer, dtype,
+              steps_per_program):
+    """:func:`simulate_layers` and the steps a submission it simulated: ``(result, k)``."""
     grid = parse_grid(grid)
     if len(input_shape) == 3:
         model = Sequential(list(layers), input_shape=tuple(input_shape), dtype=dtype)
@@ -72,16 +84,24 @@ def simulate_layers(layers, input_shape, grid, batch: int, machine, *, cores=Non
         model = Sequential(list(layers), input_dim=int(input_shape[0]), dtype=dtype)
     check_dense_grid(model.dense_layers, model._first_dense, grid, model.sizes)
     engine = model._make_engine(GridBinding.placeholder(grid))  # the graph only
-    return simulate_engine(engine, [f"w{k}" for k in range(len(engine.param_layouts))], batch,
-                           tuple(input_shape), model.dtype, machine, cores,
-                           optimizer or SGD(0.01, momentum=0.9), executor)
+    w_names = [f"w{k}" for k in range(len(engine.param_layouts))]
+    optimizer = optimizer or SGD(0.01, momentum=0.9)
+    shape = tuple(input_shape)
+    k = steps_per_program
+    if k == "auto":
+        k = auto_steps_of_engine(engine, w_names, batch, shape, model.dtype, optimizer,
+                                 executor, machine, cores)
+    return simulate_engine(engine, w_names, batch, shape, model.dtype, machine, cores,
+                           optimizer, executor, steps_per_program=k), k
 
 
 def rank_grids(layers, input_shape, procs: int, batch: int, machine, *, cores=None,
-               executor: str = "programs", optimizer=None, dtype="float32", grids=None):
+               executor: str = "programs", optimizer=None, dtype="float32", grids=None,
+               steps_per_program=1):
     """Every grid of ``procs`` processes (or ``grids``) the engine runs the network on,
     with each CNN's best conv schemes there, fastest simulated step first: a list of
-    :class:`GridChoice`. ``machine`` needs ``flops_per_s`` (``dask-ipar calibrate``)."""
+    :class:`GridChoice`. ``machine`` needs ``flops_per_s`` (``dask-ipar calibrate``);
+    ``steps_per_program`` as for :func:`simulate_layers`."""
     if cores is not None and (machine.background_cores or 0.0) >= cores:
         raise IparError(
             f"the machine's background_cores ({machine.background_cores:g}: dask's own CPU "
@@ -94,12 +114,12 @@ def rank_grids(layers, input_shape, procs: int, batch: int, machine, *, cores=No
         best = None
         for lays in _candidates(layers, input_shape, grid, batch, machine):
             try:
-                r = simulate_layers(lays, input_shape, grid, batch, machine, cores=cores,
-                                    executor=executor, optimizer=optimizer, dtype=dtype)
+                r, k = _simulate(lays, input_shape, grid, batch, machine, cores, executor,
+                                 optimizer, dtype, steps_per_program)
             except (IparError, ValueError):
                 continue  # the engine refuses these schemes on this grid
             if best is None or r.seconds < best.seconds:
-                best = GridChoice(grid, lays, r.seconds, r)
+                best = GridChoice(grid, lays, r.seconds, r, k)
         if best is not None:
             out.append(best)
     if not out:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from dask_ipar.runtime.wire import DIRECT_BYTES
 from dask_ipar.runtime.placement import placement_blocks
 
 __all__ = ["predict_step_s", "step_tasks", "sim_step_graph", "simulate_engine", "priced",
-           "ELEMENTWISE_BPS"]
+           "submission_steps", "ELEMENTWISE_BPS"]
 
 #: Bytes per second of one worker's elementwise work in the kernels (copies, strided
 #: im2col gathers, in-place sums) where the machine has no measured ``elementwise_Bps``
@@ -217,3 +218,22 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
                          cluster_flops_per_s=machine.cluster_flops_per_s,
                          cluster_mem_Bps=machine.mem_Bps,
                          cluster_bandwidth_Bps=machine.cluster_bandwidth_Bps)
+
+
+def submission_steps(engine, w_names, batch, input_shape, dtype, machine, cores, optimizer,
+                     *, share: float, most: int) -> int:
+    """The fewest steps per submission, 1 to ``most``, at which what a submission costs
+    beyond its steps (its round trip, the CPU of its dask tasks, the push of its last
+    step's weights: the simulated step at one step a submission less that at ``most``) is
+    at most ``share`` of a step, by the step model as worker programs run it."""
+    def step_s(k):
+        return simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores,
+                               optimizer, "programs", steps_per_program=k).seconds
+
+    if most <= 1:
+        return 1
+    one, many = step_s(1), step_s(most)
+    # one = d + o and many = d + o / most: the step's own time d, the submission's o
+    overhead = max(0.0, (one - many) * most / (most - 1))
+    own = max(one - overhead, 1e-12)
+    return max(1, min(most, math.ceil(overhead / (share * own) - 1e-9)))

@@ -19,8 +19,8 @@ from dask_ipar.runtime.exchange import KEEP_STEPS
 
 __all__ = ["submit_steps", "SubmissionLosses", "StepLosses",
            "gather_losses", "check_optimizer", "check_steps_per_program",
-           "auto_steps_per_program", "MAX_STEPS_PER_PROGRAM", "AUTO_SUBMISSION_S",
-           "AUTO_FLOPS_PER_S"]
+           "auto_steps_per_program", "auto_steps_of_engine", "MAX_STEPS_PER_PROGRAM", "AUTO_SUBMISSION_S",
+           "AUTO_FLOPS_PER_S", "AUTO_OVERHEAD", "AUTO_LONGEST_S"]
 
 #: The most steps one submission may hold (``steps_per_program``): a worker's mailbox keeps
 #: blocks of :data:`~dask_ipar.runtime.exchange.KEEP_STEPS` steps, and two submissions
@@ -37,6 +37,15 @@ AUTO_SUBMISSION_S = 0.05
 #: low side (this machine's NumPy sgemm: 100 GFLOP/s on one thread), so a step is grouped
 #: only when it is surely short.
 AUTO_FLOPS_PER_S = 5e10
+#: With a calibrated machine, "auto" also groups steps until what a submission costs beyond
+#: its steps, by the step model, is at most this share of a step (8 worker processes on 2
+#: cores: 80 ms a submission beside a 1.7 s step of the compute-bound MLP; four steps a
+#: submission stepped 4% faster than one in ``fit``, the model said 3%) ...
+AUTO_OVERHEAD = 0.02
+#: ... but a submission of several steps holds at most this many seconds of them (a stop,
+#: a checkpoint's turn and the progress bar wait for a whole submission; a preempted
+#: worker's grace, :data:`~dask_ipar.runtime.preempt.GRACE_S`, is 20 s).
+AUTO_LONGEST_S = 8.0
 
 
 def check_steps_per_program(k) -> int | str:
@@ -50,21 +59,42 @@ def check_steps_per_program(k) -> int | str:
     return k
 
 
-def auto_steps_per_program(model, batch: int, optimizer) -> int:
-    """Steps per submission for ``"auto"``: as many as fit in :data:`AUTO_SUBMISSION_S`
-    of the step's compute (its task graph simulated at :data:`AUTO_FLOPS_PER_S` per
-    worker, no transfer costs), 1 to :data:`MAX_STEPS_PER_PROGRAM`: 16 for small models,
-    1 where a step computes 50 ms or more (there a submission's cost is lost in the step,
-    and a stop or a progress update waits for one step only)."""
-    from dask_ipar.cost import Machine
-    from dask_ipar.runtime.stepmodel import simulate_engine
-
+def auto_steps_per_program(model, batch: int, optimizer, machine=None,
+                           cores: int | None = None) -> int:
+    """Steps per submission for ``"auto"``, 1 to :data:`MAX_STEPS_PER_PROGRAM`: as many as
+    fit in :data:`AUTO_SUBMISSION_S` of the step's compute (its task graph simulated at
+    :data:`AUTO_FLOPS_PER_S` per worker, no transfer costs): 16 for small models, 1 where
+    a step computes 50 ms or more. With ``machine`` (``dask-ipar calibrate``'s, with flop
+    rates) and worker programs, at least as many as bring what a submission costs beyond
+    its steps to :data:`AUTO_OVERHEAD` of a step by the step model
+    (:func:`~dask_ipar.runtime.stepmodel.submission_steps`; ``cores``: the cores the
+    workers share, as for :meth:`~dask_ipar.model.Sequential.predict_step_s`), within
+    :data:`AUTO_LONGEST_S` of steps."""
     shape = model.input_shape if model.engine.front is not None else (model.input_dim,)
-    machine = Machine(alpha_s=0.0, bandwidth_Bps=1e15, word_bytes=model.dtype.itemsize,
-                      flops_per_s=AUTO_FLOPS_PER_S)
-    step_s = simulate_engine(model.engine, model._w, batch, shape, model.dtype, machine,
-                             None, optimizer, "graph").seconds
-    return max(1, min(MAX_STEPS_PER_PROGRAM, int(AUTO_SUBMISSION_S / max(step_s, 1e-9))))
+    return auto_steps_of_engine(model.engine, model._w, batch, shape, model.dtype, optimizer,
+                                model.executor, machine, cores)
+
+
+def auto_steps_of_engine(engine, w_names, batch, input_shape, dtype, optimizer, executor,
+                         machine=None, cores=None) -> int:
+    """:func:`auto_steps_per_program` of a model's ``engine`` (its weights ``w_names``),
+    run by ``executor``: what the grid ranking of the benchmarks' planner takes too."""
+    from dask_ipar.cost import Machine
+    from dask_ipar.runtime.stepmodel import simulate_engine, submission_steps
+
+    rough = Machine(alpha_s=0.0, bandwidth_Bps=1e15, word_bytes=dtype.itemsize,
+                    flops_per_s=AUTO_FLOPS_PER_S)
+    step_s = simulate_engine(engine, w_names, batch, input_shape, dtype, rough, None,
+                             optimizer, "graph").seconds
+    k = max(1, min(MAX_STEPS_PER_PROGRAM, int(AUTO_SUBMISSION_S / max(step_s, 1e-9))))
+    if machine is None or not getattr(machine, "flops_per_s", None) \
+            or executor != "programs" or k >= MAX_STEPS_PER_PROGRAM:
+        return k
+    one = simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores,
+                          optimizer, "programs").seconds
+    most = max(1, min(MAX_STEPS_PER_PROGRAM, int(AUTO_LONGEST_S / max(one, 1e-9))))
+    return max(k, submission_steps(engine, w_names, batch, input_shape, dtype, machine, cores,
+                                   optimizer, share=AUTO_OVERHEAD, most=most))
 
 
 def submit_steps(model, batches, ahead: bool = False):

@@ -11,7 +11,7 @@ from dask_ipar.layout.grid import Grid, GridBinding, parse_grid
 
 __all__ = ["scheduler_gone", "revive_lost_workers", "scheduler_workers", "wait_for_workers",
            "bind_grid", "hold_replicas", "release_replicas", "hung_after_s", "silent_for",
-           "hung_workers", "release_hung_workers", "HUNG_AFTER_S"]
+           "hung_workers", "release_hung_workers", "shared_cores", "HUNG_AFTER_S"]
 
 #: Seconds without a heartbeat (workers send one a second) after which a grid worker
 #: counts as hung: stopped (SIGSTOP, a suspended job), deadlocked or swapping.
@@ -28,6 +28,20 @@ def scheduler_workers(client) -> dict:
     replace with a summary listing no workers.)
     """
     return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
+def shared_cores(client, workers) -> int | None:
+    """The cores ``workers`` share where they all run on one host (its CPU count: a
+    workstation's LocalCluster), else None (each worker on cores of its own, as the step
+    model takes them without ``cores``)."""
+    import os
+
+    workers = list(workers)
+    info = scheduler_workers(client)
+    if not workers or len({info.get(w, {}).get("host") for w in workers}) != 1:
+        return None
+    counts = client.run(os.cpu_count, workers=workers[:1])
+    return next(iter(counts.values()), None) or None
 
 
 def scheduler_gone(client, timeout_s: float = 3.0) -> bool:
