@@ -69,9 +69,7 @@ def render(res: dict) -> str:
       + (f" --peers {res['peers_arg']}" if res.get("peers_arg", "ddp,fsdp,tp") != "ddp,fsdp,tp"
          else "") + (f" --only {res['only']}" if res.get("only") else "")
       + (f" --pairs {pairs}" if pairs else "")
-      + (f" --passes {passes}" if passes > 1 else "")
-      + (f" --steps-per-program {res['steps_per_program']}"
-         if str(res.get("steps_per_program", 1)) != "auto" else "") + f"` (runs "
+      + (f" --passes {passes}" if passes > 1 else "") + f"` (runs "
       f"{res['runs_arg']}; each run's own time below) on {res['when']} (this 2-core machine; raw numbers in "
       f"`benchmarks/results/`: {res['json_name']}). Every dask worker and every PyTorch rank "
       "(gloo, CPU, torch " + res.get("torch", "?") + ") is a host of its own: a network "
@@ -124,7 +122,8 @@ def render(res: dict) -> str:
                      "worker reading its own blocks every step (as the peers hold theirs on "
                      "each rank).",
              "client": " dask-ipar's batches: NumPy arrays in the client's memory, sent to "
-                       "the workers every step."}.get(run.get("data"), ""))
+                       "the workers every step."}.get(run.get("data"), "")
+          + _grouping(run.get("steps_per_program", 1)))
         w("")
         w(f"Link check: dask 64 MiB in {link['t_64MiB_s']:.3f} s "
           f"({link['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s), gloo "
@@ -202,6 +201,16 @@ def render(res: dict) -> str:
     w("")
     w("<!-- peers:end -->")
     return "\n".join(L) + "\n"
+
+
+def _grouping(k) -> str:
+    """The run line's words on dask-ipar's steps a submission (one before 2026-12-06)."""
+    if k == "auto":
+        return (" dask-ipar's steps a submission: as `dask-ipar train --machine` picks them "
+                "(`--steps-per-program auto`, on the run's calibrated machine; each grid's "
+                "in its row, the prediction at that many).")
+    return f" dask-ipar: {k} steps a submission." if k > 1 else \
+        " dask-ipar: one step a submission."
 
 
 def main(argv=None):
