@@ -323,18 +323,28 @@ def test_simulated_grids_without_a_cluster_match_the_distributed_model(client):
         assert one - per_step(1, m.replace(round_s=0.0)) == pytest.approx(m.round_s)
         assert model.predict_step_s(32, m, executor="graph", steps_per_program=8).seconds \
             == model.predict_step_s(32, m, executor="graph").seconds
-        # "auto": the steps a submission fit picks on this machine, simulated so
-        from dask_ipar.runtime.steps import auto_steps_per_program
-
-        k = auto_steps_per_program(model, 32, SGD(), m, 2)
-        assert k > 1  # a 10 ms round trip beside a step of a few ms
-        assert simulate_layers(layers, (512,), "2x2", 32, m, cores=2, optimizer=SGD(),
-                               steps_per_program="auto").seconds == pytest.approx(per_step(k))
-        (auto,) = rank_grids(layers, (512,), 4, 32, m, cores=2, grids=["2x2"], optimizer=SGD(),
-                             steps_per_program="auto")
-        assert auto.steps_per_program == k and auto.seconds == pytest.approx(per_step(k))
     finally:
         model.close()
+    # "auto": the steps a submission fit picks on the machine, simulated so (a model whose
+    # step computes too long for the rule without a machine, 1, and a 0.2 s round trip)
+    from dask_ipar.runtime.steps import auto_steps_per_program
+
+    big, slow = [Dense(2048, "relu"), Dense(2048, "relu"), Dense(10)], m.replace(round_s=0.2)
+    model = Sequential(big, input_dim=2048).distribute(client, "2x2")
+    try:
+        assert auto_steps_per_program(model, 512, SGD()) == 1
+        k = auto_steps_per_program(model, 512, SGD(), slow, 2)
+        assert 1 < k < 16, k
+        want = model.predict_step_s(512, slow, cores=2, steps_per_program=k).seconds
+    finally:
+        model.close()
+    assert simulate_layers(big, (2048,), "2x2", 512, slow, cores=2, optimizer=SGD(),
+                           steps_per_program="auto").seconds == pytest.approx(want)
+    (auto,) = rank_grids(big, (2048,), 4, 512, slow, cores=2, grids=["2x2"], optimizer=SGD(),
+                         steps_per_program="auto")
+    assert auto.steps_per_program == k and auto.seconds == pytest.approx(want)
+    with pytest.raises(IparError, match="steps_per_program"):
+        simulate_layers(big, (2048,), "2x2", 512, slow, steps_per_program=0)
     ranked = rank_grids(layers, (512,), 4, 32, m, cores=2)
     assert [str(c.grid) for c in ranked] == sorted((str(c.grid) for c in ranked),
                                                    key={str(c.grid): c.seconds for c in ranked}.get)

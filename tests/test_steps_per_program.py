@@ -108,15 +108,19 @@ def test_auto_groups_the_steps_of_small_models_only(client):
         big.close()
 
 
-@pytest.mark.parametrize("round_s", [0.0, 0.05, 0.5])
+@pytest.mark.parametrize("round_s", [0.0, 0.05, 5.0])
 def test_auto_with_a_machine_groups_until_a_submission_costs_two_percent(client, round_s):
     """With a calibrated machine, ``"auto"`` also groups a large model's steps: the fewest
     per submission at which what a submission costs beyond its steps (by the step model:
-    one step a submission against many) is at most 2% of a step, within 8 s of steps; fit
-    runs what it picks."""
+    one step a submission against many) is at most 2% of a step, a submission at most 8 s;
+    fit runs what it picks."""
+    import math
+    import os
+
     from dask_ipar.cost import Machine
     from dask_ipar.runtime.steps import (AUTO_LONGEST_S, AUTO_OVERHEAD,
                                          auto_steps_per_program)
+    from dask_ipar.runtime.workers import shared_cores
 
     class Seen(Callback):
         def on_train_begin(self, loop):
@@ -127,25 +131,40 @@ def test_auto_with_a_machine_groups_until_a_submission_costs_two_percent(client,
     big = Sequential([Dense(1024, "relu"), Dense(1024, "relu"), Dense(10)],
                      input_dim=1024).distribute(client, "2x1")
     try:
-        k = auto_steps_per_program(big, 2048, SGD(), machine)
-        step = {j: big.predict_step_s(2048, machine, steps_per_program=j).seconds
-                for j in range(1, 17)}
-        most = max(1, min(16, int(AUTO_LONGEST_S / step[1])))
+        cores = shared_cores(client, big.binding.workers)  # this test's LocalCluster
+        assert cores == len(os.sched_getaffinity(0))
+        k = auto_steps_per_program(big, 2048, SGD(), machine, cores)
+        step = {j: big.predict_step_s(2048, machine, cores=cores,
+                                      steps_per_program=j).seconds for j in range(1, 17)}
         # the model is linear in 1/k: step(j) = own + submission / j
-        submission = (step[1] - step[most]) * most / (most - 1) if most > 1 else 0.0
+        submission = (step[1] - step[16]) * 16 / 15
         own = step[1] - submission
-        for j in range(2, most + 1):
+        for j in range(2, 17):
             assert step[j] == pytest.approx(own + submission / j, rel=1e-6), j
-        assert 1 <= k <= most
-        assert k == most or submission / k <= AUTO_OVERHEAD * own * (1 + 1e-9)
+        assert 1 <= k <= 16
+        lasts = k * own + submission  # a submission of k steps
+        assert k == 1 or lasts <= AUTO_LONGEST_S + 1e-9
+        more_fit = k < 16 and (k + 1) * own + submission <= AUTO_LONGEST_S
+        assert not more_fit or submission / k <= AUTO_OVERHEAD * own * (1 + 1e-9)
         assert k == 1 or submission / (k - 1) > AUTO_OVERHEAD * own
-        if round_s == 0.5:  # half a second a submission: as many as 8 s of steps hold
-            assert k == most > 1
+        if round_s == 5.0:  # 5 s a submission: as many steps as the 8 s leave room for
+            assert 1 < k < 16 and not more_fit, (k, own, submission)
+        if round_s == 0.0:
+            assert submission < 0.1 * own  # what is left: the last step's push
         seen = Seen()
         X = np.random.default_rng(0).standard_normal((2048, 1024))
         big.fit(X, np.zeros(2048, dtype=int), batch_size=2048, steps_per_program="auto",
                 machine=machine, callbacks=[seen], measure=False)
         assert seen.k == k
+        # where the step model is not consulted, or cannot run, the rule without it
+        rough = auto_steps_per_program(big, 2048, SGD())
+        assert rough == 1 and math.isfinite(step[1])
+        assert auto_steps_per_program(big, 2048, SGD(), machine.replace(flops_per_s=None),
+                                      cores) == rough
+        assert auto_steps_per_program(big, 2048, SGD(), machine.replace(
+            background_cores=4.0), 2) == rough  # no core left to the step: unpriceable
+        big.executor = "graph"
+        assert auto_steps_per_program(big, 2048, SGD(), machine, cores) == rough
     finally:
         big.close()
 

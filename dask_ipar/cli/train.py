@@ -109,7 +109,8 @@ def add_parser(sub):
                         "--momentum, --nesterov, --weight-decay, --batch or --seed than the "
                         "run that saved the checkpoints")
     p.add_argument("--machine", metavar="FILE",
-                   help="YAML machine file (alpha, bandwidth) for the predicted seconds")
+                   help="YAML machine file (dask-ipar calibrate's) for the predicted "
+                   "seconds, and for --steps-per-program auto")
     p.add_argument("--report", metavar="FILE.html",
                    help="write a self-contained HTML run card (model, grid, predicted vs "
                    "measured communication, dask's performance report)")
@@ -392,13 +393,14 @@ def _run(args, signals) -> int:
         model.distribute(client, grid)
         model.executor = t["executor"]
         from dask_ipar.runtime.steps import auto_steps_per_program as auto_k
+        from dask_ipar.runtime.steps import prices_submissions
         from dask_ipar.runtime.workers import shared_cores
 
         spp = t["steps_per_program"]
         if spp == "auto":  # with --machine, also by the step model's price of a submission
             spp = auto_k(model, t["batch"], optimizer, machine,
-                         None if machine is None else shared_cores(client,
-                                                                   model.binding.workers))
+                         shared_cores(client, model.binding.workers)
+                         if prices_submissions(machine, model.executor) else None)
         page = training_page(client, cfg)
         if page:
             eprint(f"dask-ipar: training page {page}")

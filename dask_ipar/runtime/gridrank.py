@@ -19,7 +19,7 @@ from dask_ipar.nn.layers import Conv2d
 from dask_ipar.nn.planning import plan_layers
 from dask_ipar.optim import SGD
 from dask_ipar.runtime.stepmodel import simulate_engine
-from dask_ipar.runtime.steps import auto_steps_of_engine
+from dask_ipar.runtime.steps import auto_steps_of_engine, check_steps_per_program
 
 __all__ = ["GridChoice", "simulate_layers", "rank_grids", "plan_cnn"]
 
@@ -32,7 +32,7 @@ class GridChoice:
     layers: list  # the layers as run there (each Conv2d's ``parallel`` set)
     seconds: float
     result: object  # the SimResult
-    steps_per_program: int = 1  # steps a submission, as simulated
+    steps_per_program: int = 1  # steps a submission (as fit picks; priced for programs)
 
 
 def _schemes_of(layers) -> tuple:
@@ -63,7 +63,7 @@ def _candidates(layers, input_shape, grid, batch, machine):
 
 def simulate_layers(layers, input_shape, grid, batch: int, machine, *, cores=None,
                     executor: str = "programs", optimizer=None, dtype="float32",
-                    steps_per_program: int = 1):
+                    steps_per_program: int | str = 1):
     """Simulated step (a :class:`~dask_ipar.cost.SimResult`) of the network ``layers`` on
     ``grid`` without a cluster (the engine's graph on placeholder workers), run
     ``steps_per_program`` steps a submission (``"auto"``: as ``fit`` picks them on
@@ -87,7 +87,7 @@ def _simulate(layers, input_shape, grid, batch, machine, cores, executor, optimi
     w_names = [f"w{k}" for k in range(len(engine.param_layouts))]
     optimizer = optimizer or SGD(0.01, momentum=0.9)
     shape = tuple(input_shape)
-    k = steps_per_program
+    k = check_steps_per_program(steps_per_program)
     if k == "auto":
         k = auto_steps_of_engine(engine, w_names, batch, shape, model.dtype, optimizer,
                                  executor, machine, cores)
@@ -97,7 +97,7 @@ def _simulate(layers, input_shape, grid, batch, machine, cores, executor, optimi
 
 def rank_grids(layers, input_shape, procs: int, batch: int, machine, *, cores=None,
                executor: str = "programs", optimizer=None, dtype="float32", grids=None,
-               steps_per_program=1):
+               steps_per_program: int | str = 1):
     """Every grid of ``procs`` processes (or ``grids``) the engine runs the network on,
     with each CNN's best conv schemes there, fastest simulated step first: a list of
     :class:`GridChoice`. ``machine`` needs ``flops_per_s`` (``dask-ipar calibrate``);

@@ -221,11 +221,14 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
 
 
 def submission_steps(engine, w_names, batch, input_shape, dtype, machine, cores, optimizer,
-                     *, share: float, most: int) -> int:
+                     *, share: float, longest_s: float, most: int) -> int:
     """The fewest steps per submission, 1 to ``most``, at which what a submission costs
-    beyond its steps (its round trip, the CPU of its dask tasks, the push of its last
-    step's weights: the simulated step at one step a submission less that at ``most``) is
-    at most ``share`` of a step, by the step model as worker programs run it."""
+    beyond its steps is at most ``share`` of a step, by the step model as worker programs
+    run it; fewer where a submission would last more than ``longest_s``. The model prices
+    ``k`` steps a submission at ``own + submission / k`` a step (:func:`simulate_engine`:
+    one step's makespan within a program, and the submission's round trip, the CPU of its
+    dask tasks and the push of its last step's weights shared by its ``k``), so the two
+    come from its price at one step a submission and at ``most``."""
     def step_s(k):
         return simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores,
                                optimizer, "programs", steps_per_program=k).seconds
@@ -233,7 +236,8 @@ def submission_steps(engine, w_names, batch, input_shape, dtype, machine, cores,
     if most <= 1:
         return 1
     one, many = step_s(1), step_s(most)
-    # one = d + o and many = d + o / most: the step's own time d, the submission's o
-    overhead = max(0.0, (one - many) * most / (most - 1))
-    own = max(one - overhead, 1e-12)
-    return max(1, min(most, math.ceil(overhead / (share * own) - 1e-9)))
+    submission = max(0.0, (one - many) * most / (most - 1))
+    own = max(one - submission, 1e-12)
+    k = math.ceil(submission / (share * own) - 1e-9)
+    fits = math.floor((longest_s - submission) / own + 1e-9)  # k * own + submission
+    return max(1, min(most, k, fits))

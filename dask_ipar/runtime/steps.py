@@ -19,7 +19,8 @@ from dask_ipar.runtime.exchange import KEEP_STEPS
 
 __all__ = ["submit_steps", "SubmissionLosses", "StepLosses",
            "gather_losses", "check_optimizer", "check_steps_per_program",
-           "auto_steps_per_program", "auto_steps_of_engine", "MAX_STEPS_PER_PROGRAM", "AUTO_SUBMISSION_S",
+           "auto_steps_per_program", "auto_steps_of_engine", "prices_submissions",
+           "MAX_STEPS_PER_PROGRAM", "AUTO_SUBMISSION_S",
            "AUTO_FLOPS_PER_S", "AUTO_OVERHEAD", "AUTO_LONGEST_S"]
 
 #: The most steps one submission may hold (``steps_per_program``): a worker's mailbox keeps
@@ -38,12 +39,12 @@ AUTO_SUBMISSION_S = 0.05
 #: only when it is surely short.
 AUTO_FLOPS_PER_S = 5e10
 #: With a calibrated machine, "auto" also groups steps until what a submission costs beyond
-#: its steps, by the step model, is at most this share of a step (8 worker processes on 2
-#: cores: 80 ms a submission beside a 1.7 s step of the compute-bound MLP; four steps a
-#: submission stepped 4% faster than one in ``fit``, the model said 3%) ...
+#: its steps, by the step model, is at most this share of a step (8 emulated hosts on 2
+#: cores, 10 Gbit/s: 40-80 ms a submission; the CNN's 8x1 step, 0.36 s, then takes 13 a
+#: submission, and 4 a submission stepped 13-17% faster than 1 there) ...
 AUTO_OVERHEAD = 0.02
-#: ... but a submission of several steps holds at most this many seconds of them (a stop,
-#: a checkpoint's turn and the progress bar wait for a whole submission; a preempted
+#: ... but a submission of several steps lasts at most this many seconds by the model (a
+#: stop, a checkpoint's turn and the progress bar wait for a whole submission; a preempted
 #: worker's grace, :data:`~dask_ipar.runtime.preempt.GRACE_S`, is 20 s).
 AUTO_LONGEST_S = 8.0
 
@@ -68,33 +69,44 @@ def auto_steps_per_program(model, batch: int, optimizer, machine=None,
     rates) and worker programs, at least as many as bring what a submission costs beyond
     its steps to :data:`AUTO_OVERHEAD` of a step by the step model
     (:func:`~dask_ipar.runtime.stepmodel.submission_steps`; ``cores``: the cores the
-    workers share, as for :meth:`~dask_ipar.model.Sequential.predict_step_s`), within
-    :data:`AUTO_LONGEST_S` of steps."""
+    workers share, as for :meth:`~dask_ipar.model.Sequential.predict_step_s`), as long as
+    a submission lasts at most :data:`AUTO_LONGEST_S`. A machine the step model cannot
+    simulate (e.g. its ``background_cores`` at least ``cores``) leaves the first rule's."""
     shape = model.input_shape if model.engine.front is not None else (model.input_dim,)
     return auto_steps_of_engine(model.engine, model._w, batch, shape, model.dtype, optimizer,
                                 model.executor, machine, cores)
+
+
+def prices_submissions(machine, executor: str) -> bool:
+    """Whether ``"auto"`` consults the step model on ``machine`` (calibrated flop rates,
+    worker programs): where not, what the cores are is not needed either."""
+    return bool(machine is not None and getattr(machine, "flops_per_s", None)
+                and executor == "programs")
 
 
 def auto_steps_of_engine(engine, w_names, batch, input_shape, dtype, optimizer, executor,
                          machine=None, cores=None) -> int:
     """:func:`auto_steps_per_program` of a model's ``engine`` (its weights ``w_names``),
     run by ``executor``: what the grid ranking of the benchmarks' planner takes too."""
+    import numpy as np
+
     from dask_ipar.cost import Machine
     from dask_ipar.runtime.stepmodel import simulate_engine, submission_steps
 
-    rough = Machine(alpha_s=0.0, bandwidth_Bps=1e15, word_bytes=dtype.itemsize,
+    rough = Machine(alpha_s=0.0, bandwidth_Bps=1e15, word_bytes=np.dtype(dtype).itemsize,
                     flops_per_s=AUTO_FLOPS_PER_S)
     step_s = simulate_engine(engine, w_names, batch, input_shape, dtype, rough, None,
                              optimizer, "graph").seconds
     k = max(1, min(MAX_STEPS_PER_PROGRAM, int(AUTO_SUBMISSION_S / max(step_s, 1e-9))))
-    if machine is None or not getattr(machine, "flops_per_s", None) \
-            or executor != "programs" or k >= MAX_STEPS_PER_PROGRAM:
+    if not prices_submissions(machine, executor) or k >= MAX_STEPS_PER_PROGRAM:
         return k
-    one = simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores,
-                          optimizer, "programs").seconds
-    most = max(1, min(MAX_STEPS_PER_PROGRAM, int(AUTO_LONGEST_S / max(one, 1e-9))))
-    return max(k, submission_steps(engine, w_names, batch, input_shape, dtype, machine, cores,
-                                   optimizer, share=AUTO_OVERHEAD, most=most))
+    try:
+        return max(k, submission_steps(engine, w_names, batch, input_shape, dtype, machine,
+                                       cores, optimizer, share=AUTO_OVERHEAD,
+                                       longest_s=AUTO_LONGEST_S,
+                                       most=MAX_STEPS_PER_PROGRAM))
+    except (IparError, ValueError):  # the step model refuses this machine: the first rule
+        return k
 
 
 def submit_steps(model, batches, ahead: bool = False):

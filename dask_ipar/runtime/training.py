@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dask_ipar.errors import IparError
 from dask_ipar.runtime.steps import (auto_steps_per_program, check_optimizer,
-                                     check_steps_per_program, submit_steps)
+                                     check_steps_per_program, prices_submissions,
+                                     submit_steps)
 
 __all__ = ["fit", "prepare", "submit_step"]
 
@@ -125,7 +126,8 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
     for data in (X, y):
         if hasattr(data, "until"):  # read by the cells: no block prefetched past the end
             data.until = epochs * plan.steps_per_epoch
-    if check_steps_per_program(steps_per_program) == "auto" and machine is not None:
+    if check_steps_per_program(steps_per_program) == "auto" \
+            and prices_submissions(machine, model.executor):
         from dask_ipar.runtime.workers import shared_cores
 
         steps_per_program = auto_steps_per_program(

@@ -31,17 +31,28 @@ def scheduler_workers(client) -> dict:
 
 
 def shared_cores(client, workers) -> int | None:
-    """The cores ``workers`` share where they all run on one host (its CPU count: a
-    workstation's LocalCluster), else None (each worker on cores of its own, as the step
-    model takes them without ``cores``)."""
+    """The cores ``workers`` share where they all run on this machine (a workstation's
+    LocalCluster): the CPUs this process may use. Else None: each worker on cores of its
+    own, as the step model takes them without ``cores`` (workers on another host are not
+    asked: this must not wait on them)."""
     import os
+    import socket
 
-    workers = list(workers)
     info = scheduler_workers(client)
-    if not workers or len({info.get(w, {}).get("host") for w in workers}) != 1:
+    hosts = {info.get(w, {}).get("host") for w in workers}
+    if len(hosts) != 1 or None in hosts:
         return None
-    counts = client.run(os.cpu_count, workers=workers[:1])
-    return next(iter(counts.values()), None) or None
+    local = {"127.0.0.1", "::1", "localhost"}
+    try:
+        local.add(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    if hosts.pop() not in local:
+        return None
+    try:
+        return len(os.sched_getaffinity(0)) or None
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or None
 
 
 def scheduler_gone(client, timeout_s: float = 3.0) -> bool:
