@@ -329,11 +329,8 @@ class Sequential:
             chunks (default 8; 0: full shuffle; :class:`~dask_ipar.runtime.loop.BatchPlan`)
         progress : True for a tqdm bar on stderr, or a callable given each :class:`StepStats`
         max_inflight : submissions ahead of the one waited for
-        steps_per_program : consecutive steps per submission (1-16, or "auto": 16 for small
-            models, 1 for large; with a calibrated ``machine`` and worker programs, enough
-            that a submission's own cost is at most 2% of a step, a submission at most 8 s:
-            :func:`dask_ipar.runtime.steps.auto_steps_per_program`); one program per worker
-            runs them, losses come in bursts
+        steps_per_program : steps per submission, 1-16 or "auto" (by ``machine`` too:
+            :func:`dask_ipar.runtime.steps.auto_steps_per_program`), losses in bursts
         measure : put the per-layer, per-phase predicted-vs-measured bytes in ``history.comm``
             (predicted seconds from ``machine``, a :class:`dask_ipar.cost.Machine`).
         validation_data : ``(X_val, y_val)``: ``val_loss``, ``val_accuracy`` per epoch

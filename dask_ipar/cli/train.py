@@ -392,15 +392,8 @@ def _run(args, signals) -> int:
                + (", inputs standardized" if standardize else ""))
         model.distribute(client, grid)
         model.executor = t["executor"]
-        from dask_ipar.runtime.steps import auto_steps_per_program as auto_k
-        from dask_ipar.runtime.steps import prices_submissions
-        from dask_ipar.runtime.workers import shared_cores
-
-        spp = t["steps_per_program"]
-        if spp == "auto":  # with --machine, also by the step model's price of a submission
-            spp = auto_k(model, t["batch"], optimizer, machine,
-                         shared_cores(client, model.binding.workers)
-                         if prices_submissions(machine, model.executor) else None)
+        from dask_ipar.runtime.steps import resolve_steps_per_program as steps_of  # --machine too
+        spp = steps_of(model, t["batch"], optimizer, t["steps_per_program"], machine)
         page = training_page(client, cfg)
         if page:
             eprint(f"dask-ipar: training page {page}")

@@ -20,6 +20,7 @@ from dask_ipar.runtime.exchange import KEEP_STEPS
 __all__ = ["submit_steps", "SubmissionLosses", "StepLosses",
            "gather_losses", "check_optimizer", "check_steps_per_program",
            "auto_steps_per_program", "auto_steps_of_engine", "prices_submissions",
+           "resolve_steps_per_program",
            "MAX_STEPS_PER_PROGRAM", "AUTO_SUBMISSION_S",
            "AUTO_FLOPS_PER_S", "AUTO_OVERHEAD", "AUTO_LONGEST_S"]
 
@@ -75,6 +76,20 @@ def auto_steps_per_program(model, batch: int, optimizer, machine=None,
     shape = model.input_shape if model.engine.front is not None else (model.input_dim,)
     return auto_steps_of_engine(model.engine, model._w, batch, shape, model.dtype, optimizer,
                                 model.executor, machine, cores)
+
+
+def resolve_steps_per_program(model, batch: int, optimizer, value, machine=None) -> int:
+    """``value`` checked, ``"auto"`` resolved (:func:`auto_steps_per_program`; the cores
+    the workers share read from the cluster only where ``machine`` is consulted)."""
+    value = check_steps_per_program(value)
+    if value != "auto":
+        return value
+    cores = None
+    if prices_submissions(machine, model.executor):
+        from dask_ipar.runtime.workers import shared_cores
+
+        cores = shared_cores(model.client, model.binding.workers)
+    return auto_steps_per_program(model, batch, optimizer, machine, cores)
 
 
 def prices_submissions(machine, executor: str) -> bool:

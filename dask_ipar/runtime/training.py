@@ -6,9 +6,7 @@
 from __future__ import annotations
 
 from dask_ipar.errors import IparError
-from dask_ipar.runtime.steps import (auto_steps_per_program, check_optimizer,
-                                     check_steps_per_program, prices_submissions,
-                                     submit_steps)
+from dask_ipar.runtime.steps import check_optimizer, resolve_steps_per_program, submit_steps
 
 __all__ = ["fit", "prepare", "submit_step"]
 
@@ -126,13 +124,9 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
     for data in (X, y):
         if hasattr(data, "until"):  # read by the cells: no block prefetched past the end
             data.until = epochs * plan.steps_per_epoch
-    if check_steps_per_program(steps_per_program) == "auto" \
-            and prices_submissions(machine, model.executor):
-        from dask_ipar.runtime.workers import shared_cores
-
-        steps_per_program = auto_steps_per_program(
-            model, plan.batch, optimizer, machine,
-            shared_cores(model.client, model.binding.workers))
+    if machine is not None:  # "auto" on it (without one, the loop's rule)
+        steps_per_program = resolve_steps_per_program(model, plan.batch, optimizer,
+                                                      steps_per_program, machine)
     loop = TrainLoop(model, X, y, plan, optimizer, total_steps=epochs * plan.steps_per_epoch,
                      callbacks=pre + post, max_inflight=max_inflight,
                      diverge_factor=diverge_factor, steps_per_program=steps_per_program)
