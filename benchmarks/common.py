@@ -633,21 +633,19 @@ def noop_floor(client, model, cfg: MLPConfig, optimizer, sched, steps: int) -> d
 def time_dask_grid(client, cfg: MLPConfig, grid: str, steps: int, warmup: int = 1,
                    memory: bool = False, pids=None, profile: bool = True,
                    executor: str = "graph", layers=None, more: bool = True,
-                   data: str = "client", steps_per_program=1, machine=None,
-                   cores=None) -> dict:
+                   data: str = "client", steps_per_program: int = 1) -> dict:
     """Median step time of dask-ipar on ``grid`` (train_step + gather), with the
     per-step overhead profile and (optionally) peak RSS per worker. ``executor``:
     ``Sequential.executor`` of the steps; ``layers``: the model's layers (a CNN's with the
     planner's conv schemes), else ``cfg``'s; ``more``: every step but the last says
     another follows (``train_step(more=True)``, as ``fit`` within an epoch); ``data``:
     where the batches come from (:data:`DATA_PATHS`); ``steps_per_program``: steps per
-    submission, or ``"auto"`` (what ``fit`` and ``dask-ipar train`` pick, on ``machine``
-    with ``cores``; recorded as ``out["steps_per_program"]``). With several, ``steps``
-    steps (at least 3 submissions) are timed a submission at a time."""
+    submission (with several, ``steps`` steps, at least 3 submissions, are timed a
+    submission at a time)."""
     model = cfg.build_model(layers)
     with step_batches(cfg, model, data) as batches:
         out = _time_steps(client, cfg, model, batches, grid, steps, warmup, memory, profile,
-                          executor, more, (steps_per_program, machine, cores))
+                          executor, more, steps_per_program)
     out["data"] = data
     return out
 
@@ -664,7 +662,7 @@ def _submit_k(model, batches, k, opt, more):
 
 
 def _time_steps(client, cfg, model, batches, grid, steps, warmup, memory, profile, executor,
-                more, grouping=(1, None, None)) -> dict:
+                more, group: int = 1) -> dict:
     from distributed import wait
 
     from dask_ipar import SGD
@@ -674,14 +672,9 @@ def _time_steps(client, cfg, model, batches, grid, steps, warmup, memory, profil
     try:
         model.distribute(client, grid)
         model.executor = executor
-        k, machine, cores = grouping
-        if k == "auto":
-            from dask_ipar.runtime.steps import auto_steps_per_program
-
-            k = auto_steps_per_program(model, cfg.batch, opt, machine, cores)
-        out["steps_per_program"] = k
-        if k > 1:
-            return _time_submissions(client, cfg, model, batches, k, steps, warmup, opt,
+        out["steps_per_program"] = group
+        if group > 1:
+            return _time_submissions(client, cfg, model, batches, group, steps, warmup, opt,
                                      more, out)
         for k in range(warmup):
             Xb, yb = batches[k % 2]

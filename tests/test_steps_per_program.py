@@ -114,7 +114,6 @@ def test_auto_with_a_machine_groups_until_a_submission_costs_two_percent(client,
     per submission at which what a submission costs beyond its steps (by the step model:
     one step a submission against many) is at most 2% of a step, a submission at most 8 s;
     fit runs what it picks."""
-    import math
     import os
 
     from dask_ipar.cost import Machine
@@ -158,7 +157,7 @@ def test_auto_with_a_machine_groups_until_a_submission_costs_two_percent(client,
         assert seen.k == k
         # where the step model is not consulted, or cannot run, the rule without it
         rough = auto_steps_per_program(big, 2048, SGD())
-        assert rough == 1 and math.isfinite(step[1])
+        assert rough == 1
         assert auto_steps_per_program(big, 2048, SGD(), machine.replace(flops_per_s=None),
                                       cores) == rough
         assert auto_steps_per_program(big, 2048, SGD(), machine.replace(

@@ -117,10 +117,9 @@ class Effort:
     """How much a calibration measures: its sizes and its repeats (each figure the median,
     or the fastest, of its repeats). :data:`FULL` is what ``dask-ipar calibrate`` runs;
     :data:`QUICK` (``--quick``) about 0.6 of its time (2 workers on 2 cores: 17 s against
-    29 s), its figures noisier (the matmul
-    rates on 512-cubed products scaled to 1024-cubed by the edge model, the transfers on
-    4 MiB blocks): a check that a cluster works end to end, not a machine file to plan
-    large runs by."""
+    29 s), its figures noisier (the matmul rates on 512-cubed products scaled to 1024-cubed
+    by the edge model, the transfers on 4 MiB blocks): a check that a cluster works end to
+    end, not a machine file to plan large runs by."""
 
     sizes_mib: tuple = (4, 16, 64)
     hops: int = 40
@@ -454,7 +453,7 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     figures = [transfer_cpu(client, everyone, block_mib * 2**20, rest)
                for _ in range(e.transfer_repeats)]
     cpu_B = float(np.median([c for c, _ in figures]))
-    exchange = float(np.median([e for _, e in figures]))
+    exchange = float(np.median([x for _, x in figures]))
     log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once): "
         f"{cpu_B * 1e9:.2f} ns per byte sent or received; each worker sent "
         f"{exchange / 2**20:.0f} MiB/s")

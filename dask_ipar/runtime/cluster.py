@@ -19,7 +19,6 @@ anything.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -42,6 +41,7 @@ from dask_ipar.runtime.worker_env import (
     cluster_section,
     config_environ,
     malloc_checked,
+    usable_cpus,
     worker_environment,
 )
 from dask_ipar.runtime.workers import wait_for_workers
@@ -85,10 +85,7 @@ def local_threads(cfg: dict, n_workers: int) -> int:
     check_n(n_workers)
     cores = cluster_section(cfg).get("cores")
     if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - macOS, Windows
-            cores = os.cpu_count() or 1
+        cores = usable_cpus()
     return max(1, cores // n_workers)
 
 

@@ -124,9 +124,8 @@ def fit(model, X, y, *, epochs=1, batch_size=32, optimizer=None, shuffle=True, s
     for data in (X, y):
         if hasattr(data, "until"):  # read by the cells: no block prefetched past the end
             data.until = epochs * plan.steps_per_epoch
-    if machine is not None:  # "auto" on it (without one, the loop's rule)
-        steps_per_program = resolve_steps_per_program(model, plan.batch, optimizer,
-                                                      steps_per_program, machine)
+    steps_per_program = resolve_steps_per_program(model, plan.batch, optimizer,
+                                                  steps_per_program, machine)
     loop = TrainLoop(model, X, y, plan, optimizer, total_steps=epochs * plan.steps_per_epoch,
                      callbacks=pre + post, max_inflight=max_inflight,
                      diverge_factor=diverge_factor, steps_per_program=steps_per_program)

@@ -13,10 +13,19 @@ import os
 from dask_ipar.config import DEFAULTS
 from dask_ipar.errors import IparError
 
-__all__ = ["config_seconds", "QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEMORY_ENV", "BLAS_THREAD_VARS", "cluster_key",
+__all__ = ["usable_cpus", "config_seconds", "QUIET_LOOP_CONFIG", "SCHEDULER_CONFIG", "REUSE_MEMORY_ENV", "BLAS_THREAD_VARS", "cluster_key",
            "blas_environ",
            "config_environ", "config_exports", "worker_environment", "cluster_section",
            "check_n", "worker_malloc_env", "malloc_advice", "check_malloc", "malloc_checked"]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use (its affinity; the machine's count where the platform
+    has none)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
 
 #: dask settings of the clusters dask-ipar starts: the event-loop housekeeping of the
 #: scheduler, nannies and workers runs less often than dask's defaults (a tick every 20 ms,

@@ -35,7 +35,6 @@ def shared_cores(client, workers) -> int | None:
     LocalCluster): the CPUs this process may use. Else None: each worker on cores of its
     own, as the step model takes them without ``cores`` (workers on another host are not
     asked: this must not wait on them)."""
-    import os
     import socket
 
     info = scheduler_workers(client)
@@ -49,10 +48,9 @@ def shared_cores(client, workers) -> int | None:
         pass
     if hosts.pop() not in local:
         return None
-    try:
-        return len(os.sched_getaffinity(0)) or None
-    except AttributeError:  # pragma: no cover - macOS, Windows
-        return os.cpu_count() or None
+    from dask_ipar.runtime.worker_env import usable_cpus
+
+    return usable_cpus()
 
 
 def scheduler_gone(client, timeout_s: float = 3.0) -> bool:
