@@ -83,6 +83,10 @@ def _torch():
                 _torch_error = f"{type(exc).__name__}: {exc}"
             else:
                 _torch_module = torch
+                # blocks received over the network are read-only, which PyTorch's views of
+                # them warn about once per process: the kernels never write into them
+                warnings.filterwarnings("ignore", message=".*NumPy array is not writable",
+                                        category=UserWarning)
     return _torch_module or None
 
 
@@ -111,9 +115,7 @@ def _torch_matmul(torch, a, b, out):
     """``a @ b`` by PyTorch into ``out`` (a new NumPy array when None); None where PyTorch
     cannot view the operands (negative strides)."""
     try:
-        with warnings.catch_warnings():  # blocks received over the network are read-only
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     except ValueError:
         return None
     if out is None:
