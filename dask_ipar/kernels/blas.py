@@ -25,6 +25,7 @@ before.
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 
 import numpy as np
@@ -107,8 +108,10 @@ def backend() -> str:
 def _flops(a, b) -> int:
     m, k = a.shape[-2:]
     n = b.shape[-1]
+    if a.ndim == 2 and b.ndim == 2:  # the dense kernels' products: no NumPy calls (20 us)
+        return 2 * m * n * k
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    return 2 * m * n * k * int(np.prod(batch, dtype=np.int64))
+    return 2 * m * n * k * math.prod(batch)
 
 
 def _torch_matmul(torch, a, b, out):
