@@ -56,6 +56,35 @@ def test_torch_products_equal_numpy(torch_calls, dtype, tol):
     assert len(torch_calls) == 4
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-4), (np.float64, 1e-12)])
+def test_matmul_add_adds_into_its_output(monkeypatch, dtype, tol):
+    """``c += a @ b``: on PyTorch's BLAS inside the product (``addmm_``, no scratch), on
+    NumPy's into the scratch it hands back for the next call; both equal NumPy's sum."""
+    torch = pytest.importorskip("torch")
+    a, b, c0 = _rand(300, 500, dtype=dtype), _rand(500, 200, dtype=dtype, seed=1), \
+        _rand(300, 200, dtype=dtype, seed=2)
+    ref = c0 + a @ b
+    scale = np.abs(ref).max()
+    added = []
+    real = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda t, *x: added.append(1) or real(t, *x))
+    with dask.config.set({"ipar.matmul": "torch"}):
+        c = c0.copy()
+        r, tmp = blas.matmul_add(c, a, b)
+        assert r is c and tmp is None and added == [1]
+        assert np.abs(c - ref).max() <= tol * scale
+        wide = np.zeros((300, 260), dtype)  # not C-contiguous: the product apart, then added
+        r, tmp = blas.matmul_add(wide[:, :200], a, b)
+        assert added == [1] and tmp.shape == (300, 200)
+        assert np.abs(wide[:, :200] - a @ b).max() <= tol * scale and (wide[:, 200:] == 0).all()
+    with dask.config.set({"ipar.matmul": "numpy"}):
+        c = c0.copy()
+        r, tmp = blas.matmul_add(c, a, b)
+        assert r is c and tmp.shape == c.shape and added == [1]
+        r, tmp2 = blas.matmul_add(c, a, b, tmp)  # the scratch reused
+        assert tmp2 is tmp and np.abs(c - (ref + a @ b)).max() <= 2 * tol * scale
+
+
 def test_what_stays_on_numpy(torch_calls):
     a, b = _rand(300, 500), _rand(500, 200)
     with dask.config.set({"ipar.matmul": "torch"}):

@@ -19,7 +19,7 @@ from dask_ipar.kernels.activations import (
     activation_grad,
     times_activation_grad_,
 )
-from dask_ipar.kernels.blas import matmul
+from dask_ipar.kernels.blas import matmul, matmul_add
 from dask_ipar.kernels.blocks import sum_pieces, ufuncs_of, xp_of
 from dask_ipar.kernels.threads import SLICE_BYTES, kernel_threads, over_rows
 
@@ -163,17 +163,13 @@ def contract_ranges(wb, xb, n_in):
 
 def _contract(wb, xb, n_in, w, x):
     """``W(i, a:b) @ X(a:b, j)`` summed over :func:`contract_ranges`; a fresh array."""
-    z, tmp, m = None, None, None
+    z, tmp = None, None
     for a, b in contract_ranges(wb, xb, n_in):
         wa, xa = _part(wb, w, a, b, 1), _part(xb, x, a, b, 0)
         if z is None:
             z = matmul(wa, xa)
-            m = _ufuncs(z)
-        elif m is not None:
-            tmp = m.empty_like(z) if tmp is None else tmp
-            z += matmul(wa, xa, out=tmp)
         else:
-            z = z + matmul(wa, xa)
+            z, tmp = matmul_add(z, wa, xa, tmp)
     return z
 
 
