@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,8 +62,8 @@ def library_of(dso: str, sym: str = "") -> str:
 
 
 def role_of(name) -> str:
-    """A dask-ipar thread's role by its Python name (None: a thread Python did not start,
-    e.g. a BLAS thread)."""
+    """A dask-ipar thread's role by its Python name (None: a thread of its processes that
+    Python did not start, e.g. a BLAS thread)."""
     if name is None:
         return "native threads (BLAS, other)"
     if name.startswith("client:"):
@@ -78,14 +79,24 @@ def role_of(name) -> str:
     return "other threads"
 
 
-def _perf_record(seconds: float, path: str) -> None:
-    subprocess.run(["perf", "record", "-a", "-F", "199", "-o", path, "--", "sleep",
-                    str(seconds)], check=True, capture_output=True)
+def _perf_record(seconds: float, path: str, failed: list | None = None) -> None:
+    """``perf record -a`` for ``seconds`` into ``path``; its error, where it fails, into
+    ``failed`` (a thread's), else raised."""
+    r = subprocess.run(["perf", "record", "-a", "-F", "199", "-o", path, "--", "sleep",
+                        str(seconds)], capture_output=True, text=True)
+    if r.returncode:
+        err = RuntimeError(f"perf record failed ({r.stderr.strip()[-500:]}); run as root, or "
+                           "set /proc/sys/kernel/perf_event_paranoid to -1")
+        if failed is None:
+            raise err
+        failed.append(err)
 
 
-def shares(path: str, names: dict | None = None) -> dict:
+def shares(path: str, names: dict | None = None, tids=()) -> dict:
     """``{"by_library": {...}, "by_role": {role: {library: share}}}`` of a ``perf`` data
-    file, shares of all its samples; ``names``: thread id -> Python thread name."""
+    file, shares of all its samples (``idle``: the idle task's); ``names``: thread id ->
+    Python thread name of dask-ipar's processes, ``tids`` all their threads (those
+    without a name are native ones; threads of other processes are ``other processes``)."""
     out = subprocess.run(["perf", "report", "-i", path, "--stdio", "--no-children", "--sort",
                           "pid,dso,sym"], check=True, capture_output=True, text=True).stdout
     lib: dict = collections.Counter()
@@ -95,10 +106,14 @@ def shares(path: str, names: dict | None = None) -> dict:
         if not m:
             continue
         share, tid = float(m.group(1)) / 100, int(m.group(2))
-        where = library_of(m.group(4), m.group(5))
+        where = "idle" if tid == 0 else library_of(m.group(4), m.group(5))
         lib[where] += share
         if names is not None:
-            role[role_of(names.get(tid))][where] += share
+            role["other processes" if tid not in names and tid not in tids
+                 else role_of(names.get(tid))][where] += share
+    if sum(lib.values()) < 0.95:
+        print(f"warning: only {sum(lib.values()):.0%} of {path}'s samples were read",
+              file=sys.stderr)
     return {"by_library": dict(lib), "by_role": {k: dict(v) for k, v in role.items()}}
 
 
@@ -112,9 +127,10 @@ def profile_dask(cfg, workers: int, grid: str, seconds: float, path: str) -> dic
     from dask_ipar import SGD
 
     cluster, client, _ = C.local_cluster(workers, os.cpu_count() or 1)
-    opt = SGD(lr=0.01, momentum=0.9)
-    model = cfg.build_model()
+    model = None
     try:
+        opt = SGD(lr=0.01, momentum=0.9)
+        model = cfg.build_model()
         with C.step_batches(cfg, model, "file") as batches:
             model.distribute(client, grid)
             model.executor = "programs"
@@ -124,19 +140,27 @@ def profile_dask(cfg, workers: int, grid: str, seconds: float, path: str) -> dic
             for got in client.run(_names).values():
                 names.update(got)
             names.update({t: f"client:{n}" for t, n in _names().items()})
-            rec = threading.Thread(target=_perf_record, args=(seconds, path))
+            pids = {os.getpid(), *client.run(os.getpid).values()}
+            tids: set = set()
+            failed: list = []
+            rec = threading.Thread(target=_perf_record, args=(seconds, path, failed))
             t0, steps = time.perf_counter(), 0
             rec.start()
             while rec.is_alive():
                 client.gather(model.train_step(*batches[steps % 2], opt, more=True))
                 steps += 1
+                if not tids:  # the processes' threads, BLAS ones included, once all run
+                    tids = {int(t) for p in pids for t in os.listdir(f"/proc/{p}/task")}
             wall = time.perf_counter() - t0
             client.gather(model.train_step(*batches[0], opt, more=False))
+            if failed:
+                raise failed[0]
     finally:
-        model.close()
+        if model is not None:
+            model.close()
         client.close()
         cluster.close()
-    return {**shares(path, names), "step_s": wall / max(1, steps), "steps": steps}
+    return {**shares(path, names, tids), "step_s": wall / max(1, steps), "steps": steps}
 
 
 def profile_tp(cfg, workers: int, seconds: float, path: str) -> dict:
@@ -147,16 +171,25 @@ def profile_tp(cfg, workers: int, seconds: float, path: str) -> dict:
     args = [sys.executable, os.path.join(HERE, "peers.py"), "--mode", "tp", "--mesh",
             f"{workers}x1", "--world", str(workers), "--master", master, "--spec",
             json.dumps(cfg.spec()), "--batch", str(cfg.batch), "--steps", str(steps)]
-    procs = [subprocess.Popen([*args, "--rank", str(r)], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
-             for r in range(workers)]
-    try:
-        time.sleep(20.0)  # started, built, and past the warm-up step
-        _perf_record(seconds, path)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    with tempfile.TemporaryFile(mode="w+") as errs:
+        procs = [subprocess.Popen([*args, "--rank", str(r)], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=errs, start_new_session=True)
+                 for r in range(workers)]
+        try:
+            time.sleep(20.0)  # started, built, and past the warm-up step
+            _perf_record(seconds, path)
+            ended = [r for r, p in enumerate(procs) if p.poll() is not None]
+            if ended:  # the profile is not of their steps
+                errs.seek(0)
+                raise RuntimeError(f"tensor-parallel ranks {ended} ended before the profile "
+                                   f"did: {errs.read()[-1000:]}")
+        finally:
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
     return shares(path)
 
 

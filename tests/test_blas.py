@@ -77,6 +77,13 @@ def test_matmul_add_adds_into_its_output(monkeypatch, dtype, tol):
         r, tmp = blas.matmul_add(wide[:, :200], a, b)
         assert added == [1] and tmp.shape == (300, 200)
         assert np.abs(wide[:, :200] - a @ b).max() <= tol * scale and (wide[:, 200:] == 0).all()
+        square = _rand(300, 300, dtype=dtype, seed=3)  # c overlapping an operand: apart
+        r, tmp = blas.matmul_add(square, square, np.eye(300, dtype=dtype))
+        assert added == [1] and np.abs(r - 2 * _rand(300, 300, dtype=dtype, seed=3)).max() \
+            <= tol * 10
+        c = c0.copy()  # negative strides, which PyTorch cannot view: apart
+        r, tmp = blas.matmul_add(c, a[::-1], b)
+        assert added == [1] and np.abs(c - (c0 + a[::-1] @ b)).max() <= tol * scale
     with dask.config.set({"ipar.matmul": "numpy"}):
         c = c0.copy()
         r, tmp = blas.matmul_add(c, a, b)

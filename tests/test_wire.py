@@ -29,7 +29,8 @@ def test_pack_keeps_blocks_out_of_band_and_unpacks_writable_equal_arrays():
     # then the C-contiguous NumPy blocks' own memory
     assert len(frames) == 5
     assert np.shares_memory(np.frombuffer(frames[3], dtype=np.float32), c)
-    got = unpack([bytearray(memoryview(fr).cast("B")) for fr in frames])
+    # as MessageReader hands them on: each frame a NumPy uint8 buffer of its own
+    got = unpack([np.frombuffer(memoryview(fr).cast("B"), np.uint8).copy() for fr in frames])
     assert [k for k, _ in got] == [k for k, _ in items]
     assert got[2][1].shape == (0, 4) and got[3][1].dtype == bool
     np.testing.assert_array_equal(got[3][1], flags)

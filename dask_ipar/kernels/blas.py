@@ -1,7 +1,7 @@
 """The matrix products of the kernels, and whose BLAS runs them on NumPy blocks.
 
 Every product of the dense, convolution and row-parallel kernels goes through
-:func:`matmul`. On CuPy and other array API blocks it is the array library's own. On NumPy
+:func:`matmul` (or :func:`matmul_add`, a product added into an array). On CuPy and other array API blocks it is the array library's own. On NumPy
 blocks it is NumPy's BLAS (the OpenBLAS its wheels bundle), or PyTorch's CPU BLAS (Intel
 MKL in the x86 wheels) on the same memory through ``torch.from_numpy``: no copy, the result
 a NumPy array NumPy allocated. Which one is the ``ipar.matmul`` setting:
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -47,6 +48,7 @@ _WHERE = "in dask-ipar.yaml, or DASK_IPAR__MATMUL"
 _TORCH_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _torch_module = None  # PyTorch once imported for the kernels; False where it is missing
 _torch_error = None  # why PyTorch failed to import, where it did
+_import_lock = threading.Lock()
 
 
 def _setting() -> str:
@@ -72,22 +74,27 @@ def check_setting(value=None) -> str:
 
 
 def _torch():
-    """PyTorch, imported once; None where it is not installed or fails to import (the
-    error kept in ``_torch_error``)."""
+    """PyTorch, imported once (other threads wait for the import); None where it is not
+    installed or fails to import (the error kept in ``_torch_error``)."""
     global _torch_module, _torch_error
-    if _torch_module is None:
-        _torch_module = False
+    if _torch_module is not None:
+        return _torch_module or None
+    with _import_lock:
+        if _torch_module is not None:
+            return _torch_module or None
+        got = False  # set once imported (or failed): threads outside the lock see None until
         if importlib.util.find_spec("torch") is not None:
             try:
                 import torch
             except Exception as exc:  # a broken install: auto falls back to NumPy's BLAS
                 _torch_error = f"{type(exc).__name__}: {exc}"
             else:
-                _torch_module = torch
+                got = torch
                 # blocks received over the network are read-only, which PyTorch's views of
                 # them warn about once per process: the kernels never write into them
                 warnings.filterwarnings("ignore", message=".*NumPy array is not writable",
                                         category=UserWarning)
+        _torch_module = got
     return _torch_module or None
 
 
@@ -129,8 +136,9 @@ def _torch_matmul(torch, a, b, out):
 
 
 def _on_torch(a, b, out) -> bool:
-    """Whether PyTorch's BLAS takes ``a @ b`` (into ``out``): NumPy blocks of one float dtype,
-    at least :data:`MIN_FLOPS`, and ``ipar.matmul`` picking PyTorch."""
+    """Whether PyTorch's BLAS takes ``a @ b`` (into ``out``, of their dtype and writeable):
+    NumPy blocks of one float dtype, at least :data:`MIN_FLOPS`, and ``ipar.matmul`` picking
+    PyTorch."""
     return (type(a) is np.ndarray and type(b) is np.ndarray and a.ndim >= 2 and b.ndim >= 2
             and a.dtype == b.dtype and a.dtype in _TORCH_DTYPES
             and (out is None or (out.dtype == a.dtype and out.flags.writeable))
@@ -138,8 +146,9 @@ def _on_torch(a, b, out) -> bool:
 
 
 def matmul_add(c, a, b, tmp=None):
-    """``c += a @ b`` for the caller's own NumPy or CuPy matrix ``c``; returns ``(c, tmp)``,
-    ``tmp`` a scratch array of ``c``'s shape to hand to the next call (or None).
+    """``c + a @ b``, written into ``c`` where it is the caller's own NumPy or CuPy matrix
+    (other array libraries: a new array); returns ``(the sum, tmp)``, ``tmp`` a scratch array
+    of ``c``'s shape to hand to the next call (or None). ``c`` must not overlap ``a`` or ``b``.
 
     On PyTorch's BLAS (:func:`matmul`'s rule; 2-D, ``c`` C-contiguous) the product adds
     into ``c`` itself (``addmm_``: no scratch, and the write and read-back of one, about 6%
@@ -147,7 +156,8 @@ def matmul_add(c, a, b, tmp=None):
     product's rounded sum added apart, as one BLAS's does from another's. Elsewhere the
     product goes into ``tmp`` (made when None), then is added."""
     if (a.ndim == 2 and b.ndim == 2 and type(c) is np.ndarray and c.dtype == a.dtype
-            and c.flags.c_contiguous and _on_torch(a, b, c)):
+            and c.flags.c_contiguous and _on_torch(a, b, c)
+            and not np.may_share_memory(c, a) and not np.may_share_memory(c, b)):
         try:
             ta, tb = _torch().from_numpy(a), _torch().from_numpy(b)
         except ValueError:  # negative strides: the product apart
