@@ -141,7 +141,8 @@ def profile_dask(cfg, workers: int, grid: str, seconds: float, path: str) -> dic
                 names.update(got)
             names.update({t: f"client:{n}" for t, n in _names().items()})
             pids = {os.getpid(), *client.run(os.getpid).values()}
-            tids: set = set()
+            # every thread of these processes, BLAS ones included (all started by now)
+            tids = {int(t) for p in pids for t in os.listdir(f"/proc/{p}/task")}
             failed: list = []
             rec = threading.Thread(target=_perf_record, args=(seconds, path, failed))
             t0, steps = time.perf_counter(), 0
@@ -149,8 +150,6 @@ def profile_dask(cfg, workers: int, grid: str, seconds: float, path: str) -> dic
             while rec.is_alive():
                 client.gather(model.train_step(*batches[steps % 2], opt, more=True))
                 steps += 1
-                if not tids:  # the processes' threads, BLAS ones included, once all run
-                    tids = {int(t) for p in pids for t in os.listdir(f"/proc/{p}/task")}
             wall = time.perf_counter() - t0
             client.gather(model.train_step(*batches[0], opt, more=False))
             if failed:

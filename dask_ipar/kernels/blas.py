@@ -1,8 +1,8 @@
 """The matrix products of the kernels, and whose BLAS runs them on NumPy blocks.
 
 Every product of the dense, convolution and row-parallel kernels goes through
-:func:`matmul` (or :func:`matmul_add`, a product added into an array). On CuPy and other array API blocks it is the array library's own. On NumPy
-blocks it is NumPy's BLAS (the OpenBLAS its wheels bundle), or PyTorch's CPU BLAS (Intel
+:func:`matmul` (or :func:`matmul_add`, a product added into an array). On CuPy and other
+array API blocks it is the array library's own. On NumPy blocks it is NumPy's BLAS (the OpenBLAS its wheels bundle), or PyTorch's CPU BLAS (Intel
 MKL in the x86 wheels) on the same memory through ``torch.from_numpy``: no copy, the result
 a NumPy array NumPy allocated. Which one is the ``ipar.matmul`` setting:
 
@@ -158,12 +158,13 @@ def matmul_add(c, a, b, tmp=None):
     if (a.ndim == 2 and b.ndim == 2 and type(c) is np.ndarray and c.dtype == a.dtype
             and c.flags.c_contiguous and _on_torch(a, b, c)
             and not np.may_share_memory(c, a) and not np.may_share_memory(c, b)):
+        torch = _torch()
         try:
-            ta, tb = _torch().from_numpy(a), _torch().from_numpy(b)
+            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
         except ValueError:  # negative strides: the product apart
             pass
         else:
-            _torch().from_numpy(c).addmm_(ta, tb)
+            torch.from_numpy(c).addmm_(ta, tb)
             return c, tmp
     m = ufuncs_of(c)
     if m is None:

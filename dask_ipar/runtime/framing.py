@@ -99,11 +99,10 @@ FIRST_BUFFER_BYTES = 1 << 24
 class MessageReader:
     """Reads the messages of one link a piece at a time (the frame count, the frames'
     lengths, then each frame into a buffer of its own: a NumPy ``uint8`` array, not
-    cleared first), resumable: on a non-blocking
-    socket it reads what the socket has now and keeps its place until the rest comes, so
-    that a peer stopped halfway through a message holds no thread. It reads exactly up to
-    the message's end (no read-ahead): a readiness check of the socket afterwards tells
-    whether another message waits."""
+    cleared first), resumable: on a non-blocking socket it reads what the socket has now
+    and keeps its place until the rest comes, so that a peer stopped halfway through a
+    message holds no thread. It reads exactly up to the message's end (no read-ahead): a
+    readiness check of the socket afterwards tells whether another message waits."""
 
     __slots__ = ("buf", "got", "need", "stage", "lengths", "frames")
 

@@ -27,6 +27,7 @@ def usable_cpus() -> int:
     except AttributeError:  # pragma: no cover - macOS, Windows
         return os.cpu_count() or 1
 
+
 #: dask settings of the clusters dask-ipar starts: the event-loop housekeeping of the
 #: scheduler, nannies and workers runs less often than dask's defaults (a tick every 20 ms,
 #: a system-monitor sample every 500 ms). On a 2-core machine an idle scheduler with four
