@@ -120,7 +120,7 @@ DEFAULTS: dict = {
         "wait_timeout": 600.0,  # seconds to wait for all workers to join
     },
     "machine": None,  # YAML machine file (alpha, bandwidth) for the cost model
-    # whose BLAS multiplies NumPy blocks: auto (PyTorch's where installed) | numpy | torch
+    # whose BLAS multiplies NumPy blocks: auto (PyTorch's on Intel CPUs where installed) | numpy | torch
     "matmul": "auto",
     "checkpoint": {
         "dir": None,  # where checkpoints go; None: no checkpoints
@@ -484,7 +484,8 @@ def validate(cfg: dict) -> dict:
     mf = cfg.get("machine")
     _need(mf is None or isinstance(mf, str), "machine", mf, "a YAML file path or null")
     _need(cfg.get("matmul", "auto") in ("auto", "numpy", "torch"), "matmul",
-          cfg.get("matmul"), "auto (PyTorch's BLAS where installed), numpy or torch")
+          cfg.get("matmul"), "auto (PyTorch's BLAS on Intel CPUs where installed), numpy "
+          "or torch")
 
     ck = cfg.get("checkpoint", {})
     _need(ck.get("dir") is None or isinstance(ck.get("dir"), str), "checkpoint.dir",

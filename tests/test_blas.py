@@ -5,6 +5,8 @@ reference with every product on PyTorch's BLAS."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 
 import dask
 import numpy as np
@@ -110,7 +112,13 @@ def test_what_stays_on_numpy(torch_calls):
 def test_auto_and_the_setting(monkeypatch):
     with dask.config.set({"ipar.matmul": "auto"}):
         installed = importlib.util.find_spec("torch") is not None
-        assert blas.backend() == ("torch" if installed else "numpy")
+        intel = blas.cpu_vendor() == "GenuineIntel"
+        assert blas.backend() == ("torch" if installed and intel else "numpy")
+        for vendor, expected in (("GenuineIntel", "torch"), ("AuthenticAMD", "numpy"),
+                                 ("", "numpy")):
+            monkeypatch.setattr(blas, "cpu_vendor", lambda v=vendor: v)
+            assert blas.backend() == (expected if installed else "numpy")
+        monkeypatch.undo()
     assert DEFAULTS["matmul"] == "auto" and validate({**DEFAULTS, "matmul": "numpy"})
     with pytest.raises(ConfigError, match="matmul.*auto.*numpy or torch"):
         validate({**DEFAULTS, "matmul": "mkl"})
@@ -196,6 +204,7 @@ def test_a_broken_pytorch_falls_back_under_auto(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # "import torch" raises ImportError
     monkeypatch.setattr(blas, "_torch_module", None)
     monkeypatch.setattr(blas, "_torch_error", None)
+    monkeypatch.setattr(blas, "cpu_vendor", lambda: "GenuineIntel")  # where auto asks PyTorch
     a, b = _rand(300, 500), _rand(500, 200)
     with dask.config.set({"ipar.matmul": "auto"}):
         assert blas.backend() == "numpy"
@@ -203,3 +212,10 @@ def test_a_broken_pytorch_falls_back_under_auto(monkeypatch):
     with dask.config.set({"ipar.matmul": "torch"}):
         with pytest.raises(IparError, match="fails to import here .*Error: .*auto or numpy"):
             blas.matmul(a, b)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="Linux's /proc/cpuinfo")
+def test_cpu_vendor_reads_the_first_vendor_id():
+    with open("/proc/cpuinfo") as f:
+        vendors = re.findall(r"^vendor_id\s*:\s*(\S+)", f.read(), flags=re.M)
+    assert vendors and blas.cpu_vendor() == vendors[0]

@@ -132,8 +132,8 @@ def test_matmul_setting_errors(tmp_path, capsys, monkeypatch):
     cfg = tmp_path / "dask-ipar.yaml"
     cfg.write_text("matmul: mkl\n")
     _one_line_error(_train_here(capsys, "--config", str(cfg)),
-                    "config matmul is 'mkl', expected auto (PyTorch's BLAS where installed), "
-                    "numpy or torch")
+                    "config matmul is 'mkl', expected auto (PyTorch's BLAS on Intel CPUs "
+                    "where installed), numpy or torch")
     cfg.write_text("matmul: torch\n")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

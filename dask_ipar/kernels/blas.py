@@ -6,24 +6,29 @@ array API blocks it is the array library's own. On NumPy blocks it is NumPy's BL
 MKL in the x86 wheels) on the same memory through ``torch.from_numpy``: no copy, the result
 a NumPy array NumPy allocated. Which one is the ``ipar.matmul`` setting:
 
-* ``auto`` (the default): PyTorch's where PyTorch is installed in the worker, else NumPy's;
+* ``auto`` (the default): PyTorch's on Intel CPUs where PyTorch is installed in the
+  worker, else NumPy's;
 * ``numpy``: always NumPy's;
 * ``torch``: PyTorch's (:func:`check_setting` refuses it before a run where PyTorch is not
   installed).
 
 Why: on this project's 2-core Intel test machine PyTorch's sgemm ran the engine's block
 shapes 2-15% faster than NumPy's OpenBLAS on one and on two threads, and a 1x1 step of the
-4096-wide MLP 10% faster (``docs/benchmarks.md``,
-"Session 40"). PyTorch is imported on the first product of at least :data:`MIN_FLOPS`
+4096-wide MLP 10% faster (``docs/benchmarks.md``, "Session 40"). On a 2-core AMD EPYC
+(Zen 4) one it was the other way round: MKL's sgemm 8-18% slower than OpenBLAS's on one
+thread, the same 1x1 step 1.17x the NumPy reference with it and 1.00x with NumPy's
+("Session 46"), so ``auto`` asks the CPU's vendor (:func:`cpu_vendor`). PyTorch is
+imported on the first product of at least :data:`MIN_FLOPS`
 (about 1.3 s and 200 MB of shared libraries per worker), so small models never load it.
 Products below that size stay on NumPy, whose per-call cost is lower. Both BLAS libraries
 round float32 products differently, within float32 precision; within one run every worker
-uses the same one, so the executors and grids still agree with each other as closely as
-before.
+of one kind of CPU uses the same one, so the executors and grids still agree with each
+other as closely as before.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import threading
@@ -34,7 +39,8 @@ import numpy as np
 from dask_ipar.errors import IparError
 from dask_ipar.kernels.blocks import ufuncs_of
 
-__all__ = ["MATMUL_CHOICES", "MIN_FLOPS", "matmul", "matmul_add", "backend", "check_setting"]
+__all__ = ["MATMUL_CHOICES", "MIN_FLOPS", "matmul", "matmul_add", "backend", "check_setting",
+           "cpu_vendor"]
 
 #: Accepted values of ``ipar.matmul``.
 MATMUL_CHOICES = ("auto", "numpy", "torch")
@@ -65,8 +71,8 @@ def check_setting(value=None) -> str:
     value = _setting() if value is None else str(value)
     if value not in MATMUL_CHOICES:
         raise IparError(f"matmul: {value!r} is not one of {', '.join(MATMUL_CHOICES)}. "
-                        f"Set matmul ({_WHERE}) to auto (PyTorch's BLAS where installed), "
-                        "numpy or torch.")
+                        f"Set matmul ({_WHERE}) to auto (PyTorch's BLAS on Intel CPUs "
+                        "where installed), numpy or torch.")
     if value == "torch" and importlib.util.find_spec("torch") is None:
         raise IparError("matmul: torch needs PyTorch, which is not installed here. Install "
                         f"it (pip install torch) or set matmul ({_WHERE}) to auto or numpy.")
@@ -98,6 +104,20 @@ def _torch():
     return _torch_module or None
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as Linux names it (``GenuineIntel``, ``AuthenticAMD``, ...; the
+    first ``vendor_id`` of ``/proc/cpuinfo``), or ``""`` where that is not readable."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def backend() -> str:
     """``"torch"`` or ``"numpy"``: whose BLAS this process runs large NumPy products with."""
     value = _setting()
@@ -109,7 +129,9 @@ def backend() -> str:
             raise IparError(f"matmul: torch, but PyTorch fails to import here "
                             f"({_torch_error}). Repair the install, or set matmul "
                             f"({_WHERE}) to auto or numpy.")
-    return "torch" if _torch() is not None else "numpy"
+        return "torch"
+    # auto: MKL (PyTorch's x86 BLAS) on Intel only; elsewhere OpenBLAS was the faster
+    return "torch" if cpu_vendor() == "GenuineIntel" and _torch() is not None else "numpy"
 
 
 def _flops(a, b) -> int:
