@@ -310,29 +310,20 @@ def _hop_time(client, a, b, hops, tag):
 
 def _mix_rate(client, worker, flops_per_s, repeats, edge_flops, tries=5):
     """The step-time model's element-wise rates (:mod:`dask_ipar.runtime.kernelmix`): the
-    kernel mix run on one worker while the others idle, ``repeats`` rounds with its conv
-    block on 4 MiB and one round on 16 MiB, ``tries`` runs of each in turn (small, large,
-    small, ...), each size's run of median time (the flops at ``flops_per_s``; the simulator
-    shares the cores between running tasks with the matmul contention factor, flops and
-    bytes alike): ``(small, large)`` of
-    :func:`~dask_ipar.runtime.kernelmix.elementwise_rates`. The median, not the fastest: the
-    rates are what is left of the mix's time once its flops are priced, so a quiet moment of
-    the machine moved them the most (the fastest of 3 read 6.2-10.7 GB/s on 4 MiB over one
-    day's calibrations of one emulated cluster, the steps' element-wise work at the slower
-    end: the CNN's steps predicted 0.79-0.93 of their measured time)."""
+    kernel mix on one worker while the others idle, ``repeats`` rounds with its conv block
+    on 4 MiB and one round on 16 MiB, ``tries`` runs of each in turn, each size's run of
+    median time (its flops at ``flops_per_s``): ``(small, large)`` of
+    :func:`~dask_ipar.runtime.kernelmix.elementwise_rates`. The median: the rates are what
+    is left of the mix's time once its flops are priced, which the fastest run (a quiet
+    moment) moved the most (docs/communication.md)."""
     from dask_ipar.runtime.kernelmix import IMAGES, LARGE_IMAGES, elementwise_rates, kernel_mix
 
-    def run(rounds, images):
-        return client.submit(kernel_mix, rounds, images=images, workers=[worker], pure=False,
-                             allow_other_workers=False).result()
-
-    runs = [(run(repeats, IMAGES), run(1, LARGE_IMAGES)) for _ in range(tries)]
-
-    def median(size):
-        return sorted((r[size] for r in runs), key=lambda r: r[2])[(tries - 1) // 2]
-
+    runs = [[client.submit(kernel_mix, rounds, images=images, workers=[worker], pure=False,
+                           allow_other_workers=False).result()
+             for rounds, images in ((repeats, IMAGES), (1, LARGE_IMAGES))] for _ in range(tries)]
+    median = [sorted(size, key=lambda r: r[2])[(tries - 1) // 2] for size in zip(*runs)]
     # solved on the worker: the mix's model terms build its inputs (128 MiB at the large size)
-    return client.submit(elementwise_rates, median(0), median(1), flops_per_s,
+    return client.submit(elementwise_rates, *median, flops_per_s,
                          edge_flops=edge_flops, workers=[worker], pure=False,
                          allow_other_workers=False).result()
 
