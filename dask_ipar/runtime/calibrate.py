@@ -127,7 +127,7 @@ class Effort:
     tasks: int = 300
     block_mib: int = 16
     mix_repeats: int = 2
-    mix_runs: int = 5
+    mix_runs: int = 3
     cluster_repeats: int = CLUSTER_REPEATS
     cluster_rounds: int = CLUSTER_ROUNDS
     transfer_warmups: int = TRANSFER_WARMUPS
@@ -308,23 +308,23 @@ def _hop_time(client, a, b, hops, tag):
     return (time.perf_counter() - t) / hops
 
 
-def _mix_rate(client, worker, flops_per_s, repeats, edge_flops, tries=5):
+def _mix_rate(client, worker, flops_per_s, repeats, edge_flops, tries=3):
     """The step-time model's element-wise rates (:mod:`dask_ipar.runtime.kernelmix`): the
-    kernel mix on one worker while the others idle, ``repeats`` rounds with its conv block
-    on 4 MiB and one round on 16 MiB, ``tries`` runs of each in turn, each size's run of
-    median time (its flops at ``flops_per_s``): ``(small, large)`` of
-    :func:`~dask_ipar.runtime.kernelmix.elementwise_rates`. The median: the rates are what
-    is left of the mix's time once its flops are priced, which the fastest run (a quiet
-    moment) moved the most (docs/communication.md)."""
+    kernel mix run on one worker while the others idle, ``repeats`` rounds with its conv
+    block on 4 MiB and one round on 16 MiB, the fastest of ``tries`` runs of each (as
+    ``flops_per_s``; the simulator shares the cores between running tasks with the matmul
+    contention factor, flops and bytes alike): ``(small, large)`` of
+    :func:`~dask_ipar.runtime.kernelmix.elementwise_rates`."""
     from dask_ipar.runtime.kernelmix import IMAGES, LARGE_IMAGES, elementwise_rates, kernel_mix
 
-    runs = [[client.submit(kernel_mix, rounds, images=images, workers=[worker], pure=False,
-                           allow_other_workers=False).result()
-             for rounds, images in ((repeats, IMAGES), (1, LARGE_IMAGES))] for _ in range(tries)]
-    median = [sorted(size, key=lambda r: r[2])[(tries - 1) // 2] for size in zip(*runs)]
+    def fastest(rounds, images):
+        runs = [client.submit(kernel_mix, rounds, images=images, workers=[worker], pure=False,
+                              allow_other_workers=False).result() for _ in range(tries)]
+        return min(runs, key=lambda r: r[2])
+
     # solved on the worker: the mix's model terms build its inputs (128 MiB at the large size)
-    return client.submit(elementwise_rates, *median, flops_per_s,
-                         edge_flops=edge_flops, workers=[worker], pure=False,
+    return client.submit(elementwise_rates, fastest(repeats, IMAGES), fastest(1, LARGE_IMAGES),
+                         flops_per_s, edge_flops=edge_flops, workers=[worker], pure=False,
                          allow_other_workers=False).result()
 
 
@@ -343,7 +343,7 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     **sizes
         Fields of :class:`Effort` that replace ``effort``'s (e.g. ``block_mib=2``;
         ``mix_repeats`` is the kernel mix's rounds per run for the element-wise rate, one
-        round about 0.2 s of one core; ``mix_runs`` runs of each size, the median taken).
+        round about 0.2 s of one core, three runs).
     """
     from dask_ipar.runtime.release import install_release
     from dask_ipar.runtime.workers import scheduler_workers
