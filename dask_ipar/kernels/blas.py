@@ -15,7 +15,7 @@ a NumPy array NumPy allocated. Which one is the ``ipar.matmul`` setting:
 Why: on this project's 2-core Intel test machine PyTorch's sgemm ran the engine's block
 shapes 2-15% faster than NumPy's OpenBLAS on one and on two threads, and a 1x1 step of the
 4096-wide MLP 10% faster (``docs/benchmarks.md``, "Session 40"). On a 2-core AMD EPYC
-(Zen 4) one it was the other way round: MKL's sgemm 8-18% slower than OpenBLAS's on one
+(Zen 4) one it was the other way round: MKL's sgemm 1-32% slower than OpenBLAS's on one
 thread, the same 1x1 step 1.17x the NumPy reference with it and 1.00x with NumPy's
 ("Session 46"), so ``auto`` asks the CPU's vendor (:func:`cpu_vendor`). PyTorch is
 imported on the first product of at least :data:`MIN_FLOPS`
