@@ -16,12 +16,13 @@ loopback, one after the other:
   gloo, one thread each) stepping the same model, sampled the same way.
 
 Each sample is charged to its shared object and symbol (``perf report --sort pid,dso,sym``):
-the BLAS (PyTorch's MKL, which both run: dask-ipar's NumPy blocks' products go through it),
+the BLAS (PyTorch's MKL, which both run on Intel CPUs, where dask-ipar's ``matmul: auto``
+sends its NumPy blocks' products through it; NumPy's OpenBLAS, dask-ipar's elsewhere),
 PyTorch's other kernels, the Python interpreter, NumPy's ufuncs, libc (copies, memset), the
-kernel (TCP copies, scheduling, page faults). dask-ipar's samples are also charged to the thread that took them,
-by its Python name (program threads, the workers' event loops, the direct links' reading and
-writing threads, the client's and scheduler's). The shares are of all the machine's
-samples, idle included (a loaded machine has few).
+kernel (TCP copies, scheduling, page faults). dask-ipar's samples are also charged to the
+thread that took them, by its Python name (program threads, the workers' event loops, the
+direct links' reading and writing threads, the client's and scheduler's). The shares are
+of all the machine's samples, idle included (a loaded machine has few).
 """
 
 from __future__ import annotations

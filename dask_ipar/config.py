@@ -120,7 +120,8 @@ DEFAULTS: dict = {
         "wait_timeout": 600.0,  # seconds to wait for all workers to join
     },
     "machine": None,  # YAML machine file (alpha, bandwidth) for the cost model
-    # whose BLAS multiplies NumPy blocks: auto (PyTorch's on Intel CPUs where installed) | numpy | torch
+    # whose BLAS multiplies NumPy blocks: auto (PyTorch's on Intel CPUs where installed) |
+    # numpy | torch
     "matmul": "auto",
     "checkpoint": {
         "dir": None,  # where checkpoints go; None: no checkpoints

@@ -114,10 +114,14 @@ def test_auto_and_the_setting(monkeypatch):
         installed = importlib.util.find_spec("torch") is not None
         intel = blas.cpu_vendor() == "GenuineIntel"
         assert blas.backend() == ("torch" if installed and intel else "numpy")
-        for vendor, expected in (("GenuineIntel", "torch"), ("AuthenticAMD", "numpy"),
-                                 ("", "numpy")):
+        # by vendor, with PyTorch present or not (a stand-in: CI has no PyTorch)
+        for torch, vendor, expected in ((object(), "GenuineIntel", "torch"),
+                                        (object(), "AuthenticAMD", "numpy"),
+                                        (object(), "", "numpy"),
+                                        (None, "GenuineIntel", "numpy")):
             monkeypatch.setattr(blas, "cpu_vendor", lambda v=vendor: v)
-            assert blas.backend() == (expected if installed else "numpy")
+            monkeypatch.setattr(blas, "_torch", lambda t=torch: t)
+            assert blas.backend() == expected, (vendor, torch)
         monkeypatch.undo()
     assert DEFAULTS["matmul"] == "auto" and validate({**DEFAULTS, "matmul": "numpy"})
     with pytest.raises(ConfigError, match="matmul.*auto.*numpy or torch"):

@@ -2,9 +2,10 @@
 
 Every product of the dense, convolution and row-parallel kernels goes through
 :func:`matmul` (or :func:`matmul_add`, a product added into an array). On CuPy and other
-array API blocks it is the array library's own. On NumPy blocks it is NumPy's BLAS (the OpenBLAS its wheels bundle), or PyTorch's CPU BLAS (Intel
-MKL in the x86 wheels) on the same memory through ``torch.from_numpy``: no copy, the result
-a NumPy array NumPy allocated. Which one is the ``ipar.matmul`` setting:
+array API blocks it is the array library's own. On NumPy blocks it is NumPy's BLAS (the
+OpenBLAS its wheels bundle), or PyTorch's CPU BLAS (Intel MKL in the x86 wheels) on the same
+memory through ``torch.from_numpy``: no copy, the result a NumPy array NumPy allocated.
+Which one is the ``ipar.matmul`` setting:
 
 * ``auto`` (the default): PyTorch's on Intel CPUs where PyTorch is installed in the
   worker, else NumPy's;
