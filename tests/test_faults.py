@@ -111,12 +111,14 @@ def _resume(pid):
 
 def test_stopped_worker_ends_the_run_with_one_line(client4, data):
     """No checkpoints: the stopped worker is named within ``dask-ipar.hung-after`` plus a
-    liveness check (here 4 s; by default 30 s, the issue's bound being 60 s: the default is
-    asserted in test_a_bad_hung_after_setting_is_refused), and it is restarted."""
+    liveness check (here 4 s and 1 s; by default 30 s and 5 s, the issue's bound being
+    60 s: the default is asserted in test_a_bad_hung_after_setting_is_refused), and it is
+    restarted."""
     X, y = data
     model = make_model().distribute(client4, "2x2")
     victim = model.binding.worker(1, 0)
     [pid] = pids_of(client4, [victim])
+    model.liveness_check_s = 1.0  # the grid checked every second (5 s by default)
     stop = StopAt(pid, 2)
     try:
         with dask.config.set({"dask-ipar.hung-after": "4s"}), \
@@ -201,6 +203,7 @@ def test_stopped_worker_is_restarted_and_the_run_recovers_exactly(client4, data,
     model = make_model().distribute(client4, "2x2")
     victim = model.binding.worker(0, 1)
     [pid] = pids_of(client4, [victim])
+    model.liveness_check_s = 1.0
     lines, stopped = [], []
 
     def on_step(step, loss):
@@ -495,6 +498,7 @@ def test_stopped_worker_is_rebuilt_from_replicas(client4, data):
     model = make_model().distribute(client4, "2x2")
     victim = model.binding.worker(1, 1)
     [pid] = pids_of(client4, [victim])
+    model.liveness_check_s = 1.0
     lines = []
     try:
         with dask.config.set({"dask-ipar.hung-after": "4s"}):

@@ -169,9 +169,11 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
 
         calls = kernel_calls("float32")
 
-        def compute():
+        def compute():  # until the last block is in (not to the end of a round)
             while not stop.is_set():
                 for f, args in calls:
+                    if stop.is_set():
+                        break
                     f(*args)
 
         kernels = threading.Thread(target=compute, name="calibrate-busy", daemon=True)

@@ -101,18 +101,40 @@ def hung_workers(info: dict, workers, after_s: float) -> list:
     return [(w, ages[w]) for w in workers if ages.get(w, 0.0) > after_s]
 
 
+def _kill_worker_process(dask_worker=None):
+    """Run on a nanny: SIGKILL its worker process (hung: it would not close). The nanny sees it
+    exit, takes it off the scheduler and starts a new one, as after any crash. Returns
+    the process id, or None where the nanny has no process."""
+    import os
+    import signal
+
+    pid = getattr(getattr(getattr(dask_worker, "process", None), "process", None), "pid", None)
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+    return pid
+
+
 def release_hung_workers(client, workers, log=None, timeout_s: float = 10.0) -> list:
-    """Take hung ``workers`` out of the cluster: each one's nanny kills it and starts a new
-    worker (``Client.restart_workers``; the nanny kills after ``0.8 * timeout_s``); a worker
-    without a nanny is removed from the scheduler. Returns those still there after it."""
+    """Take hung ``workers`` out of the cluster: each one's nanny kills its process at once
+    and starts a new worker (``Client.restart_workers`` would first ask the hung worker
+    to close and wait 4 s for it); a worker without a nanny, or whose nanny did not
+    answer, is removed from the scheduler. Returns those still listed after ``timeout_s``."""
     workers = list(workers)
     if log is not None:
         log(f"worker(s) {', '.join(workers)} stopped answering: restarting them")
-    try:
-        client.restart_workers(workers, timeout=timeout_s, raise_for_error=False)
-    except Exception:  # noqa: BLE001 - no nanny, or it did not answer: remove below
-        pass
-    still = [w for w in workers if w in scheduler_workers(client)]
+    info = scheduler_workers(client)
+    nannied = [w for w in workers if (info.get(w) or {}).get("nanny")]
+    if nannied:
+        try:
+            client.run(_kill_worker_process, workers=nannied, nanny=True, on_error="ignore")
+        except Exception:  # noqa: BLE001 - a nanny that did not answer: removed below
+            pass
+    deadline = time.monotonic() + (timeout_s if nannied else 0.0)
+    while True:  # each nanny takes its worker off the scheduler once the process is gone
+        still = [w for w in workers if w in scheduler_workers(client)]
+        if not still or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     if still:
         async def _remove(addresses, dask_scheduler=None):  # pickled by value
             for a in addresses:
