@@ -36,17 +36,19 @@ __all__ = ["awkward_problem", "compare_mlp", "check_mlp", "compare_cnn", "check_
            "wait_for_program_bars"]
 
 
-def wait_for_program_bars(client, timeout_s: float = 10.0) -> None:
+def wait_for_program_bars(client, timeout_s: float = 10.0, start: float | None = None) -> None:
     """Wait (at most ``timeout_s``) until dask's task stream shows no worker program's own
     bar: each is replaced by its layers' bars once the program's records reach the
-    scheduler, a moment after the program ends (:mod:`dask_ipar.dashboard.stream`)."""
+    scheduler, a moment after the program ends (:mod:`dask_ipar.dashboard.stream`).
+    ``start`` (``time.time()``): only bars since then (an earlier run's program that
+    failed keeps its bar: on a shared cluster that would hold every wait to ``timeout_s``)."""
     import time
 
     from dask.utils import key_split
 
     deadline = time.monotonic() + timeout_s
     while any(key_split(e["key"]).startswith("step.run")
-              for e in client.get_task_stream()) and time.monotonic() < deadline:
+              for e in client.get_task_stream(start=start)) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 

@@ -235,9 +235,10 @@ def test_task_stream_names_each_program_layer_and_phase(client):
     model = Sequential([Dense(32, "relu"), Dense(16, "relu"), Dense(4)], input_dim=24)
     model.distribute(client, "2x2")
     try:
+        start = time.time()
         with get_task_stream(client) as ts:
             model.fit(X, y, epochs=2, batch_size=40)
-            wait_for_program_bars(client)
+            wait_for_program_bars(client, start=start)
     finally:
         model.close()
     names = {("transfer-" if ss["action"] == "transfer" else "") + key_split(e["key"])

@@ -4,6 +4,8 @@ are used where they apply (and only there)."""
 
 from __future__ import annotations
 
+import time
+
 import dask
 import numpy as np
 import pytest
@@ -142,10 +144,11 @@ def test_replayed_programs_show_the_models_keys_in_the_task_stream(client):
     model = Sequential([Dense(8, "relu"), Dense(5)], input_dim=15, seed=2)
     model.distribute(client, "2x2")
     try:
+        start = time.time()
         with get_task_stream(client) as ts, _Count() as n:
             model.fit(X, y, epochs=2, batch_size=10, optimizer=SGD(lr=0.1, momentum=0.9),
                       steps_per_program=2)
-            wait_for_program_bars(client)
+            wait_for_program_bars(client, start=start)
     finally:
         model.close()
     assert n.replayed >= 4
