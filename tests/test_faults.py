@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 
 import dask
@@ -266,6 +267,40 @@ def external_cluster(*worker_args_each):
             p.kill()
         for p in procs:
             p.wait(30)
+
+
+def test_a_hung_worker_whose_nanny_is_stopped_too_is_removed_within_the_timeout():
+    """A suspended batch job stops the nanny with its worker: the nanny is asked to kill
+    its worker for at most ``timeout_s`` (it never answers), then the worker is taken off
+    the scheduler, so a recovery does not wait on it (an unbounded ask hung here)."""
+    from distributed import Client
+
+    from dask_ipar.runtime.workers import release_hung_workers, scheduler_workers
+
+    with external_cluster(["--nworkers", "2"]) as address, \
+            Client(address, timeout=30) as client:
+        client.wait_for_workers(2, timeout=60)
+        victim, other = sorted(scheduler_workers(client))
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        nanny = client.run(os.getpid, workers=[victim], nanny=True)[victim]
+        assert nanny != pid and nanny != os.getpid()  # a process of its own, not ours
+        for p in (nanny, pid):
+            os.kill(p, signal.SIGSTOP)
+        out = []
+        release = threading.Thread(target=lambda: out.append(
+            release_hung_workers(client, [victim], timeout_s=2.0)), daemon=True)
+        t0 = time.monotonic()
+        try:
+            release.start()
+            release.join(30)  # a release that hangs fails here, not by hanging the tests
+            took = time.monotonic() - t0
+            listed = set(scheduler_workers(client))
+        finally:
+            for p in (nanny, pid):
+                _resume(p)
+        release.join(30)
+    assert took < 15 and out, f"the release took {took:.0f} s"
+    assert out == [[]] and victim not in listed and other in listed, (out, listed)
 
 
 # ------------------------------------------------------------------ replicas

@@ -72,8 +72,8 @@ def kernel_calls(dtype, images=IMAGES):
 def _values(rng, shape, dt):
     """Standard normal values of ``shape`` and ``dt``, drawn in ``dt`` where NumPy can (a
     float64 draw cast down took 2-3x as long: the mix's inputs are built on every worker
-    for every probe, 8 workers sharing 2 cores). Normal, not uniform: some kernels' time
-    depends on their values (the max pooling's backward took 20% less on uniform ones)."""
+    for every probe, 8 workers sharing 2 cores). Normal, as before: some kernels' time
+    depends on their values (max pooling's backward, docs/benchmarks.md, session 37)."""
     if dt in (np.float32, np.float64):
         return rng.standard_normal(shape, dtype=dt)
     return rng.standard_normal(shape).astype(dt)

@@ -118,18 +118,20 @@ def release_hung_workers(client, workers, log=None, timeout_s: float = 10.0) -> 
     """Take hung ``workers`` out of the cluster: each one's nanny kills its process at once
     and starts a new worker (``Client.restart_workers`` would first ask the hung worker
     to close and wait 4 s for it); a worker without a nanny, or whose nanny did not
-    answer, is removed from the scheduler. Returns those still listed after ``timeout_s``."""
+    answer within ``timeout_s`` (stopped too: a suspended job), is removed from the
+    scheduler. Returns those still listed after that."""
     workers = list(workers)
     if log is not None:
         log(f"worker(s) {', '.join(workers)} stopped answering: restarting them")
     info = scheduler_workers(client)
     nannied = [w for w in workers if (info.get(w) or {}).get("nanny")]
+    deadline = time.monotonic() + (timeout_s if nannied else 0.0)
     if nannied:
-        try:
-            client.run(_kill_worker_process, workers=nannied, nanny=True, on_error="ignore")
+        try:  # bounded: a nanny stopped with its worker (a suspended job) never answers
+            client.run(_kill_worker_process, workers=nannied, nanny=True, on_error="ignore",
+                       callback_timeout=timeout_s)
         except Exception:  # noqa: BLE001 - a nanny that did not answer: removed below
             pass
-    deadline = time.monotonic() + (timeout_s if nannied else 0.0)
     while True:  # each nanny takes its worker off the scheduler once the process is gone
         still = [w for w in workers if w in scheduler_workers(client)]
         if not still or time.monotonic() > deadline:
