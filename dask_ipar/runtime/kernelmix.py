@@ -53,9 +53,13 @@ def kernel_calls(dtype, images=IMAGES):
     w = values(rows, n_in + 1)
     xd = values(n_in, b)
     # a block row of a layer twice as wide, of which the dX piece reads the first ``rows``
-    # columns: the rest is never touched (nor paid for)
+    # columns: the rest is never touched (nor paid for). Uniform values, drawn in half a
+    # normal draw's time: the mix's largest input, and a product's time does not depend
+    # on its values (a whole round, uniform against normal inputs: 97.9 against 97.6 ms)
     wk = np.empty((rows, 2 * rows + 1), dtype=dt)
-    wk[:, :rows] = values(rows, rows)
+    wk[:, :rows] = rng.random((rows, rows), dtype=dt) if dt in (np.float32, np.float64) \
+        else rng.random((rows, rows)).astype(dt)
+    wk[:, :rows] -= 0.5
     dz = values(rows, b // 8)
     a = np.abs(values(rows, b // 8))
     pieces = [values(rows, b // 8) for _ in range(2)]
