@@ -160,15 +160,15 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     me = worker.address
     others = [p for p in peers if p != me]
     block = np.ones(max(1, nbytes // 4), dtype=np.float32)
+    if busy:  # the kernels' inputs made before the barrier: no worker's making of them
+        from dask_ipar.runtime.kernelmix import kernel_calls  # runs beside the exchange
+
+        calls = kernel_calls("float32")
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     _barrier(plugin, sender, peers, me, uid)
     host, h0 = _host_busy()
     stop = threading.Event()
     if busy:
-        from dask_ipar.runtime.kernelmix import kernel_calls
-
-        calls = kernel_calls("float32")
-
         def compute():  # until the last block is in (not to the end of a round)
             while not stop.is_set():
                 for f, args in calls:
