@@ -46,9 +46,12 @@ def wait_for_program_bars(client, timeout_s: float = 10.0, start: float | None =
 
     from dask.utils import key_split
 
+    def program_bar(e):  # filtered here: the stream is not in stop order once spliced
+        return key_split(e["key"]).startswith("step.run") and (
+            start is None or max(ss["stop"] for ss in e["startstops"]) >= start)
+
     deadline = time.monotonic() + timeout_s
-    while any(key_split(e["key"]).startswith("step.run")
-              for e in client.get_task_stream(start=start)) and time.monotonic() < deadline:
+    while any(map(program_bar, client.get_task_stream())) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 

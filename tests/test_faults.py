@@ -133,7 +133,7 @@ def test_stopped_worker_ends_the_run_with_one_line(client4, data):
     msg = str(err.value)
     assert victim in msg and "grid cell (1, 0)" in msg and "\n" not in msg, msg
     print(f"stopped worker named after {detected:.1f} s")
-    assert 3 < detected < 34, detected  # hung-after + a liveness check, on a busy machine
+    assert 3 < detected < 20, detected  # hung-after + a liveness check, on a busy machine
     from dask_ipar.runtime.workers import scheduler_workers
 
     assert victim not in scheduler_workers(client4)  # its nanny restarted it
@@ -277,13 +277,13 @@ def test_a_hung_worker_whose_nanny_is_stopped_too_is_removed_within_the_timeout(
 
     from dask_ipar.runtime.workers import release_hung_workers, scheduler_workers
 
-    with external_cluster(["--nworkers", "2"]) as address, \
-            Client(address, timeout=30) as client:
+    with external_cluster(["--nworkers", "1"], ["--nworkers", "1"]) as address, \
+            Client(address, timeout=30) as client:  # a nanny process each
         client.wait_for_workers(2, timeout=60)
         victim, other = sorted(scheduler_workers(client))
         pid = client.run(os.getpid, workers=[victim])[victim]
         nanny = client.run(os.getpid, workers=[victim], nanny=True)[victim]
-        assert nanny != pid and nanny != os.getpid()  # a process of its own, not ours
+        assert nanny not in (pid, os.getpid())  # its own process (a LocalCluster's is ours)
         for p in (nanny, pid):
             os.kill(p, signal.SIGSTOP)
         out = []

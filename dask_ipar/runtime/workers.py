@@ -101,19 +101,6 @@ def hung_workers(info: dict, workers, after_s: float) -> list:
     return [(w, ages[w]) for w in workers if ages.get(w, 0.0) > after_s]
 
 
-def _kill_worker_process(dask_worker=None):
-    """Run on a nanny: SIGKILL its worker process (hung: it would not close). The nanny sees it
-    exit, takes it off the scheduler and starts a new one, as after any crash. Returns
-    the process id, or None where the nanny has no process."""
-    import os
-    import signal
-
-    pid = getattr(getattr(getattr(dask_worker, "process", None), "process", None), "pid", None)
-    if pid is not None:
-        os.kill(pid, signal.SIGKILL)
-    return pid
-
-
 def release_hung_workers(client, workers, log=None, timeout_s: float = 10.0) -> list:
     """Take hung ``workers`` out of the cluster: each one's nanny kills its process at once
     and starts a new worker (``Client.restart_workers`` would first ask the hung worker
@@ -123,20 +110,37 @@ def release_hung_workers(client, workers, log=None, timeout_s: float = 10.0) -> 
     workers = list(workers)
     if log is not None:
         log(f"worker(s) {', '.join(workers)} stopped answering: restarting them")
-    info = scheduler_workers(client)
-    nannied = [w for w in workers if (info.get(w) or {}).get("nanny")]
-    deadline = time.monotonic() + (timeout_s if nannied else 0.0)
-    if nannied:
+
+    def kill(dask_worker=None):  # on a nanny (pickled by value): SIGKILL its live worker;
+        import os  # the nanny sees it exit, unregisters it and starts a new one
+        import signal
+
+        pid = getattr(dask_worker, "pid", None)  # None once the process has ended
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+        return pid
+
+    deadline = time.monotonic() + timeout_s
+    nannied: list = []
+    for _ in range(2):  # again if one left between the look and the ask (a KeyError there)
+        info = scheduler_workers(client)
+        nannied = [w for w in workers if (info.get(w) or {}).get("nanny")]
+        if not nannied:
+            break
         try:  # bounded: a nanny stopped with its worker (a suspended job) never answers
-            client.run(_kill_worker_process, workers=nannied, nanny=True, on_error="ignore",
-                       callback_timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - a nanny that did not answer: removed below
-            pass
-    while True:  # each nanny takes its worker off the scheduler once the process is gone
-        still = [w for w in workers if w in scheduler_workers(client)]
-        if not still or time.monotonic() > deadline:
+            client.run(kill, workers=nannied, nanny=True, on_error="ignore",
+                       callback_timeout=max(0.1, deadline - time.monotonic()))
+            break
+        except TimeoutError:
+            break
+        except Exception:  # noqa: BLE001 - removed from the scheduler below
+            continue
+    while nannied:  # each nanny takes its worker off the scheduler once the process is gone
+        listed = scheduler_workers(client)
+        if not any(w in listed for w in nannied) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    still = [w for w in workers if w in scheduler_workers(client)]
     if still:
         async def _remove(addresses, dask_scheduler=None):  # pickled by value
             for a in addresses:
