@@ -57,8 +57,7 @@ def kernel_calls(dtype, images=IMAGES):
     # normal draw's time: the mix's largest input, and a product's time does not depend
     # on its values (a whole round, uniform against normal inputs: 97.9 against 97.6 ms)
     wk = np.empty((rows, 2 * rows + 1), dtype=dt)
-    wk[:, :rows] = rng.random((rows, rows), dtype=dt) if dt in (np.float32, np.float64) \
-        else rng.random((rows, rows)).astype(dt)
+    wk[:, :rows] = _values(rng, (rows, rows), dt, rng.random)
     wk[:, :rows] -= 0.5
     dz = values(rows, b // 8)
     a = np.abs(values(rows, b // 8))
@@ -73,14 +72,16 @@ def kernel_calls(dtype, images=IMAGES):
     ]
 
 
-def _values(rng, shape, dt):
-    """Standard normal values of ``shape`` and ``dt``, drawn in ``dt`` where NumPy can (a
-    float64 draw cast down took 2-3x as long: the mix's inputs are built on every worker
-    for every probe, 8 workers sharing 2 cores). Normal, as before: some kernels' time
-    depends on their values (max pooling's backward, docs/benchmarks.md, session 37)."""
+def _values(rng, shape, dt, draw=None):
+    """Values of ``shape`` and ``dt`` from ``draw`` (a method of ``rng``; default standard
+    normal), drawn in ``dt`` where NumPy can (a float64 draw cast down took 2-3x as long:
+    the mix's inputs are built on every worker for every probe, 8 workers sharing 2
+    cores). Normal by default, as before: some kernels' time depends on their values (max
+    pooling's backward, docs/benchmarks.md, session 37)."""
+    draw = draw or rng.standard_normal
     if dt in (np.float32, np.float64):
-        return rng.standard_normal(shape, dtype=dt)
-    return rng.standard_normal(shape).astype(dt)
+        return draw(shape, dtype=dt)
+    return draw(shape).astype(dt)
 
 
 def _shape(v):
