@@ -4,7 +4,7 @@ a product's flops and edge (:func:`gemm`)."""
 
 from __future__ import annotations
 
-__all__ = ["Parts", "numel", "item", "block_bytes", "gemm", "GEMM_REF_N"]
+__all__ = ["Parts", "numel", "item", "block_bytes", "gemm", "edge_flops", "GEMM_REF_N"]
 
 #: The side of the square product whose rate is a machine's ``flops_per_s``
 #: (``dask-ipar calibrate``'s): a product's edge (:func:`gemm`) is counted against it.
@@ -24,6 +24,22 @@ def gemm(m, k, n):
     if not flops:
         return 0.0, 0.0
     return flops, m * k + k * n + m * n - flops * _REF_EDGE_PER_FLOP
+
+
+def edge_flops(square_rate, n, thin_rate, thin):
+    """``gemm_edge_flops`` from the rate of a square ``n`` product and that of a ``thin``
+    one, ``(m, k, n)``: the ``e`` for which ``flops + e * edge`` at one rate gives both
+    times (:func:`gemm`), 0 where the thin one is as fast, at most 600 (below
+    :class:`~dask_ipar.cost.Machine`'s bound). ``dask-ipar calibrate`` measures the two
+    rates (:mod:`dask_ipar.runtime.calibrate`)."""
+    f_sq, e_sq = gemm(n, n, n)
+    f_th, e_th = gemm(*thin)
+    ratio = square_rate / thin_rate  # the thin product's time per flop over the square's
+    # ratio = (1 + e * e_th / f_th) / (1 + e * e_sq / f_sq), solved for e
+    denominator = e_th / f_th - ratio * e_sq / f_sq
+    if ratio <= 1.0 or denominator <= 0:
+        return 0.0
+    return min(600.0, (ratio - 1.0) / denominator)
 
 
 class Parts(tuple):
