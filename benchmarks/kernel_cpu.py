@@ -37,6 +37,10 @@ sys.path.insert(0, HERE)
 
 #: The key of :func:`model_costs` for the transports' CPU (per message and byte, both ends).
 TRANSPORTS = "transports"
+#: The key of :func:`model_costs` and of a grid's ``kernel_cpu_s`` for the programs' own
+#: loops beyond their kernels and transports (``program_task_cpu_s`` a task in the model;
+#: measured, the program threads' CPU beyond what the programs count, their setup too).
+LOOPS = "program:loops"
 
 
 def _thread_names():
@@ -106,6 +110,7 @@ def model_costs(cfg, grid: str, layers, machine, cores=None) -> dict:
                     else machine.message_cpu_s) or 0.0) \
             + nbytes * (machine.transfer_cpu_s_per_B or 0.0)
         out[TRANSPORTS] += 2 * len(ws) * per_end
+    out[LOOPS] = len(tasks) * (machine.program_task_cpu_s or 0.0)
     for t in priced(tasks, machine):
         name = (t.key[0] if isinstance(t.key, tuple) else t.key).split("-")[0]
         out[f"{name.rsplit('.', 1)[-1]}:{g.dsk[t.key].func.__name__}"] += (
@@ -163,6 +168,12 @@ def _measure(client, model, opt, batches, grid, steps, pids, names) -> dict:
         for k, (sec, n) in (got or {}).items():
             per_kernel[k] += sec / steps
             calls[k] += n / steps
+    for k in ("program:run", "program:start"):  # the programs' setup is in step_cpu_s
+        per_kernel.pop(k, None), calls.pop(k, None)
+    # the program threads' CPU beyond what was counted: the loops' own work, the programs'
+    # setup, dask running them (over the same steps as the threads' CPU, near enough: the
+    # counting also sees the end of the step before the timed ones)
+    per_kernel[LOOPS] = max(0.0, roles["workers' program threads"] - sum(per_kernel.values()))
     return {"grid": grid, "step_s": statistics.median(
         b - a for a, b in zip([t0, *ends], ends)), "wall_s": wall, "steps": steps,
         "cpu_by_role_s": dict(roles), "kernel_cpu_s": dict(per_kernel),
@@ -187,6 +198,8 @@ def render(res: dict) -> str:
         m = res["machine"]
         outside = {
             "transports' CPU": r["model_kernel_s"].get(TRANSPORTS, 0.0),
+            "the programs' loops (program_task_cpu_s a task)":
+                r["model_kernel_s"].get(LOOPS, 0.0),
             "a submitted step's CPU (step_cpu_s, each worker)":
                 (m.get("step_cpu_s") or 0.0) * res["workers"],
             "dask's background (background_cores over the step)":
@@ -199,8 +212,8 @@ def render(res: dict) -> str:
         model = r["model_kernel_s"]
         tot_cpu = tot_model = 0.0
         for k, v in sorted(r["kernel_cpu_s"].items(), key=lambda kv: -kv[1]):
-            m = model.get(k)
-            tot_cpu += v
+            m = None if k == LOOPS else model.get(k)  # priced outside the kernels (above)
+            tot_cpu += 0.0 if k == LOOPS else v
             tot_model += m or 0.0
             ratio = f"{v / m:.2f}" if m else "-"
             lines.append(f"| {k} | {r['kernel_calls'].get(k, 0):.0f} | {v * 1e3:.1f} | "

@@ -34,6 +34,11 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     # compute, and a submitted step's work outside its programs
     assert 0 < m.background_cores < (os.cpu_count() or 1), m.background_cores
     assert 1e-5 < m.step_cpu_s < 1.0, m.step_cpu_s
+    # the programs' own loops, per task: microseconds, not the kernels' milliseconds
+    assert 1e-7 < m.program_task_cpu_s < 1e-3, m.program_task_cpu_s
+    assert any("programs' own loops" in line and "us per task" in line for line in lines)
+    # one worker alone computes no slower than each of them all at once
+    assert m.flops_per_s >= m.cluster_flops_per_s / len(client.scheduler_info()["workers"])
     assert any("per task" in line for line in lines)
     assert any("at rest" in line for line in lines)
     (rounds,) = [line for line in lines if "workers at once)" in line and "GFLOP/s" in line]

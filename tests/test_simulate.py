@@ -734,3 +734,33 @@ def test_the_simulated_step_prices_blocks_by_the_workers_on_each_core(monkeypatc
     monkeypatch.setattr(stepmodel, "core_turns", lambda workers, cores: 1.0)
     assert shared > 1.05 * step(2)
     assert own == step(8)
+
+
+@pytest.mark.fast
+def test_the_programs_loops_cost_their_cpu_on_every_task():
+    """``program_task_cpu_s``: every task of a step run as programs costs that much more
+    CPU on its worker, so the step lasts at least the busiest worker's tasks times it."""
+    import collections
+
+    from dask_ipar import Dense
+    from dask_ipar.runtime.gridrank import simulate_layers
+
+    net = [Dense(64, "relu"), Dense(64, "relu"), Dense(10)]
+    m = Machine(flops_per_s=1e11, elementwise_Bps=2e10, message_s=1e-5)
+    cost = 1e-2  # far above the step's own work
+    base = simulate_layers(net, (64,), "2x2", 32, m, cores=4)
+    loaded = simulate_layers(net, (64,), "2x2", 32, m.replace(program_task_cpu_s=cost), cores=4)
+    from dask_ipar import Sequential
+    from dask_ipar.optim import SGD
+    from dask_ipar.runtime.stepmodel import step_tasks
+    from dask_ipar.testing import fake_binding
+
+    engine = Sequential(net, input_dim=64)._make_engine(fake_binding("2x2"))
+    names = [f"w{k}" for k in range(len(engine.param_layouts))]
+    tasks = collections.Counter(t.worker for t in step_tasks(
+        engine, names, 32, (64,), "float32", SGD(0.01, momentum=0.9))[0])
+    # the busiest worker's tasks, each at the loop's cost; the next step's tasks (which
+    # the prediction keeps only as readers of the pushed weights) cost nothing
+    busiest = max(tasks.values()) * cost
+    assert busiest <= loaded.seconds < base.seconds + 1.2 * busiest
+    assert busiest > 10 * base.seconds

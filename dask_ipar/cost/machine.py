@@ -217,6 +217,13 @@ class Machine:
         0.82 of the square's rate, 88-96; the calibration's 2048 x 2048 x 128 at 0.89-0.93,
         26-43); 0 (every product at the square's rate) where
         None. Below ``2048 / 3``, where the largest products would cost nothing.
+    program_task_cpu_s : float, optional
+        CPU seconds a worker program's own loop spends per task beyond the task's kernel
+        and the transports' work (finding the next task, its inputs, dropping blocks no
+        longer read: the Python between the kernels), measured by ``dask-ipar calibrate``
+        in real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`; 20-40 us on
+        8 emulated hosts sharing 2 cores); the step-time model adds it to every task of a
+        step run as programs. 0 where None.
     """
 
     alpha_s: float = 2e-6
@@ -241,6 +248,7 @@ class Machine:
     background_cores: float | None = None
     elementwise_large_Bps: float | None = None
     gemm_edge_flops: float | None = None
+    program_task_cpu_s: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -257,7 +265,7 @@ class Machine:
                       "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
                       "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps",
                       "loaded_message_s", "step_cpu_s", "background_cores",
-                      "elementwise_large_Bps", "gemm_edge_flops"):
+                      "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -325,7 +333,7 @@ _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compu
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
                  "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
                  "busy_exchange_Bps", "loaded_message_s", "step_cpu_s", "background_cores",
-                 "elementwise_large_Bps", "gemm_edge_flops")
+                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -337,7 +345,8 @@ def load_machine(path: str | Path) -> Machine:
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
     ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
     ``loaded_message_s``, ``step_cpu_s``, ``background_cores``, ``elementwise_large_Bps``,
-    ``gemm_edge_flops``. Missing keys take the paper machine's values.
+    ``gemm_edge_flops``, ``program_task_cpu_s``. Missing keys take the paper machine's
+    values.
     """
     import yaml  # lazy: only needed for machine files
 

@@ -58,6 +58,9 @@ class SimTask:
     # its products' elements beyond a square product's (dask_ipar.kernels.cost_shapes.gemm;
     # the simulators price flops alone: dask_ipar.runtime.stepmodel adds the edge's)
     edge: float = 0.0
+    # seconds of CPU around it on its worker beyond its own work (a worker program's loop:
+    # Machine.program_task_cpu_s; simulate_programs only)
+    cpu_s: float = 0.0
 
 
 @dataclass
@@ -249,7 +252,8 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     ``min(1, cores / running)`` of one core's speed, times ``shared`` when more than one
     runs: what the cores lose to each other, the cluster rate of ``dask-ipar calibrate``
     over the cores times the one-worker rate); a task alone takes
-    ``task_s + flops / flops_per_s + mem_bytes / mem_Bps``, or with ``mem_s_per_B`` (a
+    ``task_s + cpu_s + flops / flops_per_s + mem_bytes / mem_Bps`` (``cpu_s``: its own,
+    the program's loop around it), or with ``mem_s_per_B`` (a
     function of a task's ``block_bytes``: the element-wise rate by the size of the arrays,
     :meth:`Machine.elementwise_s_per_B`) ``mem_bytes * mem_s_per_B(block_bytes)`` for the
     last term.
@@ -362,7 +366,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                 if key is not None:
                     pending[w].remove(key)
                     t = by_key[key]
-                    work = task_s + t.flops / flops_per_s + (
+                    work = task_s + t.cpu_s + t.flops / flops_per_s + (
                         t.mem_bytes / mem_Bps if mem_s_per_B is None
                         else t.mem_bytes * mem_s_per_B(t.block_bytes))
                     running[w] = [key, work, now]

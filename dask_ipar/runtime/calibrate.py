@@ -61,9 +61,11 @@ What the engine pays, measured the way the engine pays it:
 * ``background_cores``: the CPU, in cores over the whole cluster, that the workers' other
   threads (event loops, heartbeats, dask's profiler), the scheduler and the client take
   while every worker computes; ``step_cpu_s``: the CPU per worker one submitted training step
-  costs outside its programs (its dask tasks, its scattered batch, its results), from
-  real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`). What dask itself
-  takes from the cores where the workers share them.
+  costs outside its programs' loops (its dask tasks, its scattered batch, its results,
+  dask running each program), from real steps of a small network
+  (:mod:`dask_ipar.runtime.stepprobe`). What dask itself takes from the cores where the
+  workers share them. ``program_task_cpu_s``: from the same steps, the programs' own
+  loops' CPU per task beyond the kernels and the transports.
 * ``elementwise_Bps``, ``elementwise_large_Bps``: the step-time model's rates of the
   kernels' element-wise work (their counted memory passes, :mod:`dask_ipar.kernels.costs`)
   in kernels whose largest array holds 4 MiB and 16 MiB: the engine's conv, pooling and
@@ -471,7 +473,7 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     log(f"transfer CPU per message, each end (all-to-all exchanges of 4-byte and 256 KiB "
         f"blocks): {direct_msg * 1e6:.0f} us a small message, {comms_msg * 1e6:.0f} us a "
         f"large one")
-    background = step_s = None
+    background = step_s = task_cpu = None
     if not measurable(client, everyone):
         log("dask's own CPU: not measured (workers in the client's process, or no thread "
             "CPU clock on this platform)")
@@ -479,9 +481,10 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
         background = background_cores(client, everyone, e.background_s)
         log(f"dask's own CPU while the workers compute (their event loops, the scheduler, "
             f"the client): {background:.3f} of a core in all")
-        step_s = step_cpu(client, everyone, background, e.probe_steps)
+        step_s, task_cpu = step_cpu(client, everyone, background, e.probe_steps)
         log(f"CPU of a submitted step outside its programs (real steps of a small network, "
-            f"its batch scattered): {step_s * 1e3:.1f} ms per worker")
+            f"its batch scattered): {step_s * 1e3:.1f} ms per worker; the programs' own "
+            f"loops: {task_cpu * 1e6:.0f} us per task")
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
                    mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,
@@ -489,4 +492,5 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
                    exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
                    direct_message_cpu_s=direct_msg, message_cpu_s=comms_msg,
                    step_cpu_s=step_s, background_cores=background,
-                   elementwise_large_Bps=elementwise_large, gemm_edge_flops=edge)
+                   elementwise_large_Bps=elementwise_large, gemm_edge_flops=edge,
+                   program_task_cpu_s=task_cpu)

@@ -98,7 +98,12 @@ def kernel_cpu(on: bool | None = None) -> dict | None:
     """The CPU time (``time.thread_time``: not the turns other processes take on the core)
     of the kernels this worker's programs ran, ``{"<task>:<function>": (seconds, calls)}``
     with ``<task>`` the key's task name (``act``, ``bwd``, ``dxp``, ...), and
-    ``"program:push"`` for handing the blocks to the transports, since the accounting was
+    ``"program:push"`` for handing the blocks to the transports, ``"program:wait"`` for
+    the sends released and the blocks read before and while a program waits (the direct
+    links' reads, where the waiting program reads them), ``"program:phase"`` for the sends
+    released between tasks, ``"program:start"`` for a program's setup before its first
+    task and ``"program:run"`` for the whole program (so the loop's own work is
+    ``run`` less ``start``, the kernels and the other three), since the accounting was
     switched on; None while it is off (the default). ``on``: True starts it from zero,
     False stops it (what it counted is returned). Run it on the workers
     (``client.run(kernel_cpu, True)``): ``benchmarks/kernel_cpu.py`` sets each kernel's
@@ -235,8 +240,21 @@ def run_program(prog: Program, *values):
 
 
 def _run(prog, *values):
+    counts = _KERNEL_CPU
+    if counts is None:
+        return _run_program(prog, *values)
+    c0 = time.thread_time()
+    try:
+        return _run_program(prog, *values)
+    finally:
+        _count_cpu(counts, "program", "run", c0)
+
+
+def _run_program(prog, *values):
     from distributed import get_worker, rejoin, secede
     from distributed.metrics import context_meter
+
+    c_start = time.thread_time() if _KERNEL_CPU is not None else 0.0
 
     opened = rk = None
     if isinstance(prog, bytes):  # as compile_programs sends it (:func:`~dask_ipar.runtime.compiler.pack_program`)
@@ -293,6 +311,8 @@ def _run(prog, *values):
                 opened.ready = _Ready(todo, env)
             ready, steps = opened.ready.copy(), opened.steps
         head = 0
+        if _KERNEL_CPU is not None:
+            _count_cpu(_KERNEL_CPU, "program", "start", c_start)
         started = last = time.monotonic()
         left = len(todo)
         while left:
@@ -313,6 +333,8 @@ def _run(prog, *values):
                     due = next(d for d in todo[head][1].dependencies if d not in env)
                     rec.now("waiting", N(due[0]), prog.remote.get(due))
                     t0 = time.time()
+                counts = _KERNEL_CPU
+                c0 = time.thread_time() if counts is not None else 0.0
                 sender.release()  # small blocks held back go before this program idles
                 t1 = time.perf_counter()
                 try:
@@ -321,6 +343,8 @@ def _run(prog, *values):
                 finally:  # an abort's or a timeout's wait counts too
                     spent["wait for blocks"] = spent.get("wait for blocks", 0.0) \
                         + time.perf_counter() - t1
+                if counts is not None:  # the sends released, the blocks read
+                    _count_cpu(counts, "program", "wait", c0)
                 if rec is not None:  # the trace in the program's names (see program_done)
                     trace.append([due[0], "wait", t0, time.time()])
                     rec.add(N(due[0]), "wait", t0, trace[-1][3], prog.remote.get(due))
@@ -333,14 +357,17 @@ def _run(prog, *values):
             last = time.monotonic()  # progress: a wait's timeout counts from its start
             deps = node.dependencies
             task = key[0].split("-", 1)[0]  # "<layer>.<task>"
+            counts = _KERNEL_CPU
+            c0 = time.thread_time() if counts is not None else 0.0
             # small blocks held back go before another task, unless it ran short last time
             sender.phase(task, hold=quick.get(task, False))
             if isinstance(node, Task) and node.func in MUTATES:
                 sender.flush(deps if rk is None else [R(d) for d in deps], view.tag)
+            if counts is not None:
+                _count_cpu(counts, "program", "phase", c0)
             if rec is not None:
                 rec.now("computing", N(key[0]))
                 t0 = time.time()
-            counts = _KERNEL_CPU
             c0 = time.thread_time() if counts is not None else 0.0
             t1 = time.perf_counter()
             try:

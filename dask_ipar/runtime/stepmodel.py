@@ -142,7 +142,7 @@ def _with_push(tasks, available):
             return dataclasses.replace(t, deps=tuple(
                 d for d in t.deps if d not in available or available[d][0] == t.worker))
         return dataclasses.replace(t, deps=tuple(d for d in t.deps if d in first),
-                                   flops=0.0, mem_bytes=0.0, out_bytes=0.0, edge=0.0)
+                                   flops=0.0, mem_bytes=0.0, out_bytes=0.0, edge=0.0, cpu_s=0.0)
     return [cut(t) for t in tasks]
 
 
@@ -167,8 +167,14 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
     if executor not in ("programs", "graph"):
         raise IparError(f"executor: got {executor!r}; expected 'programs' or 'graph'.")
 
+    loop_s = machine.program_task_cpu_s or 0.0
+
+    def looped(tasks, available):  # each task's share of its program's own loop
+        return ([dataclasses.replace(t, cpu_s=loop_s) for t in tasks] if loop_s and
+                executor == "programs" else tasks), available
+
     def one_step():
-        return step_tasks(engine, w_names, batch, input_shape, dtype, optimizer)
+        return looped(*step_tasks(engine, w_names, batch, input_shape, dtype, optimizer))
 
     if executor == "programs":
         workers = engine.binding.grid.size
@@ -213,8 +219,8 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         # before it ends), and the next submission's programs start after it; within a
         # submission of several steps a step's forward overlaps the push of the weights
         # before it: two steps' makespan less one's
-        two_tasks, two_avail = step_tasks(engine, w_names, batch, input_shape, dtype,
-                                          optimizer, steps=2)
+        two_tasks, two_avail = looped(*step_tasks(engine, w_names, batch, input_shape, dtype,
+                                                  optimizer, steps=2))
         pushed = run(_with_push(two_tasks, two_avail), two_avail)
         seconds = pushed.seconds + (machine.round_s or 0.0)
         if steps_per_program > 1:

@@ -95,9 +95,9 @@ def background_cores(client, workers, seconds: float = 1.0) -> float:
     return float(others / wall)
 
 
-def _loop_cpu() -> float:
-    """CPU seconds of this worker process outside its task threads so far (the threads
-    of dask's executors, by the names dask gives them)."""
+def _split_cpu() -> tuple:
+    """CPU seconds of this worker process so far: ``(outside its task threads, its task
+    threads')`` (the threads of dask's executors, by the names dask gives them)."""
     import threading
 
     tasks = 0.0
@@ -107,22 +107,57 @@ def _loop_cpu() -> float:
                 tasks += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
             except OSError:  # the thread ended meanwhile
                 pass
-    return time.process_time() - tasks
+    return time.process_time() - tasks, tasks
 
 
-def step_cpu(client, workers, background: float = 0.0, steps: int = PROBE_STEPS) -> float:
-    """CPU seconds per worker that one submitted training step costs outside its worker
-    programs: the probe network (:data:`PROBE_WIDTHS`, a batch of :data:`PROBE_BATCH`
-    samples) trained on a ``1 x P`` grid of ``workers`` as worker programs, ``steps``
-    steps; the scheduler's and the client's CPU and each worker's outside its task threads,
-    less ``background`` cores (the whole cluster's, measured apart:
-    :func:`background_cores`) over the steps' wall time, over the steps and the workers.
-    It includes the CPU of the probe's own few messages (a 10-row weight's gradient
-    summed over the workers: at ``direct_message_cpu_s`` each end, under 1 ms per worker
-    and step on 8 emulated hosts)."""
+def _clock_read_s(reads: int = 2000) -> float:
+    """Seconds of one read of this thread's CPU clock (``time.thread_time``: a system call,
+    3 us on this machine's KVM guest)."""
+    t = time.perf_counter()
+    for _ in range(reads):
+        time.thread_time()
+    return (time.perf_counter() - t) / reads
+
+
+def _program_cpu() -> tuple:
+    """Run on a worker after its programs ran with their CPU accounted
+    (:func:`dask_ipar.runtime.programs.kernel_cpu`, which this stops): ``(the programs'
+    loops' CPU seconds, of which beyond their kernels and transports, tasks run)``. The
+    accounting's own clock reads are taken off (one read per counted call lands between
+    the counted intervals)."""
+    from dask_ipar.runtime.programs import kernel_cpu
+
+    got = kernel_cpu(False) or {}
+    run, start = (got.get(f"program:{k}", (0.0, 0))[0] for k in ("run", "start"))
+    counted = sum(s for k, (s, _) in got.items() if k not in ("program:run", "program:start"))
+    calls = sum(n for _, n in got.values())
+    tasks = sum(n for k, (_, n) in got.items() if not k.startswith("program:"))
+    loop = run - start
+    return loop, max(0.0, loop - counted - calls * _clock_read_s()), tasks
+
+
+def step_cpu(client, workers, background: float = 0.0, steps: int = PROBE_STEPS) -> tuple:
+    """``(step_cpu_s, program_task_cpu_s)`` of :class:`dask_ipar.cost.Machine`: the probe
+    network (:data:`PROBE_WIDTHS`, a batch of :data:`PROBE_BATCH` samples) trained on a
+    ``1 x P`` grid of ``workers`` as worker programs, ``steps`` steps, with the programs'
+    CPU accounted (:func:`dask_ipar.runtime.programs.kernel_cpu`).
+
+    ``step_cpu_s``: CPU seconds per worker that one submitted step costs outside its
+    programs' loops: the scheduler's and the client's CPU and each worker's outside its
+    task threads, and its task threads' outside the programs' loops (dask running the
+    program, its setup before its first task), less ``background`` cores (the whole
+    cluster's, measured apart: :func:`background_cores`) over the steps' wall time, over
+    the steps and the workers. It includes the CPU of the probe's own few messages (a
+    10-row weight's gradient summed over the workers: at ``direct_message_cpu_s`` each
+    end, under 1 ms per worker and step on 8 emulated hosts).
+
+    ``program_task_cpu_s``: CPU seconds of the programs' loops per task beyond the tasks'
+    kernels and the transports' work done on the program threads (handing blocks over,
+    reading them while waiting): the Python between the kernels."""
     from distributed import wait
 
     from dask_ipar import SGD, Dense, Sequential
+    from dask_ipar.runtime.programs import kernel_cpu
 
     workers = list(workers)
     p = len(workers)
@@ -138,7 +173,8 @@ def step_cpu(client, workers, background: float = 0.0, steps: int = PROBE_STEPS)
         model.executor = "programs"
         for _ in range(2):
             client.gather(model.train_step(X, y, opt, more=True))
-        w0 = client.run(_loop_cpu, workers=workers)
+        client.run(kernel_cpu, True, workers=workers)
+        w0 = client.run(_split_cpu, workers=workers)
         d0 = _driver_cpu(client)
         t0 = time.perf_counter()
         for k in range(steps):
@@ -147,8 +183,13 @@ def step_cpu(client, workers, background: float = 0.0, steps: int = PROBE_STEPS)
         wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
         wall = time.perf_counter() - t0
         d1 = _driver_cpu(client)
-        w1 = client.run(_loop_cpu, workers=workers)
+        w1 = client.run(_split_cpu, workers=workers)
     finally:
         model.close()
-    spent = d1 - d0 + sum(w1[w] - w0[w] for w in workers)
-    return float(max(0.0, spent - background * wall) / steps / p)
+        programs = client.run(_program_cpu, workers=workers)
+    # outside the task threads, and the task threads' outside the programs' loops
+    spent = d1 - d0 + sum(w1[w][0] - w0[w][0] + (w1[w][1] - w0[w][1]) - programs[w][0]
+                          for w in workers)
+    tasks = sum(programs[w][2] for w in workers)
+    per_task = sum(programs[w][1] for w in workers) / tasks if tasks else 0.0
+    return float(max(0.0, spent - background * wall) / steps / p), float(per_task)
