@@ -764,3 +764,7 @@ def test_the_programs_loops_cost_their_cpu_on_every_task():
     busiest = max(tasks.values()) * cost
     assert busiest <= loaded.seconds < base.seconds + 1.2 * busiest
     assert busiest > 10 * base.seconds
+    # the graph executor has no programs: its step does not change
+    graph = [simulate_layers(net, (64,), "2x2", 32, mm, cores=4, executor="graph").seconds
+             for mm in (m, m.replace(program_task_cpu_s=cost))]
+    assert graph[0] == graph[1]

@@ -195,9 +195,10 @@ class Machine:
         workers have no direct links).
     step_cpu_s : float, optional
         CPU seconds per worker that one submitted training step costs outside its worker
-        programs: the scheduler's and the client's work for its dask tasks, its batch and
-        its results, and the workers' event loops' (real steps of a small network with a
-        scattered batch; 7-9 ms per worker on 2, 4 and 8 emulated hosts sharing 2 cores);
+        programs' loops: the scheduler's and the client's work for its dask tasks, its
+        batch and its results, the workers' event loops', and dask running each program
+        and the program's setup (real steps of a small network with a scattered batch;
+        11-15 ms per worker on 2 and 8 local workers sharing 2 cores);
         where the workers share cores, the step-time model takes it from them at each
         submission's start.
     background_cores : float, optional

@@ -104,8 +104,8 @@ from dask_ipar.runtime.linkprobe import (
 )
 from dask_ipar.runtime.stepprobe import PROBE_STEPS, background_cores, measurable, step_cpu
 
-__all__ = ["calibrate", "program_hop", "edge_flops", "Effort", "FULL", "QUICK",
-           "CLUSTER_REPEATS", "CLUSTER_ROUNDS", "THIN"]
+__all__ = ["calibrate", "program_hop", "edge_flops", "one_worker_flops", "Effort", "FULL",
+           "QUICK", "CLUSTER_REPEATS", "CLUSTER_ROUNDS", "THIN"]
 
 #: :data:`FULL`'s matmuls (1024-cubed) per worker in one round of the all-workers matmul
 #: rate (``cluster_flops_per_s``), and its rounds (the fastest taken).
@@ -193,6 +193,14 @@ def _matmul_work(shape, dtype, repeats, start_at=None):
     for _ in range(repeats):
         matmul(a, b, out)
     return 2.0 * m * k * n * repeats, t0, time.time()
+
+
+def one_worker_flops(readings, cluster, workers: int) -> float:
+    """``flops_per_s`` from one worker's matmul ``readings`` and the all-workers rate
+    ``cluster`` of ``workers``: the fastest reading, and no less than each worker's share
+    of ``cluster`` (one worker alone computes no slower than each of them at once; one
+    reading once read 81 GFLOP/s against 93 a worker at once: docs/communication.md)."""
+    return float(max(*readings, cluster / workers))
 
 
 def _mem_work(nbytes, repeats, start_at=None):
@@ -386,8 +394,7 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     everyone = sorted(scheduler_workers(client))
     _cluster_rate(client, everyone, tag + "w", _matmul_work, 256, dtype, 2)
     # rounds of 0.5 s of a core per worker here: with 4 matmuls (60 ms) a round on 2 workers
-    # read 230-270 GFLOP/s, with 48 257-275 (and the best of two 220 once in a sweep, which
-    # predicted its 2-host steps 1.33x long)
+    # read 230-270 GFLOP/s, with 48 257-275 (the best of two once 220: 2-host steps 1.33x)
     rounds = [_cluster_rate(client, everyone, f"{tag}{r}", _matmul_work, matmul_n, dtype,
                             e.cluster_repeats) for r in range(e.cluster_rounds)]
     cluster = max(rounds)
@@ -397,11 +404,8 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     thin_repeats = max(1, round(e.cluster_repeats * matmul_n ** 3 / (m_th * k_th * n_th)))
     thin = max(_cluster_rate(client, everyone, f"{tag}t{r}", _matmul_work, THIN, dtype,
                              thin_repeats) for r in range(e.cluster_rounds))
-    # read again, seconds later, and no less than each worker's share of all at once: one
-    # 60 ms reading read 81 GFLOP/s once, against 93 a worker all at once (2 workers, 2
-    # cores), and the kernel mix's remainder then 18 GB/s against 8-14 in every other run
-    readings = (flops, one_worker_rate())
-    flops = max(*readings, cluster / len(everyone))
+    readings = (flops, one_worker_rate())  # seconds apart
+    flops = one_worker_flops(readings, cluster, len(everyone))
     log(f"compute ({dtype} matmul {matmul_n}^3 on one worker): {flops / 1e9:.1f} GFLOP/s "
         f"(readings {readings[0] / 1e9:.1f}, {readings[1] / 1e9:.1f}; all workers' rate over "
         f"{len(everyone)}: {cluster / len(everyone) / 1e9:.1f})")

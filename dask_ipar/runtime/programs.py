@@ -240,21 +240,23 @@ def run_program(prog: Program, *values):
 
 
 def _run(prog, *values):
+    # the accounting as the program starts, for all of it: a program is counted whole or
+    # not at all (the accounting switched on or off while it runs)
     counts = _KERNEL_CPU
     if counts is None:
-        return _run_program(prog, *values)
+        return _run_program(None, prog, *values)
     c0 = time.thread_time()
     try:
-        return _run_program(prog, *values)
+        return _run_program(counts, prog, *values)
     finally:
         _count_cpu(counts, "program", "run", c0)
 
 
-def _run_program(prog, *values):
+def _run_program(counts, prog, *values):
     from distributed import get_worker, rejoin, secede
     from distributed.metrics import context_meter
 
-    c_start = time.thread_time() if _KERNEL_CPU is not None else 0.0
+    c_start = time.thread_time() if counts is not None else 0.0
 
     opened = rk = None
     if isinstance(prog, bytes):  # as compile_programs sends it (:func:`~dask_ipar.runtime.compiler.pack_program`)
@@ -311,8 +313,8 @@ def _run_program(prog, *values):
                 opened.ready = _Ready(todo, env)
             ready, steps = opened.ready.copy(), opened.steps
         head = 0
-        if _KERNEL_CPU is not None:
-            _count_cpu(_KERNEL_CPU, "program", "start", c_start)
+        if counts is not None:
+            _count_cpu(counts, "program", "start", c_start)
         started = last = time.monotonic()
         left = len(todo)
         while left:
@@ -333,7 +335,6 @@ def _run_program(prog, *values):
                     due = next(d for d in todo[head][1].dependencies if d not in env)
                     rec.now("waiting", N(due[0]), prog.remote.get(due))
                     t0 = time.time()
-                counts = _KERNEL_CPU
                 c0 = time.thread_time() if counts is not None else 0.0
                 sender.release()  # small blocks held back go before this program idles
                 t1 = time.perf_counter()
@@ -357,7 +358,6 @@ def _run_program(prog, *values):
             last = time.monotonic()  # progress: a wait's timeout counts from its start
             deps = node.dependencies
             task = key[0].split("-", 1)[0]  # "<layer>.<task>"
-            counts = _KERNEL_CPU
             c0 = time.thread_time() if counts is not None else 0.0
             # small blocks held back go before another task, unless it ran short last time
             sender.phase(task, hold=quick.get(task, False))
@@ -394,7 +394,10 @@ def _run_program(prog, *values):
                 uses[d] -= 1
                 if uses[d] == 0 and d not in keep:
                     env.pop(d, None)
+        c0 = time.thread_time() if counts is not None else 0.0
         sender.flush(tag=view.tag)
+        if counts is not None:  # the last sends: the transports' work, as a push's
+            _count_cpu(counts, "program", "push", c0)
         if rec is not None:
             rec.now("idle")
             rec.program_done(view.key, trace, None if rk is None else rk.name)

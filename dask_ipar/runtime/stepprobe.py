@@ -30,8 +30,8 @@ import time
 
 import numpy as np
 
-__all__ = ["background_cores", "step_cpu", "measurable", "PROBE_WIDTHS", "PROBE_BATCH",
-           "PROBE_STEPS"]
+__all__ = ["background_cores", "step_cpu", "program_cpu", "measurable", "PROBE_WIDTHS",
+           "PROBE_BATCH", "PROBE_STEPS"]
 
 #: The probe network of :func:`step_cpu`: one dense layer (at least as many inputs as
 #: workers, so that its weight's columns split over them), so that its programs exchange a
@@ -110,30 +110,41 @@ def _split_cpu() -> tuple:
     return time.process_time() - tasks, tasks
 
 
-def _clock_read_s(reads: int = 2000) -> float:
-    """Seconds of one read of this thread's CPU clock (``time.thread_time``: a system call,
-    3 us on this machine's KVM guest)."""
+def _count_s(calls: int = 2000) -> float:
+    """Seconds of one count of the programs' CPU accounting outside what it counts: a read
+    of the thread's CPU clock (``time.thread_time``, a system call: 3 us on this
+    machine's KVM guest) and the entry's update."""
+    from dask_ipar.runtime.programs import _count_cpu
+
+    scratch: dict = {}
     t = time.perf_counter()
-    for _ in range(reads):
-        time.thread_time()
-    return (time.perf_counter() - t) / reads
+    for _ in range(calls):
+        _count_cpu(scratch, "t", "f", 0.0)
+    return (time.perf_counter() - t) / calls
 
 
-def _program_cpu() -> tuple:
-    """Run on a worker after its programs ran with their CPU accounted
-    (:func:`dask_ipar.runtime.programs.kernel_cpu`, which this stops): ``(the programs'
-    loops' CPU seconds, of which beyond their kernels and transports, tasks run)``. The
-    accounting's own clock reads are taken off (one read per counted call lands between
-    the counted intervals)."""
-    from dask_ipar.runtime.programs import kernel_cpu
-
-    got = kernel_cpu(False) or {}
+def program_cpu(got: dict, count_s: float) -> tuple:
+    """``(the programs' loops' CPU seconds, of which beyond their kernels and transports,
+    tasks run)`` from a worker's counts (:func:`dask_ipar.runtime.programs.kernel_cpu`,
+    ``{"<task>:<function>": (seconds, calls)}``): the loops are the programs' ``run`` less
+    their ``start`` (their setup); beyond the kernels and the transports' work counted on
+    the program threads (``program:push``, ``wait``, ``phase``), less ``count_s`` per
+    counted call (the accounting's own work between the counted intervals)."""
     run, start = (got.get(f"program:{k}", (0.0, 0))[0] for k in ("run", "start"))
     counted = sum(s for k, (s, _) in got.items() if k not in ("program:run", "program:start"))
     calls = sum(n for _, n in got.values())
     tasks = sum(n for k, (_, n) in got.items() if not k.startswith("program:"))
-    loop = run - start
-    return loop, max(0.0, loop - counted - calls * _clock_read_s()), tasks
+    loop = max(0.0, run - start)
+    return loop, max(0.0, loop - counted - calls * count_s), tasks
+
+
+def _stop_counting() -> tuple:
+    """Run on a worker: its CPU split (:func:`_split_cpu`) and its programs' counts,
+    the counting stopped (:func:`program_cpu`'s terms)."""
+    from dask_ipar.runtime.programs import kernel_cpu
+
+    split = _split_cpu()
+    return split, program_cpu(kernel_cpu(False) or {}, _count_s())
 
 
 def step_cpu(client, workers, background: float = 0.0, steps: int = PROBE_STEPS) -> tuple:
@@ -173,20 +184,25 @@ def step_cpu(client, workers, background: float = 0.0, steps: int = PROBE_STEPS)
         model.executor = "programs"
         for _ in range(2):
             client.gather(model.train_step(X, y, opt, more=True))
-        client.run(kernel_cpu, True, workers=workers)
+        weights = [f for lay in model.state_blocks()["layers"] for f in lay["w"].values()]
+        wait(weights)  # the warm steps' programs done: each program is counted whole
         w0 = client.run(_split_cpu, workers=workers)
-        d0 = _driver_cpu(client)
-        t0 = time.perf_counter()
-        for k in range(steps):
-            client.gather(model.train_step(X, y, opt, more=k < steps - 1))
-        # the last step's backward and update run on after its loss came back
-        wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
-        wall = time.perf_counter() - t0
-        d1 = _driver_cpu(client)
-        w1 = client.run(_split_cpu, workers=workers)
+        client.run(kernel_cpu, True, workers=workers)
+        try:
+            d0 = _driver_cpu(client)
+            t0 = time.perf_counter()
+            for k in range(steps):
+                client.gather(model.train_step(X, y, opt, more=k < steps - 1))
+            # the last step's backward and update run on after its loss came back
+            wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
+            wall = time.perf_counter() - t0
+            d1 = _driver_cpu(client)
+        finally:
+            ends = client.run(_stop_counting, workers=workers)
     finally:
         model.close()
-        programs = client.run(_program_cpu, workers=workers)
+    w1 = {w: split for w, (split, _) in ends.items()}
+    programs = {w: counted for w, (_, counted) in ends.items()}
     # outside the task threads, and the task threads' outside the programs' loops
     spent = d1 - d0 + sum(w1[w][0] - w0[w][0] + (w1[w][1] - w0[w][1]) - programs[w][0]
                           for w in workers)
