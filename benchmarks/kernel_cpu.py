@@ -39,7 +39,7 @@ sys.path.insert(0, HERE)
 TRANSPORTS = "transports"
 #: The key of :func:`model_costs` and of a grid's ``kernel_cpu_s`` for the programs' own
 #: loops beyond their kernels and transports (``program_task_cpu_s`` a task in the model;
-#: measured, the program threads' CPU beyond what the programs count, their setup too).
+#: measured as ``dask-ipar calibrate`` does, :func:`dask_ipar.runtime.stepprobe.program_cpu`).
 LOOPS = "program:loops"
 
 
@@ -135,7 +135,8 @@ def measure(client, cfg, grid: str, layers, steps: int, pids: dict, names: dict,
 def _measure(client, model, opt, batches, grid, steps, pids, names) -> dict:
     from distributed import wait
 
-    from dask_ipar.runtime.programs import kernel_cpu
+    from dask_ipar.runtime.programs import count_cost_s, kernel_cpu
+    from dask_ipar.runtime.stepprobe import program_cpu
 
     model.distribute(client, grid)
     model.executor = "programs"
@@ -168,12 +169,12 @@ def _measure(client, model, opt, batches, grid, steps, pids, names) -> dict:
         for k, (sec, n) in (got or {}).items():
             per_kernel[k] += sec / steps
             calls[k] += n / steps
-    for k in ("program:run", "program:start"):  # the programs' setup is in step_cpu_s
+    # the loops' own work beyond the kernels and transports, as calibrate derives it (the
+    # programs' setup, like dask running them, is in step_cpu_s: not listed)
+    _, per_kernel[LOOPS], _ = program_cpu(
+        {k: (per_kernel[k], calls[k]) for k in per_kernel}, count_cost_s())
+    for k in ("program:run", "program:start"):
         per_kernel.pop(k, None), calls.pop(k, None)
-    # the program threads' CPU beyond what was counted: the loops' own work, the programs'
-    # setup, dask running them (over the same steps as the threads' CPU, near enough: the
-    # counting also sees the end of the step before the timed ones)
-    per_kernel[LOOPS] = max(0.0, roles["workers' program threads"] - sum(per_kernel.values()))
     return {"grid": grid, "step_s": statistics.median(
         b - a for a, b in zip([t0, *ends], ends)), "wall_s": wall, "steps": steps,
         "cpu_by_role_s": dict(roles), "kernel_cpu_s": dict(per_kernel),

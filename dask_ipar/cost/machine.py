@@ -222,7 +222,7 @@ class Machine:
         CPU seconds a worker program's own loop spends per task beyond the task's kernel
         and the transports' work (finding the next task, its inputs, dropping blocks no
         longer read: the Python between the kernels), measured by ``dask-ipar calibrate``
-        in real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`; 23-55 us on
+        in real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`; 19-29 us on
         local and emulated clusters of 2 to 8 workers sharing 2 cores); the step-time
         model adds it to every task of a step run as programs. 0 where None.
     """

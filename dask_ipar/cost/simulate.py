@@ -272,11 +272,10 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     seconds per worker from the step's start (what a submitted step costs the scheduler,
     the client and the workers' event loops outside the programs' loops: its dask tasks,
     its batch, its results, the programs' setup; added to each worker's transfer work),
-    and ``background_cores``
-    in all, all along (the event loops' periodic work, heartbeats, dask's profiler, the
-    scheduler's, while the workers compute): the tasks and transfers share ``cores -
-    background_cores``. Both measured by ``dask-ipar calibrate``
-    (:mod:`dask_ipar.runtime.stepprobe`).
+    and ``background_cores`` in all, all along (the event loops' periodic work,
+    heartbeats, dask's profiler, the scheduler's, while the workers compute): the tasks
+    and transfers share ``cores - background_cores``. Both measured by ``dask-ipar
+    calibrate`` (:mod:`dask_ipar.runtime.stepprobe`).
 
     Returns a :class:`SimResult` whose ``seconds`` is the step's makespan. ``trace``, a
     list, receives ``(worker, key, start, end)`` of every task (where a step's time goes).

@@ -110,19 +110,6 @@ def _split_cpu() -> tuple:
     return time.process_time() - tasks, tasks
 
 
-def _count_s(calls: int = 2000) -> float:
-    """Seconds of one count of the programs' CPU accounting outside what it counts: a read
-    of the thread's CPU clock (``time.thread_time``, a system call: 3 us on this
-    machine's KVM guest) and the entry's update."""
-    from dask_ipar.runtime.programs import _count_cpu
-
-    scratch: dict = {}
-    t = time.perf_counter()
-    for _ in range(calls):
-        _count_cpu(scratch, "t", "f", 0.0)
-    return (time.perf_counter() - t) / calls
-
-
 def program_cpu(got: dict, count_s: float) -> tuple:
     """``(the programs' loops' CPU seconds, of which beyond their kernels and transports,
     tasks run)`` from a worker's counts (:func:`dask_ipar.runtime.programs.kernel_cpu`,
@@ -141,10 +128,10 @@ def program_cpu(got: dict, count_s: float) -> tuple:
 def _stop_counting() -> tuple:
     """Run on a worker: its CPU split (:func:`_split_cpu`) and its programs' counts,
     the counting stopped (:func:`program_cpu`'s terms)."""
-    from dask_ipar.runtime.programs import kernel_cpu
+    from dask_ipar.runtime.programs import count_cost_s, kernel_cpu
 
     split = _split_cpu()
-    return split, program_cpu(kernel_cpu(False) or {}, _count_s())
+    return split, program_cpu(kernel_cpu(False) or {}, count_cost_s())
 
 
 def step_cpu(client, workers, background: float = 0.0, steps: int = PROBE_STEPS) -> tuple:
