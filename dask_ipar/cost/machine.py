@@ -198,7 +198,7 @@ class Machine:
         programs' loops: the scheduler's and the client's work for its dask tasks, its
         batch and its results, the workers' event loops', and dask running each program
         and the program's setup (real steps of a small network with a scattered batch;
-        11-15 ms per worker on 2 and 8 local workers sharing 2 cores);
+        11-24 ms per worker on 2 to 8 local and emulated workers sharing 2 cores);
         where the workers share cores, the step-time model takes it from them at each
         submission's start.
     background_cores : float, optional
@@ -222,7 +222,7 @@ class Machine:
         CPU seconds a worker program's own loop spends per task beyond the task's kernel
         and the transports' work (finding the next task, its inputs, dropping blocks no
         longer read: the Python between the kernels), measured by ``dask-ipar calibrate``
-        in real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`; 19-29 us on
+        in real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`; 19-34 us on
         local and emulated clusters of 2 to 8 workers sharing 2 cores); the step-time
         model adds it to every task of a step run as programs. 0 where None.
     """
