@@ -1,14 +1,16 @@
 """Where a step's CPU goes on workers that share cores, beside the step model (issue 23).
 
     python benchmarks/kernel_cpu.py [--model cnn] [--workers 8] [--grids 8x1,4x2]
-                                    [--steps 10] [--json out.json]
+                                    [--steps 10] [--steps-per-program 1]
+                                    [--data client] [--json out.json]
 
 A ``LocalCluster`` of ``--workers`` one-thread worker processes (dask-ipar's worker
 settings) on this machine's cores, calibrated as ``dask-ipar calibrate`` does (the link
 figures from ``netcluster.link_check``: loopback here), then per grid ``--steps`` steps of
 ``--model`` (``cnn``, ``compute`` or ``weight`` of ``benchmarks/common.py``; the conv
 schemes the planner picks) after three untimed ones, the train-step loop of
-``common.time_dask_grid``. Measured over the timed steps, per step:
+``common.time_dask_grid`` (with ``--steps-per-program`` k: ``--steps`` submissions of
+k steps each, ``fit``'s way, priced by the model at k steps a submission). Measured over the timed steps, per step:
 
 * each process's threads' CPU time (``psutil``), by role: the workers' program threads,
   event loops, direct-transport threads, and the client's process (the scheduler runs in
@@ -76,15 +78,14 @@ def _role(name) -> str:
     return "other threads"
 
 
-def model_costs(cfg, grid: str, layers, machine, cores=None) -> dict:
+def model_costs(cfg, grid: str, layers, machine) -> dict:
     """``{"<task>:<function>": seconds}`` per step over all workers: the step model's price
-    of each kernel at ``machine``'s rates, before the sharing of cores (the element-wise
-    rates as for the grid's workers taking turns on ``cores``, where given)."""
+    of each kernel at ``machine``'s rates, before the sharing of cores."""
     import common as C
     from dask_ipar import SGD
     from dask_ipar.nn.graph import sim_tasks
     from dask_ipar.runtime.wire import DIRECT_BYTES
-    from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS, core_turns, priced, sim_step_graph
+    from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS, priced, sim_step_graph
     from dask_ipar.testing import fake_binding
 
     shape = cfg.image if isinstance(cfg, C.CNNConfig) else (cfg.widths[0],)
@@ -93,7 +94,6 @@ def model_costs(cfg, grid: str, layers, machine, cores=None) -> dict:
     g, external = sim_step_graph(engine, names, cfg.batch, shape, "float32",
                                  SGD(lr=0.01, momentum=0.9))
     tasks, available = sim_tasks(g, external, 4)
-    turns = core_turns(engine.binding.grid.size, cores)
     out: dict = collections.Counter()
     # the transports' CPU as the simulator charges it: per block and reader on another
     # worker, each end its per-message work (a small or a large message) and its bytes
@@ -115,24 +115,27 @@ def model_costs(cfg, grid: str, layers, machine, cores=None) -> dict:
         name = (t.key[0] if isinstance(t.key, tuple) else t.key).split("-")[0]
         out[f"{name.rsplit('.', 1)[-1]}:{g.dsk[t.key].func.__name__}"] += (
             t.flops / machine.flops_per_s
-            + t.mem_bytes * machine.elementwise_s_per_B(t.block_bytes, ELEMENTWISE_BPS, turns))
+            + t.mem_bytes * machine.elementwise_s_per_B(t.block_bytes, ELEMENTWISE_BPS))
     return dict(out)
 
 
 def measure(client, cfg, grid: str, layers, steps: int, pids: dict, names: dict,
-            data: str = "client") -> dict:
+            data: str = "client", steps_per_program: int = 1) -> dict:
     """One grid: the step time, the CPU by role and by kernel, per step (``data``: where
-    the batches come from, ``common.DATA_PATHS``)."""
+    the batches come from, ``common.DATA_PATHS``; ``steps_per_program``: steps per
+    submission, ``fit``'s way)."""
     import common as C
     from dask_ipar import SGD
 
     opt = SGD(lr=0.01, momentum=0.9)
     model = cfg.build_model(layers)
     with C.step_batches(cfg, model, data) as batches:
-        return _measure(client, model, opt, batches, grid, steps, pids, names)
+        return _measure(client, model, opt, batches, grid, steps, pids, names,
+                        steps_per_program)
 
 
-def _measure(client, model, opt, batches, grid, steps, pids, names) -> dict:
+def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> dict:
+    import common as C
     from distributed import wait
 
     from dask_ipar.runtime.programs import count_cost_s, kernel_cpu
@@ -141,17 +144,18 @@ def _measure(client, model, opt, batches, grid, steps, pids, names) -> dict:
     model.distribute(client, grid)
     model.executor = "programs"
     try:
-        for k in range(3):
-            client.gather(model.train_step(*batches[k % 2], opt, more=True))
+        for _ in range(3):
+            C._submit_k(model, batches, group, opt, True)()
         client.run(kernel_cpu, True)
         workers = {pid: addr for addr, pid in pids.items()}
         everyone = [os.getpid(), *workers]
         before, t0 = _cpu_by_thread(everyone), time.perf_counter()
         ends = []
-        for k in range(steps):
-            client.gather(model.train_step(*batches[k % 2], opt, more=True))
+        for _ in range(steps):  # submissions of k steps each
+            C._submit_k(model, batches, group, opt, True)()
             ends.append(time.perf_counter())
         wall = time.perf_counter() - t0
+        steps *= group
         after = _cpu_by_thread(everyone)
         kernels = client.run(kernel_cpu, False)
         client.gather(model.train_step(*batches[0], opt, more=False))
@@ -176,7 +180,8 @@ def _measure(client, model, opt, batches, grid, steps, pids, names) -> dict:
     for k in ("program:run", "program:start"):
         per_kernel.pop(k, None), calls.pop(k, None)
     return {"grid": grid, "step_s": statistics.median(
-        b - a for a, b in zip([t0, *ends], ends)), "wall_s": wall, "steps": steps,
+        b - a for a, b in zip([t0, *ends], ends)) / group, "wall_s": wall, "steps": steps,
+        "steps_per_program": group,
         "cpu_by_role_s": dict(roles), "kernel_cpu_s": dict(per_kernel),
         "kernel_calls": dict(calls)}
 
@@ -186,6 +191,8 @@ def render(res: dict) -> str:
              f"{res['workers']} --grids {','.join(r['grid'] for r in res['grids'])} --steps "
              f"{res['steps']}"
              + (f" --data {res['data']}" if res.get("data", "client") != "client" else "")
+             + (f" --steps-per-program {res['steps_per_program']}"
+                if res.get("steps_per_program", 1) > 1 else "")
              + f"` on {res['when']} ({res['cores']} cores; raw numbers in "
              f"`{res['json']}`), per step:", ""]
     for r in res["grids"]:
@@ -202,7 +209,7 @@ def render(res: dict) -> str:
             "the programs' loops (program_task_cpu_s a task)":
                 r["model_kernel_s"].get(LOOPS, 0.0),
             "a submitted step's CPU (step_cpu_s, each worker)":
-                (m.get("step_cpu_s") or 0.0) * res["workers"],
+                (m.get("step_cpu_s") or 0.0) * res["workers"] / r.get("steps_per_program", 1),
             "dask's background (background_cores over the step)":
                 (m.get("background_cores") or 0.0) * r["model_step_s"]}
         lines += ["", "The model's CPU outside the kernels: " + "; ".join(
@@ -239,11 +246,14 @@ def main(argv=None):
     p.add_argument("--data", default="client", choices=C.DATA_PATHS,
                    help="where the batches come from: the client's memory (sent every "
                         "step) or a .npy file each worker reads")
+    p.add_argument("--steps-per-program", type=int, default=1,
+                   help="steps per submission (fit's way); --steps counts submissions")
     p.add_argument("--json", default=None, help="where to write the raw numbers (default: "
                    "benchmarks/results/kernel-cpu-<time>.json)")
     a = p.parse_args(argv)
-    if a.steps < 2 or a.workers < 2:
-        p.error(f"--steps {a.steps}, --workers {a.workers}: expected at least 2 of each")
+    if a.steps < 2 or a.workers < 2 or a.steps_per_program < 1:
+        p.error(f"--steps {a.steps}, --workers {a.workers}, --steps-per-program "
+                f"{a.steps_per_program}: expected at least 2, 2 and 1")
     grids = [g.strip() for g in a.grids.split(",") if g.strip()]
     cfg = C.sweep_models()[a.model]
     cores = os.cpu_count() or 1
@@ -251,6 +261,7 @@ def main(argv=None):
                                   f"kernel-cpu-{time.strftime('%Y%m%dT%H%M%S')}.json")
     res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cores": cores, "model": a.model,
            "workers": a.workers, "steps": a.steps, "data": a.data, "grids": [],
+           "steps_per_program": a.steps_per_program,
            "json": path if a.json else f"benchmarks/results/{os.path.basename(path)}"}
     cluster, client, _ = C.local_cluster(a.workers, cores)
     try:
@@ -259,7 +270,8 @@ def main(argv=None):
         shape = cfg.image if isinstance(cfg, C.CNNConfig) else (cfg.widths[0],)
         ranked = {str(c.grid): c for c in rank_grids(cfg.layers(), shape, a.workers, cfg.batch,
                                                       machine, cores=cores,
-                                                      executor="programs")}
+                                                      executor="programs",
+                                                      steps_per_program=a.steps_per_program)}
         bad = [g for g in grids if g not in ranked]
         if bad:
             p.error(f"--grids: {', '.join(bad)} not among the grids of {a.workers} workers "
@@ -268,9 +280,10 @@ def main(argv=None):
         for g in grids:
             c = ranked[g]
             print(f"{cfg.label} {g} ...", file=sys.stderr, flush=True)
-            r = measure(client, cfg, g, c.layers, a.steps, pids, names, a.data)
+            r = measure(client, cfg, g, c.layers, a.steps, pids, names, a.data,
+                        a.steps_per_program)
             r["model_step_s"] = c.seconds
-            r["model_kernel_s"] = model_costs(cfg, g, c.layers, machine, cores)
+            r["model_kernel_s"] = model_costs(cfg, g, c.layers, machine)
             res["grids"].append(r)
     finally:
         client.close()
