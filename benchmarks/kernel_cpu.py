@@ -10,7 +10,8 @@ figures from ``netcluster.link_check``: loopback here), then per grid ``--steps`
 ``--model`` (``cnn``, ``compute`` or ``weight`` of ``benchmarks/common.py``; the conv
 schemes the planner picks) after three untimed ones, the train-step loop of
 ``common.time_dask_grid`` (with ``--steps-per-program`` k: ``--steps`` submissions of
-k steps each, ``fit``'s way, priced by the model at k steps a submission). Measured over the timed steps, per step:
+k steps each, ``fit``'s way, priced by the model at k steps a submission). Measured over
+the timed steps, per step:
 
 * each process's threads' CPU time (``psutil``), by role: the workers' program threads,
   event loops, direct-transport threads, and the client's process (the scheduler runs in
@@ -78,14 +79,15 @@ def _role(name) -> str:
     return "other threads"
 
 
-def model_costs(cfg, grid: str, layers, machine) -> dict:
+def model_costs(cfg, grid: str, layers, machine, cores=None) -> dict:
     """``{"<task>:<function>": seconds}`` per step over all workers: the step model's price
-    of each kernel at ``machine``'s rates, before the sharing of cores."""
+    of each kernel at ``machine``'s rates, before the sharing of cores (the element-wise
+    rates as for the grid's workers taking turns on ``cores``, where given)."""
     import common as C
     from dask_ipar import SGD
     from dask_ipar.nn.graph import sim_tasks
     from dask_ipar.runtime.wire import DIRECT_BYTES
-    from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS, priced, sim_step_graph
+    from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS, core_turns, priced, sim_step_graph
     from dask_ipar.testing import fake_binding
 
     shape = cfg.image if isinstance(cfg, C.CNNConfig) else (cfg.widths[0],)
@@ -94,6 +96,7 @@ def model_costs(cfg, grid: str, layers, machine) -> dict:
     g, external = sim_step_graph(engine, names, cfg.batch, shape, "float32",
                                  SGD(lr=0.01, momentum=0.9))
     tasks, available = sim_tasks(g, external, 4)
+    turns = core_turns(engine.binding.grid.size, cores)
     out: dict = collections.Counter()
     # the transports' CPU as the simulator charges it: per block and reader on another
     # worker, each end its per-message work (a small or a large message) and its bytes
@@ -115,7 +118,7 @@ def model_costs(cfg, grid: str, layers, machine) -> dict:
         name = (t.key[0] if isinstance(t.key, tuple) else t.key).split("-")[0]
         out[f"{name.rsplit('.', 1)[-1]}:{g.dsk[t.key].func.__name__}"] += (
             t.flops / machine.flops_per_s
-            + t.mem_bytes * machine.elementwise_s_per_B(t.block_bytes, ELEMENTWISE_BPS))
+            + t.mem_bytes * machine.elementwise_s_per_B(t.block_bytes, ELEMENTWISE_BPS, turns))
     return dict(out)
 
 
@@ -283,7 +286,7 @@ def main(argv=None):
             r = measure(client, cfg, g, c.layers, a.steps, pids, names, a.data,
                         a.steps_per_program)
             r["model_step_s"] = c.seconds
-            r["model_kernel_s"] = model_costs(cfg, g, c.layers, machine)
+            r["model_kernel_s"] = model_costs(cfg, g, c.layers, machine, cores)
             res["grids"].append(r)
     finally:
         client.close()

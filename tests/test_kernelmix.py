@@ -13,7 +13,6 @@ from dask_ipar.runtime.kernelmix import (
     elementwise_rates,
     kernel_calls,
     kernel_mix,
-    median_run,
     mix_split,
 )
 
@@ -34,33 +33,6 @@ def test_the_mix_counts_its_kernels_model_costs_and_times_them():
     assert (flops1, mem1) == pytest.approx((want_f, want_m))
     # the mix is mostly element-wise work: the conv, pooling and short dense kernels
     assert mem1 > 1e8 and flops1 > 1e8
-
-
-def test_the_mix_times_in_wall_or_cpu_time_from_a_given_start():
-    """``start``: the timed rounds begin then (every worker of a calibration at once), the
-    wait not timed; ``clock="cpu"``: the thread's CPU time, never more than its wall time."""
-    import time
-
-    t0 = time.time()
-    _, _, wall = kernel_mix(1, start=t0 + 0.5)
-    took = time.time() - t0
-    assert took >= 0.5 and wall < took - 0.4
-    _, _, cpu = kernel_mix(1, clock="cpu", start=time.time() + 0.3)
-    assert 0 < cpu < wall * 3 + 0.1
-    c0, t1 = time.thread_time(), time.perf_counter()
-    kernel_mix(1, clock="cpu")
-    assert time.thread_time() - c0 <= time.perf_counter() - t1 + 0.01
-    with pytest.raises(ValueError, match="clock='gpu'"):
-        kernel_mix(1, clock="gpu")
-
-
-def test_the_median_run_is_the_middle_one_or_the_faster_middle_one():
-    runs = [(1.0, 2.0, s) for s in (0.5, 0.2, 0.9, 0.3, 0.4)]
-    assert median_run(runs)[2] == 0.4
-    assert median_run(runs[:4])[2] == 0.3  # 0.2 0.3 | 0.5 0.9
-    assert median_run(runs[:1])[2] == 0.5
-    with pytest.raises(ValueError, match="no runs"):
-        median_run([])
 
 
 def test_elementwise_rate_makes_the_model_time_equal_the_measured_time():

@@ -697,6 +697,46 @@ def test_the_elementwise_rate_goes_by_the_size_of_a_tasks_arrays():
 
 
 @pytest.mark.fast
+def test_workers_taking_turns_on_a_core_price_their_blocks_as_that_many_times_larger():
+    """Where worker processes outnumber the cores they share, each kernel's block is priced
+    at the element-wise rate of a block ``workers / cores`` times its size (the others'
+    blocks go through the caches between two of its kernels); one worker a core or more,
+    or no cores given, leaves the price as it was."""
+    from dask_ipar.runtime.stepmodel import core_turns
+
+    m = Machine(flops_per_s=1e11, elementwise_Bps=2e10, elementwise_large_Bps=1e10)
+    mib = 2**20
+    assert (core_turns(8, 2), core_turns(4, 2), core_turns(2, 2), core_turns(2, 8)) == (4, 2, 1, 1)
+    assert core_turns(8, None) == 1
+    assert m.elementwise_s_per_B(mib, 5e9, turns=4) == pytest.approx(1 / 2e10)
+    assert m.elementwise_s_per_B(2 * mib, 5e9, turns=4) == pytest.approx(0.5 / 2e10 + 0.5 / 1e10)
+    assert m.elementwise_s_per_B(4 * mib, 5e9, turns=4) == pytest.approx(1 / 1e10)
+    assert m.elementwise_s_per_B(4 * mib, 5e9, turns=0.5) == pytest.approx(1 / 2e10)
+
+
+@pytest.mark.fast
+def test_the_simulated_step_prices_blocks_by_the_workers_on_each_core(monkeypatch):
+    """A CNN's step on 8 workers sharing 2 cores costs more where its kernels' blocks are
+    priced as 4 times their size than at their own (the large blocks' rate is the slower),
+    and nothing changes on as many cores as workers."""
+    from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d
+    from dask_ipar.runtime import stepmodel
+    from dask_ipar.runtime.gridrank import simulate_layers
+
+    net = [Conv2d(32, 3, padding=1, activation="relu"), MaxPool2d(2), Flatten(),
+           Dense(512, "relu"), Dense(10)]
+    m = Machine(flops_per_s=1e11, elementwise_Bps=2e10, elementwise_large_Bps=5e9)
+
+    def step(cores):
+        return simulate_layers(net, (3, 32, 32), "8x1", 64, m, cores=cores).seconds
+
+    shared, own = step(2), step(8)
+    monkeypatch.setattr(stepmodel, "core_turns", lambda workers, cores: 1.0)
+    assert shared > 1.05 * step(2)
+    assert own == step(8)
+
+
+@pytest.mark.fast
 def test_the_programs_loops_cost_their_cpu_on_every_task():
     """``program_task_cpu_s``: every task of a step run as programs costs that much more
     CPU on its worker, so the step lasts at least the busiest worker's tasks times it."""

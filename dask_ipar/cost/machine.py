@@ -165,8 +165,8 @@ class Machine:
         block takes from the computing when worker processes share a machine's cores.
     elementwise_Bps : float, optional
         Bytes per second of the kernels' element-wise work as the step-time model counts
-        it (the engine's own kernels on every worker at once, each one's CPU time, their
-        flops' time taken off); the model's fixed default where None.
+        it (the engine's own kernels on one worker, their flops' time taken off); the
+        model's fixed default where None.
     elementwise_large_Bps : float, optional
         The same for kernels whose largest array holds the large size of
         :data:`ELEMENTWISE_BLOCKS` or more (16 MiB: blocks that stream from memory),
@@ -277,14 +277,18 @@ class Machine:
                              f"{2048 / 3:.1f} (flop-equivalents per element of a product's "
                              "edge; 'dask-ipar calibrate' measures it, tens on CPUs)")
 
-    def elementwise_s_per_B(self, block_bytes: float, default_Bps: float) -> float:
+    def elementwise_s_per_B(self, block_bytes: float, default_Bps: float,
+                            turns: float = 1.0) -> float:
         """Seconds per byte of the kernels' element-wise work in a kernel whose largest array
         holds ``block_bytes`` (``default_Bps`` where the machine has no ``elementwise_Bps``;
-        see ``elementwise_large_Bps``)."""
+        see ``elementwise_large_Bps``). ``turns``: the worker processes that take turns on
+        each core (workers over cores, where more): between a kernel and the next one of
+        its process the others' blocks go through the caches, so a block is priced as one
+        of ``turns`` times its bytes (the two rates are measured on one worker alone)."""
         small = self.elementwise_Bps or default_Bps
         if not self.elementwise_large_Bps:
             return 1.0 / small
-        w = block_weight(block_bytes)
+        w = block_weight(block_bytes * max(1.0, turns))
         return (1.0 - w) / small + w / self.elementwise_large_Bps
 
     @property

@@ -69,9 +69,10 @@ What the engine pays, measured the way the engine pays it:
 * ``elementwise_Bps``, ``elementwise_large_Bps``: the step-time model's rates of the
   kernels' element-wise work (their counted memory passes, :mod:`dask_ipar.kernels.costs`)
   in kernels whose largest array holds 4 MiB and 16 MiB: the engine's conv, pooling and
-  dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on every worker at once, the conv block
-  on each size, each run's CPU time less its flops at ``flops_per_s`` (the median run of
-  each size), solved for the two rates.
+  dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker with the conv block on
+  each size, their times less their flops at ``flops_per_s`` (the fastest of three runs of
+  each, as the matmul rate), solved for the two rates (one thread of this machine: 16.8-19.6
+  and 13.7-16.3 GB/s).
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -303,26 +304,24 @@ def _hop_time(client, a, b, hops, tag):
     return (time.perf_counter() - t) / hops
 
 
-def _mix_rate(client, workers, flops_per_s, repeats, edge_flops, tries=3):
-    """``(small, large)`` rates (:mod:`~dask_ipar.runtime.kernelmix`) of the kernel mix run
-    ``tries`` times on every worker at once (conv block on 4 MiB, ``repeats`` rounds; on 16
-    MiB, one), timed in each thread's CPU: the median run of each size (communication.md)."""
-    from dask_ipar.runtime.kernelmix import (IMAGES, LARGE_IMAGES, elementwise_rates,
-                                             kernel_mix, median_run)
+def _mix_rate(client, worker, flops_per_s, repeats, edge_flops, tries=3):
+    """The step-time model's element-wise rates (:mod:`dask_ipar.runtime.kernelmix`): the
+    kernel mix run on one worker while the others idle, ``repeats`` rounds with its conv
+    block on 4 MiB and one round on 16 MiB, the fastest of ``tries`` runs of each (as
+    ``flops_per_s``; the simulator shares the cores between running tasks with the matmul
+    contention factor, flops and bytes alike): ``(small, large)`` of
+    :func:`~dask_ipar.runtime.kernelmix.elementwise_rates`."""
+    from dask_ipar.runtime.kernelmix import IMAGES, LARGE_IMAGES, elementwise_rates, kernel_mix
 
-    def runs(rounds, images):
-        out = []
-        for _ in range(tries):
-            start = time.time() + 0.3 + 0.05 * len(workers)  # after the dispatch, all at once
-            out += client.gather([client.submit(
-                kernel_mix, rounds, images=images, clock="cpu", start=start, workers=[w],
-                pure=False, allow_other_workers=False) for w in workers])
-        return median_run(out)
+    def fastest(rounds, images):
+        runs = [client.submit(kernel_mix, rounds, images=images, workers=[worker], pure=False,
+                              allow_other_workers=False).result() for _ in range(tries)]
+        return min(runs, key=lambda r: r[2])
 
     # solved on the worker: the mix's model terms build its inputs (128 MiB at the large size)
-    return client.submit(elementwise_rates, runs(repeats, IMAGES),
-                         runs(1, LARGE_IMAGES), flops_per_s, edge_flops=edge_flops,
-                         workers=workers[:1], pure=False, allow_other_workers=False).result()
+    return client.submit(elementwise_rates, fastest(repeats, IMAGES), fastest(1, LARGE_IMAGES),
+                         flops_per_s, edge_flops=edge_flops, workers=[worker], pure=False,
+                         allow_other_workers=False).result()
 
 
 def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, log=None,
@@ -421,9 +420,8 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
               for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
-    elementwise, elementwise_large = _mix_rate(client, everyone, flops, e.mix_repeats, edge,
-                                               e.mix_runs)
-    log("element-wise rate of the kernels (conv, pooling and dense kernels, all workers): "
+    elementwise, elementwise_large = _mix_rate(client, a, flops, e.mix_repeats, edge, e.mix_runs)
+    log("element-wise rate of the kernels (conv, pooling and dense kernels, one worker): "
         + ("not measured (the matmul part took the whole time)" if elementwise is None
            else f"{elementwise / 1e9:.1f} GB/s" + (
                "" if elementwise_large is None else
@@ -444,8 +442,10 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     round_s = float(np.median([_round_time(client, everyone, f"{tag}r{r}") for r in range(9)]))
     log(f"round trip (a graph of one small task per worker, submitted and gathered): "
         f"{round_s * 1e3:.2f} ms")
-    # a run's exchanges' steady state: the first of a size cost up to 5x the CPU per byte
-    # of later ones (fresh memory; 8 emulated hosts: 2.3-3.1 ns/B, then 0.5-1.2): warm first
+    # the steady state a run's exchanges see: the first exchanges of a size cost the
+    # workers up to 5x the CPU per byte of later ones (fresh memory for the blocks and the
+    # links' buffers; measured on 8 emulated hosts: 3.1 and 2.3 ns/B first, 0.5-1.2
+    # after), so two warm the links and the workers' heaps at the size measured
     rest = rest_cores(client, everyone)
     log("hosts' CPU at rest (nothing submitted): " + (", ".join(
         f"{h} {c:.3f} cores" for h, c in sorted(rest.items())) or "not readable here"))

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-__all__ = ["kernel_mix", "median_run", "kernel_calls", "elementwise_rate", "elementwise_rates", "mix_split",
+__all__ = ["kernel_mix", "kernel_calls", "elementwise_rate", "elementwise_rates", "mix_split",
            "IMAGES", "LARGE_IMAGES"]
 
 XSHAPE = (16, 32, 32, 64)
@@ -121,40 +121,21 @@ def mix_split(dtype="float32", images=IMAGES, edge_flops=0.0):
     return flops + edge_flops * edge, small, large
 
 
-def kernel_mix(repeats: int, dtype="float32", images=IMAGES, clock: str = "wall",
-               start: float | None = None):
+def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
     """Run the mix ``repeats`` times in this process (with its BLAS threads as they are:
     a worker's, one per worker thread), its conv block on ``images`` images; returns
     ``(flops, mem_bytes, seconds)``: the model's flops and memory bytes of the calls
-    (:func:`dask_ipar.kernels.costs.kernel_cost`) and the time they took. ``clock``:
-    ``"wall"``, or ``"cpu"``: this thread's CPU time (where processes take turns on shared
-    cores, not the turns it waits for, but the caches and the memory the others share:
-    what a kernel costs its worker). ``start``: a :func:`time.time` to begin the timed
-    rounds at (every worker of a calibration at once), after the inputs and the warm-up."""
-    if clock not in ("wall", "cpu"):
-        raise ValueError(f"clock={clock!r}: expected 'wall' or 'cpu'")
-    now = time.thread_time if clock == "cpu" else time.perf_counter
+    (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took."""
     calls = kernel_calls(dtype, images)
     flops, _, small, large = _terms(calls, np.dtype(dtype).itemsize)
     for f, args in calls:  # warm: the first call of a kernel allocates and imports
         f(*args)
-    if start is not None:
-        time.sleep(max(0.0, start - time.time()))
-    t = now()
+    t = time.perf_counter()
     for _ in range(repeats):
         for f, args in calls:
             f(*args)
-    seconds = now() - t
+    seconds = time.perf_counter() - t
     return flops * repeats, (small + large) * repeats, seconds
-
-
-def median_run(runs):
-    """The run of median time among ``runs``, ``(flops, mem_bytes, seconds)`` of
-    :func:`kernel_mix` (of an even count, the faster of the middle two): what
-    ``dask-ipar calibrate`` solves the rates from, every worker's runs of a size together."""
-    if not runs:
-        raise ValueError("median_run: no runs")
-    return sorted(runs, key=lambda r: r[2])[(len(runs) - 1) // 2]
 
 
 def elementwise_rates(small_run, large_run, flops_per_s, dtype="float32", edge_flops=0.0):

@@ -33,7 +33,7 @@ from dask_ipar.runtime.wire import DIRECT_BYTES
 from dask_ipar.runtime.placement import placement_blocks
 
 __all__ = ["predict_step_s", "step_tasks", "sim_step_graph", "simulate_engine", "priced",
-           "submission_steps", "ELEMENTWISE_BPS"]
+           "submission_steps", "core_turns", "ELEMENTWISE_BPS"]
 
 #: Bytes per second of one worker's elementwise work in the kernels (copies, strided
 #: im2col gathers, in-place sums) where the machine has no measured ``elementwise_Bps``
@@ -115,6 +115,15 @@ def predict_step_s(model, batch: int, machine, *, cores: int | None = None, opti
                            steps_per_program=steps_per_program)
 
 
+def core_turns(workers: int, cores: int | None) -> float:
+    """Worker processes that take turns on each of ``cores`` cores (1 where each has its
+    own, or ``cores`` is None): what a kernel's block competes with in the caches
+    (:meth:`dask_ipar.cost.Machine.elementwise_s_per_B`). On 8 one-thread workers sharing
+    2 cores the CNN's conv and pooling kernels took 1.2-1.7x their price at the rate of
+    their own blocks' size (`benchmarks/kernel_cpu.py`), 1.06-1.3x at 4 times that."""
+    return max(1.0, workers / cores) if cores else 1.0
+
+
 def _step_of(key) -> int:
     name = key[0] if isinstance(key, tuple) else key
     return int(str(name).rsplit("-s", 1)[1])
@@ -185,10 +194,11 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         def message_cpu(nbytes):  # each end's fixed work: written by the program or not
             return (direct_msg if nbytes <= DIRECT_BYTES else comms_msg) or 0.0
 
-        # the element-wise rate by the size of a kernel's arrays, where measured at two (on
-        # every worker at once: what the caches lose to the processes sharing them is in it)
+        # the element-wise rate by the size of a kernel's arrays, where measured at two, as
+        # large as the blocks of the processes that take turns on a core
         mem_s_per_B = (functools.partial(machine.elementwise_s_per_B,
-                                         default_Bps=ELEMENTWISE_BPS)
+                                         default_Bps=ELEMENTWISE_BPS,
+                                         turns=core_turns(workers, cores))
                        if machine.elementwise_large_Bps else None)
 
         def run(tasks, available):
