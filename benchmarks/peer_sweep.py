@@ -2,12 +2,13 @@
 
     sudo python benchmarks/peer_sweep.py [--runs 4x1gbit,4x10gbit,2x1gbit] [--steps 5]
         [--peers ddp,fsdp,tp] [--only weight,compute] [--quick] [--pairs N] [--passes N]
-        [--data file] [--steps-per-program auto] [--md docs/benchmarks.md]
+        [--data file] [--steps-per-program auto] [--hop-probes 3] [--md docs/benchmarks.md]
 
 For each ``PxRATE`` of ``--runs``: an emulated cluster of P dask workers and P PyTorch
 hosts, each in a network namespace of its own behind a ``tc tbf`` link of RATE
 (:mod:`netcluster`); the link checked by a 64 MiB transfer (dask and gloo); the 4-byte hop
-of the worker programs' transport beside gloo's; then per MLP, side by side: DDP,
+of the worker programs' transport beside gloo's (``--hop-probes`` probes of each, alternated:
+the target on their medians); then per MLP, side by side: DDP,
 dask-ipar on every grid, FSDP, tensor + data parallel on every mesh, with ``--passes N``
 (default 2) dask-ipar's grids N-1 more times in the other order, DDP again
 (:func:`netcluster.run_benchmark`); with ``--pairs N``, N more rounds of the planner's
@@ -69,7 +70,8 @@ def render(res: dict) -> str:
       + (f" --peers {res['peers_arg']}" if res.get("peers_arg", "ddp,fsdp,tp") != "ddp,fsdp,tp"
          else "") + (f" --only {res['only']}" if res.get("only") else "")
       + (f" --pairs {pairs}" if pairs else "")
-      + (f" --passes {passes}" if passes > 1 else "") + f"` (runs "
+      + (f" --passes {passes}" if passes > 1 else "")
+      + (f" --hop-probes {res['hop_probes']}" if "hop_probes" in res else "") + f"` (runs "
       f"{res['runs_arg']}; each run's own time below) on {res['when']} (this 2-core machine; raw numbers in "
       f"`benchmarks/results/`: {res['json_name']}). Every dask worker and every PyTorch rank "
       "(gloo, CPU, torch " + res.get("torch", "?") + ") is a host of its own: a network "
@@ -130,9 +132,11 @@ def render(res: dict) -> str:
           f"{peer.get('t_64MiB_s', float('nan')):.3f} s "
           f"({peer.get('bandwidth_Bps', float('nan')) * 8 / 1e9:.2f} Gbit/s). One hop of a "
           f"4-byte block: worker programs {link['program_hop_4B_s'] * 1e3:.2f} ms"
+          + _probes(link.get("program_hops_s"))
           + (f" (over dask's comms {link['program_hop_dask_s'] * 1e3:.2f} ms)" if direct
-             else "") + f", gloo {peer.get('hop_4B_s', float('nan')) * 1e3:.2f} ms (a dask "
-          f"task's transfer {link['t_4B_s'] * 1e3:.1f} ms).")
+             else "") + f", gloo {peer.get('hop_4B_s', float('nan')) * 1e3:.2f} ms"
+          + _probes(peer.get("hops_s")) + f" (a dask task's transfer {link['t_4B_s'] * 1e3:.1f} "
+          "ms).")
         w("")
         for key, v in run["grids"].items():
             w(f"**{v['label']}{'' if key == 'cnn' else ' MLP'}** "
@@ -203,6 +207,13 @@ def render(res: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _probes(xs) -> str:
+    """`` (median of N probes: a, b, c ms)`` where a sweep took several (since session 51)."""
+    if not xs or len(xs) < 2:
+        return ""
+    return f" (median of {len(xs)} probes: " + ", ".join(f"{x * 1e3:.2f}" for x in xs) + ")"
+
+
 def _grouping(k) -> str:
     """The run line's words on dask-ipar's steps a submission (one before 2026-12-06)."""
     if k == "auto":
@@ -240,6 +251,10 @@ def main(argv=None):
                     help="time the grids this many times, every pass after the first in "
                          "the other order after the peers (a grid's step: the median over "
                          "all passes)")
+    ap.add_argument("--hop-probes", type=int, default=None,
+                    help="probes of the 4-byte hop, worker programs and gloo alternated (the "
+                         "hop target and the model's message_s: their medians; default "
+                         "netcluster.HOP_PROBES, 3)")
     ap.add_argument("--from-json", default=None,
                     help="render saved sweeps again (a comma list: one section; "
                          "path@4x10gbit+8x1gbit takes those runs of a file only, "
@@ -281,7 +296,12 @@ def main(argv=None):
             models = [m for m in models if m.key in keep]
 
         runs = C.parse_runs(ap, a.runs)
+        if a.hop_probes is None:
+            a.hop_probes = N.HOP_PROBES
+        if a.hop_probes < 1:
+            ap.error(f"--hop-probes {a.hop_probes}: expected 1 or more")
         res = {"runs_arg": a.runs, "steps": a.steps, "passes": a.passes, "data": a.data,
+               "hop_probes": a.hop_probes,
                "steps_per_program": a.steps_per_program,
                "peers_arg": a.peers, "only": a.only,
                "timing": "pipelined", "torch": torch.__version__,
@@ -295,7 +315,8 @@ def main(argv=None):
             out = N.run_benchmark(p, rate, a.quick, a.steps, None, threads, None, "programs",
                                   [m for m in a.peers.split(",") if m], configs=models,
                                   pairs=a.pairs, passes=a.passes, data=a.data,
-                                  steps_per_program=a.steps_per_program)
+                                  steps_per_program=a.steps_per_program,
+                                  hop_probes=a.hop_probes)
             res["results"].append(out)
             with open(path, "w") as fh:  # after every run: a killed sweep keeps what it has
                 json.dump(res, fh, indent=1, default=str)
