@@ -20,7 +20,12 @@ the timed steps, per step:
   the thread's CPU clock around each call, so not the turns the other processes take),
   summed over the workers, beside the step model's price of the same kernels at the
   calibrated rates (``flops / flops_per_s`` with the product edge, plus ``bytes`` at the
-  element-wise rate for the kernel's block size) before the cores' sharing.
+  element-wise rate for the kernel's block size) before the cores' sharing. Compared per
+  call: the timed window is not cut at steps' ends (a submission's last updates run after
+  its loss statistics are back), so a kernel's calls in it need not be whole steps'; its
+  CPU a call times the model's tasks a step is set beside the model's. Before session 51
+  the window's CPU was: on 2 workers' 2x1 grids a sixth of the SGD update's calls fell
+  outside it, which read 0.78-0.79x its price against 0.89-0.95 a call.
 
 Writes ``benchmarks/results/kernel-cpu-<time>.json`` (or ``--json``) and prints markdown.
 """
@@ -79,10 +84,11 @@ def _role(name) -> str:
     return "other threads"
 
 
-def model_costs(cfg, grid: str, layers, machine, cores=None) -> dict:
+def model_costs(cfg, grid: str, layers, machine, cores=None, tasks_out=None) -> dict:
     """``{"<task>:<function>": seconds}`` per step over all workers: the step model's price
     of each kernel at ``machine``'s rates, before the sharing of cores (the element-wise
-    rates as for the grid's workers taking turns on ``cores``, where given)."""
+    rates as for the grid's workers taking turns on ``cores``, where given). ``tasks_out``:
+    a dict that gets each kernel's tasks a step."""
     import common as C
     from dask_ipar import SGD
     from dask_ipar.nn.graph import sim_tasks
@@ -116,9 +122,12 @@ def model_costs(cfg, grid: str, layers, machine, cores=None) -> dict:
     out[LOOPS] = len(tasks) * (machine.program_task_cpu_s or 0.0)
     for t in priced(tasks, machine):
         name = (t.key[0] if isinstance(t.key, tuple) else t.key).split("-")[0]
-        out[f"{name.rsplit('.', 1)[-1]}:{g.dsk[t.key].func.__name__}"] += (
+        kernel = f"{name.rsplit('.', 1)[-1]}:{g.dsk[t.key].func.__name__}"
+        out[kernel] += (
             t.flops / machine.flops_per_s
             + t.mem_bytes * machine.elementwise_s_per_B(t.block_bytes, ELEMENTWISE_BPS, turns))
+        if tasks_out is not None:
+            tasks_out[kernel] = tasks_out.get(kernel, 0) + 1
     return dict(out)
 
 
@@ -221,18 +230,26 @@ def render(res: dict) -> str:
         lines += ["", "The model's CPU outside the kernels: " + "; ".join(
             f"{k} {v * 1e3:.1f} ms" for k, v in outside.items())
             + f"; {sum(outside.values()) * 1e3:.1f} ms in all."]
-        lines += ["", "| kernel (task:function) | calls | CPU (ms) | model (ms) | CPU / model |",
-                  "|---|---|---|---|---|"]
+        # the timed window is not cut at steps' ends: a submission's last updates run after
+        # its loss statistics come back, so a kernel's calls in it are not always whole steps'
+        # (e.g. 3.33 of 4 updates a step): compared per call, times the model's tasks a step
+        tasks = r.get("model_kernel_tasks", {})
+        lines += ["", "| kernel (task:function) | calls a step (model's tasks) | CPU (ms) | "
+                  "CPU a call x tasks (ms) | model (ms) | CPU / model |",
+                  "|---|---|---|---|---|---|"]
         model = r["model_kernel_s"]
         tot_cpu = tot_model = 0.0
         for k, v in sorted(r["kernel_cpu_s"].items(), key=lambda kv: -kv[1]):
             m = None if k == LOOPS else model.get(k)  # priced outside the kernels (above)
-            tot_cpu += 0.0 if k == LOOPS else v
+            calls, n = r["kernel_calls"].get(k, 0), tasks.get(k)
+            whole = v / calls * n if calls and n else v  # a step's CPU, whole calls
+            tot_cpu += 0.0 if k == LOOPS else whole
             tot_model += m or 0.0
-            ratio = f"{v / m:.2f}" if m else "-"
-            lines.append(f"| {k} | {r['kernel_calls'].get(k, 0):.0f} | {v * 1e3:.1f} | "
-                         f"{'-' if m is None else f'{m * 1e3:.1f}'} | {ratio} |")
-        lines += [f"| all | | {tot_cpu * 1e3:.1f} | {tot_model * 1e3:.1f} | "
+            ratio = f"{whole / m:.2f}" if m else "-"
+            lines.append(f"| {k} | {calls:.2f}" + (f" ({n})" if n else "") + f" | {v * 1e3:.1f} | "
+                         f"{whole * 1e3:.1f} | {'-' if m is None else f'{m * 1e3:.1f}'} | "
+                         f"{ratio} |")
+        lines += [f"| all | | | {tot_cpu * 1e3:.1f} | {tot_model * 1e3:.1f} | "
                   f"{tot_cpu / tot_model if tot_model else float('nan'):.2f} |", ""]
     return "\n".join(lines)
 
@@ -289,7 +306,9 @@ def main(argv=None):
             r = measure(client, cfg, g, c.layers, a.steps, pids, names, a.data,
                         a.steps_per_program)
             r["model_step_s"] = c.seconds
-            r["model_kernel_s"] = model_costs(cfg, g, c.layers, machine, cores)
+            r["model_kernel_tasks"] = {}
+            r["model_kernel_s"] = model_costs(cfg, g, c.layers, machine, cores,
+                                              r["model_kernel_tasks"])
             res["grids"].append(r)
     finally:
         client.close()
