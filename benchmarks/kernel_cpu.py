@@ -25,7 +25,7 @@ the timed steps, per step:
   its loss statistics are back), so a kernel's calls in it need not be whole steps'; its
   CPU a call times the model's tasks a step is set beside the model's. Before session 51
   the window's CPU was: on 2 workers' 2x1 grids a sixth of the SGD update's calls fell
-  outside it, which read 0.78-0.79x its price against 0.89-0.95 a call.
+  outside it, which read 0.70-0.79x its price against 0.84-0.95 a call.
 
 Writes ``benchmarks/results/kernel-cpu-<time>.json`` (or ``--json``) and prints markdown.
 """
