@@ -211,7 +211,7 @@ def _probes(xs) -> str:
     """`` (median of N probes: a, b, c ms)`` where a sweep took several (since session 51)."""
     if not xs or len(xs) < 2:
         return ""
-    return f" (median of {len(xs)} probes: " + ", ".join(f"{x * 1e3:.2f}" for x in xs) + ")"
+    return f" (median of {len(xs)} probes: " + ", ".join(f"{x * 1e3:.2f}" for x in xs) + " ms)"
 
 
 def _grouping(k) -> str:
