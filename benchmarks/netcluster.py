@@ -429,8 +429,7 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
             out["link"] = link = link_check(client, rate)
             bw, small, hop = link["bandwidth_Bps"], link["t_4B_s"], link["program_hop_4B_s"]
             if peers:
-                pp = run_peer(cl, "pingpong", f"1x{n_workers}", {"kind": "mlp", "widths": [1, 1]},
-                              1, 1, threads)
+                pp = gloo_pingpong(cl, n_workers, threads)
                 out["peer_link"] = pp
                 print(f"peer link check (gloo): 64 MiB in {pp['t_64MiB_s']:.3f} s -> "
                       f"{pp['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s; 4-byte hop "
@@ -597,6 +596,14 @@ def run_benchmark(n_workers, rate, quick, steps, client_rate=None, threads=1, on
     return out
 
 
+def gloo_pingpong(cl, n_workers, threads) -> dict:
+    """gloo's link check between ranks 0 and 1 of the ``n_workers`` PyTorch hosts
+    (``peers.py pingpong``: the 4-byte hop, half the median of 50 round trips, and a 64 MiB
+    transfer)."""
+    return run_peer(cl, "pingpong", f"1x{n_workers}", {"kind": "mlp", "widths": [1, 1]},
+                    1, 1, threads)
+
+
 def hop_rounds(client, cl, n_workers, threads, rounds):
     """``rounds`` more probes of the 4-byte hop, the worker programs'
     (``linkprobe.program_hop``: half the median round trip of 50) then gloo's
@@ -607,8 +614,7 @@ def hop_rounds(client, cl, n_workers, threads, rounds):
     progs, gloo = [], []
     for _ in range(rounds):
         progs.append(program_hop(client, ws[0], ws[1]))
-        gloo.append(run_peer(cl, "pingpong", f"1x{n_workers}", {"kind": "mlp", "widths": [1, 1]},
-                             1, 1, threads)["hop_4B_s"])
+        gloo.append(gloo_pingpong(cl, n_workers, threads)["hop_4B_s"])
         print(f"4-byte hop: programs {progs[-1] * 1e3:.3f} ms, gloo {gloo[-1] * 1e3:.3f} ms",
               flush=True)
     return progs, gloo
@@ -642,8 +648,7 @@ def check_links(n_workers, rate, client_rate, threads, gloo: bool, rounds: int =
                 print(f"4-byte program hop: direct links {hop * 1e3:.3f} ms, dask comms "
                       f"{via * 1e3:.3f} ms", flush=True)
                 if gloo:
-                    pp = run_peer(handle[0], "pingpong", f"1x{n_workers}",
-                                  {"kind": "mlp", "widths": [1, 1]}, 1, 1, threads)
+                    pp = gloo_pingpong(handle[0], n_workers, threads)
                     out["gloo_hops_s"].append(pp["hop_4B_s"])
                     print(f"gloo: 4-byte hop {pp['hop_4B_s'] * 1e3:.3f} ms, 64 MiB "
                           f"{pp['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s", flush=True)
