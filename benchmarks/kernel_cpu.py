@@ -125,7 +125,8 @@ def model_costs(cfg, grid: str, layers, machine, cores=None, tasks_out=None) -> 
         kernel = f"{name.rsplit('.', 1)[-1]}:{g.dsk[t.key].func.__name__}"
         out[kernel] += (
             t.flops / machine.flops_per_s
-            + t.mem_bytes * machine.elementwise_s_per_B(t.block_bytes, ELEMENTWISE_BPS, turns))
+            + t.mem_bytes * machine.elementwise_s_per_B(t.block_bytes, ELEMENTWISE_BPS, turns,
+                                                        t.kind))
         if tasks_out is not None:
             tasks_out[kernel] = tasks_out.get(kernel, 0) + 1
     return dict(out)

@@ -48,7 +48,7 @@ def _rates():
 
     rate = _matmul_rate(1024, "float32", 3)
     mixes = [kernel_mix(2) for _ in range(3)]
-    return rate, elementwise_rate(*min(mixes, key=lambda r: r[2]), rate) or ELEMENTWISE_BPS
+    return rate, elementwise_rate(*min(mixes, key=lambda r: r[2])[:3], rate) or ELEMENTWISE_BPS
 
 
 def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold: bool):

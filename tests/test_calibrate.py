@@ -22,6 +22,11 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert 1e-6 < m.message_s < m.alpha_s  # a program's message skips the scheduler
     assert 1e-12 < m.transfer_cpu_s_per_B < 1e-6  # seconds per byte: 1 TB/s to 1 MB/s
     assert 1e8 < m.elementwise_Bps < 1e12 and 1e5 < m.exchange_Bps < 1e12  # bytes/s
+    # the conv front's own rate, from the mix's conv and pooling calls (its flops are a
+    # small part of their time: always measurable)
+    assert 1e8 < m.conv_Bps < 1e12, m.conv_Bps
+    assert any("element-wise rate of the conv front's" in line and "GB/s" in line
+               for line in lines)
     assert 1e-7 < m.direct_message_cpu_s < 1e-2 and 0 <= m.message_cpu_s < 1e-1  # seconds
     assert m.word_bytes == 4
     # beside the kernels the links carry no more than alone (a generous margin: noise)

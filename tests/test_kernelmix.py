@@ -5,14 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dask_ipar.kernels.costs import kernel_cost
+from dask_ipar.kernels.costs import kernel_cost, kernel_kind
 from dask_ipar.runtime.kernelmix import (
     IMAGES,
     LARGE_IMAGES,
+    MixRun,
+    conv_rates,
     elementwise_rate,
     elementwise_rates,
     kernel_calls,
     kernel_mix,
+    mix_rates,
     mix_split,
 )
 
@@ -20,17 +23,28 @@ pytestmark = pytest.mark.fast
 
 
 def test_the_mix_counts_its_kernels_model_costs_and_times_them():
-    flops1, mem1, s1 = kernel_mix(1)
-    flops3, mem3, s3 = kernel_mix(3)
+    one, three = kernel_mix(1), kernel_mix(3)
+    flops1, mem1, s1 = one[:3]
+    flops3, mem3, s3 = three[:3]
     assert flops3 == pytest.approx(3 * flops1) and mem3 == pytest.approx(3 * mem1)
     assert 0 < s1 and 0 < s3
-    # the counts are the cost model's own, call by call, as the simulator charges a task
-    want_f = want_m = 0.0
+    # the counts are the cost model's own, call by call, as the simulator charges a task;
+    # the conv front's calls (conv and pooling blocks, forward and backward) apart
+    want = {"": [0.0, 0.0], "conv": [0.0, 0.0]}
     for f, args in kernel_calls("float32"):
         _, fl, mb, _ = kernel_cost(f, args, lambda v: tuple(v.shape)
                                 if isinstance(v, np.ndarray) else None, 4)
-        want_f, want_m = want_f + fl, want_m + mb
-    assert (flops1, mem1) == pytest.approx((want_f, want_m))
+        want[kernel_kind(f)][0] += fl
+        want[kernel_kind(f)][1] += mb
+    assert [f.__name__ for f, _ in kernel_calls("float32") if kernel_kind(f) == "conv"] == [
+        "conv_block", "conv_block_backward", "pool_block", "pool_block_backward"]
+    assert (flops1, mem1) == pytest.approx((want[""][0] + want["conv"][0],
+                                            want[""][1] + want["conv"][1]))
+    assert (one.conv_flops, one.conv_mem_bytes) == pytest.approx(want["conv"])
+    assert (three.conv_flops, three.conv_mem_bytes) == pytest.approx(
+        (3 * want["conv"][0], 3 * want["conv"][1]))
+    # each conv call timed inside the whole run's window
+    assert 0 < one.conv_seconds < s1 and 0 < three.conv_seconds < s3
     # the mix is mostly element-wise work: the conv, pooling and short dense kernels
     assert mem1 > 1e8 and flops1 > 1e8
 
@@ -81,3 +95,48 @@ def test_the_mix_solved_with_its_products_edge_priced():
     assert elementwise_rates(*runs, rate, edge_flops=e) == pytest.approx((small, large))
     plain = elementwise_rates(*runs, rate)
     assert plain[0] < small and plain[1] < large
+
+
+def _timed(rate, small, large, conv=None):
+    """Runs of the mix at its two sizes (2 rounds and 1) timed as the model would time them
+    without a products' edge: the dense calls at ``small``/``large``, the conv front's at
+    ``conv`` (the same where None)."""
+    runs = []
+    for images, k in ((IMAGES, 2), (LARGE_IMAGES, 1)):
+        f, a, b = mix_split("float32", images)
+        cf, ca, cb = _conv_split(images)
+        cs, cl = conv or (small, large)
+        conv_s = cf * k / rate + ca * k / cs + cb * k / cl
+        rest_s = (f - cf) * k / rate + (a - ca) * k / small + (b - cb) * k / large
+        runs.append(MixRun(f * k, (a + b) * k, conv_s + rest_s, cf * k, (ca + cb) * k, conv_s))
+    return runs
+
+
+def _conv_split(images):
+    from dask_ipar.runtime.kernelmix import _split
+
+    f, _, a, b = _split("float32", images, conv_only=True)
+    return f, a, b
+
+
+def test_the_conv_fronts_calls_give_their_own_rates():
+    """The conv and pooling calls' time alone gives the conv front's two rates back
+    (``conv_Bps``, ``conv_large_Bps``); the whole mix's rates come from the whole time, as
+    before, and so fall between the conv front's and the dense kernels'."""
+    rate, small, large, conv = 1e11, 2.4e10, 2.0e10, (0.9e10, 0.7e10)
+    runs = _timed(rate, small, large, conv=conv)
+    assert conv_rates(*runs, rate) == pytest.approx(conv)
+    ew, ew_large, c, c_large = mix_rates(*runs, rate)
+    assert (c, c_large) == pytest.approx(conv)
+    assert conv[0] < ew < small and conv[1] < ew_large < large
+    assert (ew, ew_large) == pytest.approx(elementwise_rates(*runs, rate))
+    # one rate for all: the conv front reads it too
+    same = _timed(rate, small, large)
+    assert mix_rates(*same, rate) == pytest.approx((small, large, small, large))
+    # no positive solution for two: the small run's conv calls alone give one rate
+    r0, r1 = runs
+    slow = r1._replace(conv_seconds=0.5 * r1.conv_flops / rate)
+    assert conv_rates(r0, slow, rate) == (
+        elementwise_rate(r0.conv_flops, r0.conv_mem_bytes, r0.conv_seconds, rate), None)
+    # the flops alone take the conv calls' whole time: not measured
+    assert conv_rates(r0._replace(conv_seconds=r0.conv_flops / rate), slow, rate) == (None, None)

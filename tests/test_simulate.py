@@ -691,9 +691,64 @@ def test_the_elementwise_rate_goes_by_the_size_of_a_tasks_arrays():
     tasks = [SimTask("small", "A", (), mem_bytes=1e9, block_bytes=mib),
              SimTask("large", "B", (), mem_bytes=1e9, block_bytes=32 * mib)]
     kw = dict(flops_per_s=1e11, mem_Bps=2e10, bandwidth_Bps=1e9, latency_s=0.0)
-    r = simulate_programs(tasks, **kw, mem_s_per_B=lambda b: m.elementwise_s_per_B(b, 5e9))
+    r = simulate_programs(tasks, **kw, mem_s_per_B=lambda b, kind: m.elementwise_s_per_B(b, 5e9))
     assert r.compute_s == pytest.approx({"A": 0.05, "B": 0.1})
     assert simulate_programs(tasks, **kw).compute_s == pytest.approx({"A": 0.05, "B": 0.05})
+
+
+@pytest.mark.fast
+def test_the_conv_fronts_kernels_take_their_own_element_wise_rates():
+    """``conv_Bps``/``conv_large_Bps``: a task of kind ``"conv"`` (the conv front's strided
+    kernels) takes them, by its block's size as the common rates go; the other tasks, and
+    every task where the machine has none, the common ones. In a CNN's simulated step the
+    conv and pooling kernels are that kind, the dense ones not, and a slower conv rate
+    lengthens the step by exactly their bytes' extra seconds on one worker."""
+    from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d
+    from dask_ipar.cost import Machine, SimTask, simulate_programs
+    from dask_ipar.kernels.costs import kernel_kind
+    from dask_ipar.kernels import blocks as BK, conv as CK, dense as DK
+    from dask_ipar.runtime.gridrank import simulate_layers
+    from dask_ipar import Sequential
+    from dask_ipar.runtime.stepmodel import step_tasks
+    from dask_ipar.testing import fake_binding
+
+    mib = 2**20
+    m = Machine(flops_per_s=1e11, elementwise_Bps=2e10, elementwise_large_Bps=1e10,
+                conv_Bps=8e9, conv_large_Bps=5e9)
+    assert m.elementwise_s_per_B(mib, 5e9, kind="conv") == pytest.approx(1 / 8e9)
+    assert m.elementwise_s_per_B(8 * mib, 5e9, kind="conv") == pytest.approx(0.5 / 8e9 + 0.5 / 5e9)
+    assert m.elementwise_s_per_B(64 * mib, 5e9, kind="conv") == pytest.approx(1 / 5e9)
+    assert m.elementwise_s_per_B(2 * mib, 5e9, turns=4, kind="conv") == pytest.approx(
+        0.5 / 8e9 + 0.5 / 5e9)
+    assert m.elementwise_s_per_B(mib, 5e9) == pytest.approx(1 / 2e10)
+    plain = m.replace(conv_Bps=None, conv_large_Bps=None)
+    assert plain.elementwise_s_per_B(mib, 5e9, kind="conv") == pytest.approx(1 / 2e10)
+    # one conv rate for every size where the large one is not measured
+    assert m.replace(conv_large_Bps=None).elementwise_s_per_B(
+        64 * mib, 5e9, kind="conv") == pytest.approx(1 / 8e9)
+    tasks = [SimTask("c", "A", (), mem_bytes=1e9, block_bytes=mib, kind="conv"),
+             SimTask("d", "B", (), mem_bytes=1e9, block_bytes=mib)]
+    kw = dict(flops_per_s=1e11, mem_Bps=2e10, bandwidth_Bps=1e9, latency_s=0.0)
+    r = simulate_programs(tasks, **kw, mem_s_per_B=lambda b, kind: m.elementwise_s_per_B(
+        b, 5e9, kind=kind))
+    assert r.compute_s == pytest.approx({"A": 1 / 8, "B": 0.05})
+    assert {kernel_kind(f) for f in (CK.conv_block, CK.conv_block_backward, CK.pool_block,
+                                      CK.pool_block_backward)} == {"conv"}
+    assert {kernel_kind(f) for f in (DK.dense_forward, DK.sgd_update, BK.take_rows)} == {""}
+
+    net = [Conv2d(16, 3, padding=1, activation="relu"), MaxPool2d(2), Flatten(),
+           Dense(64, "relu"), Dense(10)]
+    engine = Sequential(net, input_shape=(3, 16, 16))._make_engine(fake_binding("1x1"))
+    names = [f"w{k}" for k in range(len(engine.param_layouts))]
+    tasks, _ = step_tasks(engine, names, 8, (3, 16, 16), "float32", SGD(0.1))
+    conv = [t for t in tasks if t.kind == "conv"]
+    assert conv and any(t.kind == "" and t.mem_bytes for t in tasks)
+    m1 = Machine(flops_per_s=1e11, elementwise_Bps=2e10, elementwise_large_Bps=2e10)
+    slow = m1.replace(conv_Bps=1e10, conv_large_Bps=1e10)
+    extra = sum(t.mem_bytes for t in conv) * (1 / 1e10 - 1 / 2e10)
+    a = simulate_layers(net, (3, 16, 16), "1x1", 8, m1, cores=1)
+    b = simulate_layers(net, (3, 16, 16), "1x1", 8, slow, cores=1)
+    assert b.seconds - a.seconds == pytest.approx(extra, rel=1e-6)
 
 
 @pytest.mark.fast

@@ -225,6 +225,13 @@ class Machine:
         in real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`; 19-34 us on
         local and emulated clusters of 2 to 8 workers sharing 2 cores); the step-time
         model adds it to every task of a step run as programs. 0 where None.
+    conv_Bps, conv_large_Bps : float, optional
+        ``elementwise_Bps`` and ``elementwise_large_Bps`` of the conv front's strided
+        kernels alone (im2col gathers, col2im slice-adds, pooling windows:
+        :data:`dask_ipar.kernels.conv_costs.CONV_KERNELS`), read by ``dask-ipar calibrate``
+        from those kernels' own calls in the kernel mix (one worker of a 2-core AMD EPYC:
+        0.8-0.95 of the whole mix's rates; the mix's dense kernels run faster); the step
+        model prices these kernels' bytes at them. The whole mix's rates where None.
     """
 
     alpha_s: float = 2e-6
@@ -250,6 +257,8 @@ class Machine:
     elementwise_large_Bps: float | None = None
     gemm_edge_flops: float | None = None
     program_task_cpu_s: float | None = None
+    conv_Bps: float | None = None
+    conv_large_Bps: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -266,7 +275,8 @@ class Machine:
                       "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
                       "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps",
                       "loaded_message_s", "step_cpu_s", "background_cores",
-                      "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s"):
+                      "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s",
+                      "conv_Bps", "conv_large_Bps"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -278,18 +288,22 @@ class Machine:
                              "edge; 'dask-ipar calibrate' measures it, tens on CPUs)")
 
     def elementwise_s_per_B(self, block_bytes: float, default_Bps: float,
-                            turns: float = 1.0) -> float:
+                            turns: float = 1.0, kind: str = "") -> float:
         """Seconds per byte of the kernels' element-wise work in a kernel whose largest array
         holds ``block_bytes`` (``default_Bps`` where the machine has no ``elementwise_Bps``;
         see ``elementwise_large_Bps``). ``turns``: the worker processes that take turns on
         each core (workers over cores, where more): between a kernel and the next one of
         its process the others' blocks go through the caches, so a block is priced as one
-        of ``turns`` times its bytes (the two rates are measured on one worker alone)."""
-        small = self.elementwise_Bps or default_Bps
-        if not self.elementwise_large_Bps:
+        of ``turns`` times its bytes (the two rates are measured on one worker alone).
+        ``kind``: a kernel's :func:`dask_ipar.kernels.costs.kernel_kind`; ``"conv"`` takes
+        ``conv_Bps`` and ``conv_large_Bps`` where measured."""
+        small, large = self.elementwise_Bps or default_Bps, self.elementwise_large_Bps
+        if kind == "conv" and self.conv_Bps:
+            small, large = self.conv_Bps, self.conv_large_Bps
+        if not large:
             return 1.0 / small
         w = block_weight(block_bytes * max(1.0, turns))
-        return (1.0 - w) / small + w / self.elementwise_large_Bps
+        return (1.0 - w) / small + w / large
 
     @property
     def beta_s_per_byte(self) -> float:
@@ -334,7 +348,8 @@ _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compu
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
                  "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
                  "busy_exchange_Bps", "loaded_message_s", "step_cpu_s", "background_cores",
-                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s")
+                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s", "conv_Bps",
+                 "conv_large_Bps")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -346,8 +361,8 @@ def load_machine(path: str | Path) -> Machine:
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
     ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
     ``loaded_message_s``, ``step_cpu_s``, ``background_cores``, ``elementwise_large_Bps``,
-    ``gemm_edge_flops``, ``program_task_cpu_s``. Missing keys take the paper machine's
-    values.
+    ``gemm_edge_flops``, ``program_task_cpu_s``, ``conv_Bps``, ``conv_large_Bps``. Missing
+    keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files
 

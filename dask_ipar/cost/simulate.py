@@ -61,6 +61,9 @@ class SimTask:
     # seconds of CPU around it on its worker beyond its own work (a worker program's loop:
     # Machine.program_task_cpu_s; simulate_programs only)
     cpu_s: float = 0.0
+    # its kernel's kind (dask_ipar.kernels.costs.kernel_kind: "conv" for the conv front's
+    # strided kernels, which simulate_programs' mem_s_per_B may price at a rate of their own)
+    kind: str = ""
 
 
 @dataclass
@@ -254,9 +257,9 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     over the cores times the one-worker rate); a task alone takes
     ``task_s + cpu_s + flops / flops_per_s + mem_bytes / mem_Bps`` (``cpu_s``: its own,
     the program's loop around it), or with ``mem_s_per_B`` (a
-    function of a task's ``block_bytes``: the element-wise rate by the size of the arrays,
-    :meth:`Machine.elementwise_s_per_B`) ``mem_bytes * mem_s_per_B(block_bytes)`` for the
-    last term.
+    function of a task's ``block_bytes`` and ``kind``: the element-wise rate by the size of
+    the arrays and the kernel's kind, :meth:`Machine.elementwise_s_per_B`)
+    ``mem_bytes * mem_s_per_B(block_bytes, kind)`` for the last term.
 
     With ``cores`` given (workers that share a machine's cores), moving a block also costs
     the cores: ``transfer_cpu_s_per_B`` seconds per byte on the sender and on the receiver,
@@ -368,7 +371,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                     t = by_key[key]
                     work = task_s + t.cpu_s + t.flops / flops_per_s + (
                         t.mem_bytes / mem_Bps if mem_s_per_B is None
-                        else t.mem_bytes * mem_s_per_B(t.block_bytes))
+                        else t.mem_bytes * mem_s_per_B(t.block_bytes, t.kind))
                     running[w] = [key, work, now]
                     busy[w] += work
         if not running and not events and not comm and not flows:

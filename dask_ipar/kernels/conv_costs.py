@@ -8,7 +8,7 @@ from __future__ import annotations
 from dask_ipar.kernels.conv import max_pool_tiles
 from dask_ipar.kernels.cost_shapes import Parts, item as _item, numel
 
-__all__ = ["CONV_COSTS"]
+__all__ = ["CONV_COSTS", "CONV_KERNELS"]
 
 
 def _conv_out(n, k, stride, lo, hi):
@@ -193,3 +193,12 @@ CONV_COSTS = {
     "add_rows": _add_rows,
     "zeros_like": _zeros_like,
 }
+
+#: The conv front's strided kernels: im2col gathers and col2im slice-adds (the conv blocks,
+#: their rows, rims, edges and backward) and pooling windows. The step model prices their
+#: element-wise work at the conv front's own rate (:class:`dask_ipar.cost.Machine`'s
+#: ``conv_Bps``), the halo's row copies and the rest at the kernels' common one.
+CONV_KERNELS = frozenset({
+    "conv_block", "conv_rows", "conv_rim", "conv_block_backward", "conv_dx_edges",
+    "conv_block_backward_rest", "pool_block", "pool_block_backward",
+})

@@ -20,11 +20,11 @@ bytes are the sum of its items'.
 
 from __future__ import annotations
 
-from dask_ipar.kernels.conv_costs import CONV_COSTS
+from dask_ipar.kernels.conv_costs import CONV_COSTS, CONV_KERNELS
 from dask_ipar.kernels.cost_shapes import Parts, block_bytes, gemm, item as _item, numel
 from dask_ipar.kernels.dense import contract_ranges, forward_segments
 
-__all__ = ["KERNEL_COSTS", "Parts", "block_bytes", "kernel_cost", "numel"]
+__all__ = ["KERNEL_COSTS", "Parts", "block_bytes", "kernel_cost", "kernel_kind", "numel"]
 
 
 def _concat_rows(*blocks):
@@ -420,3 +420,10 @@ def kernel_cost(func, args, shape, itemsize):
     values = [a if s is None else s for a, s in ((a, shape(a)) for a in args)]
     out, flops, mem, *edge = cost(*values)
     return out, flops, mem * itemsize, (edge[0] if edge else 0.0)
+
+
+def kernel_kind(func) -> str:
+    """``"conv"`` for the conv front's strided kernels (conv and pooling blocks and their
+    pieces, :data:`~dask_ipar.kernels.conv_costs.CONV_KERNELS`), whose element-wise work
+    the step model prices at the machine's ``conv_Bps``; ``""`` for every other kernel."""
+    return "conv" if getattr(func, "__name__", "") in CONV_KERNELS else ""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from dask._task_spec import DataNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from dask_ipar.kernels.costs import block_bytes, kernel_cost, numel
+from dask_ipar.kernels.costs import block_bytes, kernel_cost, kernel_kind, numel
 
 __all__ = ["Route", "StepGraph", "phase_of_key", "span_of_name", "sim_tasks", "TASK_PHASE",
            "TASK_SPAN"]
@@ -221,7 +221,8 @@ def sim_tasks(g: StepGraph, external: dict, itemsize: int):
         shapes[key] = oshape
         deps = tuple(a.key for a in node.args if isinstance(a, TaskRef))
         out.append(SimTask(key, g.place[key], deps, flops, mem, numel(oshape) * itemsize,
-                           block_bytes(oshape, [shapes[d] for d in deps], itemsize), edge))
+                           block_bytes(oshape, [shapes[d] for d in deps], itemsize), edge,
+                           kind=kernel_kind(node.func)))
     available = {k: (w, numel(s) * itemsize) for k, (w, s) in external.items()}
     for key, node in g.dsk.items():
         if isinstance(node, DataNode):

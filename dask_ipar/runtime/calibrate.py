@@ -72,7 +72,8 @@ What the engine pays, measured the way the engine pays it:
   dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker with the conv block on
   each size, their times less their flops at ``flops_per_s`` (the fastest of three runs of
   each, as the matmul rate), solved for the two rates (one thread of this machine: 16.8-19.6
-  and 13.7-16.3 GB/s).
+  and 13.7-16.3 GB/s). ``conv_Bps``, ``conv_large_Bps``: the same from the mix's conv and
+  pooling calls alone, each call timed (:func:`~dask_ipar.runtime.kernelmix.conv_rates`).
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -90,18 +91,9 @@ from dask_ipar.cost import Machine
 from dask_ipar.kernels.blas import matmul
 from dask_ipar.kernels.cost_shapes import GEMM_REF_N, edge_flops, gemm
 from dask_ipar.nn.graph import StepGraph
-from dask_ipar.runtime.linkprobe import (
-    BUSY_REPEATS,
-    LOADED_REPEATS,
-    TRANSFER_REPEATS,
-    TRANSFER_WARMUPS,
-    busy_exchange,
-    loaded_hop,
-    message_cpu,
-    program_hop,
-    rest_cores,
-    transfer_cpu,
-)
+from dask_ipar.runtime.linkprobe import (BUSY_REPEATS, LOADED_REPEATS, TRANSFER_REPEATS,
+                                         TRANSFER_WARMUPS, busy_exchange, loaded_hop,
+                                         message_cpu, program_hop, rest_cores, transfer_cpu)
 from dask_ipar.runtime.stepprobe import PROBE_STEPS, background_cores, measurable, step_cpu
 
 __all__ = ["calibrate", "program_hop", "edge_flops", "one_worker_flops", "Effort", "FULL",
@@ -310,8 +302,8 @@ def _mix_rate(client, worker, flops_per_s, repeats, edge_flops, tries=3):
     block on 4 MiB and one round on 16 MiB, the fastest of ``tries`` runs of each (as
     ``flops_per_s``; the simulator shares the cores between running tasks with the matmul
     contention factor, flops and bytes alike): ``(small, large)`` of
-    :func:`~dask_ipar.runtime.kernelmix.elementwise_rates`."""
-    from dask_ipar.runtime.kernelmix import IMAGES, LARGE_IMAGES, elementwise_rates, kernel_mix
+    :func:`~dask_ipar.runtime.kernelmix.mix_rates` (four: the conv front's two beside)."""
+    from dask_ipar.runtime.kernelmix import IMAGES, LARGE_IMAGES, kernel_mix, mix_rates
 
     def fastest(rounds, images):
         runs = [client.submit(kernel_mix, rounds, images=images, workers=[worker], pure=False,
@@ -319,7 +311,7 @@ def _mix_rate(client, worker, flops_per_s, repeats, edge_flops, tries=3):
         return min(runs, key=lambda r: r[2])
 
     # solved on the worker: the mix's model terms build its inputs (128 MiB at the large size)
-    return client.submit(elementwise_rates, fastest(repeats, IMAGES), fastest(1, LARGE_IMAGES),
+    return client.submit(mix_rates, fastest(repeats, IMAGES), fastest(1, LARGE_IMAGES),
                          flops_per_s, edge_flops=edge_flops, workers=[worker], pure=False,
                          allow_other_workers=False).result()
 
@@ -420,12 +412,14 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
               for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
-    elementwise, elementwise_large = _mix_rate(client, a, flops, e.mix_repeats, edge, e.mix_runs)
-    log("element-wise rate of the kernels (conv, pooling and dense kernels, one worker): "
-        + ("not measured (the matmul part took the whole time)" if elementwise is None
-           else f"{elementwise / 1e9:.1f} GB/s" + (
-               "" if elementwise_large is None else
-               f" on 4 MiB blocks, {elementwise_large / 1e9:.1f} GB/s on 16 MiB")))
+    ew, ew_large, conv, conv_large = _mix_rate(client, a, flops, e.mix_repeats, edge,
+                                               e.mix_runs)
+    for what, small, large in (("the kernels (conv, pooling and dense kernels", ew, ew_large),
+                               ("the conv front's (its conv and pooling calls", conv, conv_large)):
+        log(f"element-wise rate of {what}, one worker): " + (
+            "not measured (the matmul part took the whole time)" if small is None else
+            f"{small / 1e9:.1f} GB/s" + ("" if large is None else
+                                         f" on 4 MiB blocks, {large / 1e9:.1f} GB/s on 16 MiB")))
     cluster_bw = bandwidth
     if len(everyone) > 2:
         _cluster_bandwidth(client, everyone, 2**20, f"{tag}bw")
@@ -492,9 +486,9 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
                    mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,
-                   round_s=round_s, transfer_cpu_s_per_B=cpu_B, elementwise_Bps=elementwise,
+                   round_s=round_s, transfer_cpu_s_per_B=cpu_B, elementwise_Bps=ew,
                    exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
                    direct_message_cpu_s=direct_msg, message_cpu_s=comms_msg,
                    step_cpu_s=step_s, background_cores=background,
-                   elementwise_large_Bps=elementwise_large, gemm_edge_flops=edge,
-                   program_task_cpu_s=task_cpu)
+                   elementwise_large_Bps=ew_large, gemm_edge_flops=edge,
+                   program_task_cpu_s=task_cpu, conv_Bps=conv, conv_large_Bps=conv_large)

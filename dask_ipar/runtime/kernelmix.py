@@ -14,16 +14,22 @@ not stay in cache; with an eighth of the conv input and a quarter of the dense b
 rate read 22 GB/s), and a dense block forward (ReLU, bias) whose contraction is short, so
 that its passes over the output dominate, with the reduce of a dX reduce-scatter (two
 remote pieces summed, then ReLU').
+
+Its conv and pooling calls are timed apart as well: the conv front's strided kernels run at
+a rate of their own (:func:`conv_rates`; one worker of this machine: 0.8-0.95 of the whole
+mix's rate, the dense kernels faster), which the step model charges them
+(:class:`dask_ipar.cost.Machine`'s ``conv_Bps``).
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 __all__ = ["kernel_mix", "kernel_calls", "elementwise_rate", "elementwise_rates", "mix_split",
-           "IMAGES", "LARGE_IMAGES"]
+           "conv_rates", "mix_rates", "MixRun", "IMAGES", "LARGE_IMAGES"]
 
 XSHAPE = (16, 32, 32, 64)
 DENSE = (64, 4096, 1024)
@@ -88,17 +94,39 @@ def _shape(v):
     return tuple(v.shape) if isinstance(v, np.ndarray) else None
 
 
-def _terms(calls, itemsize):
-    """``(flops, edge, small, large)`` of ``calls`` by the cost model: their flops, their
-    products' edge (priced by the step model at ``gemm_edge_flops`` per element) and their
-    memory bytes split by each call's largest array between the small and the large block
-    of :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS` (``mem * (1 - w)`` and ``mem * w``,
+class MixRun(NamedTuple):
+    """One run of :func:`kernel_mix`: the model's flops and memory bytes of its calls and
+    the wall time they took, for the whole mix and for its conv front's calls alone (the
+    conv and pooling kernels, :func:`dask_ipar.kernels.costs.kernel_kind` ``"conv"``)."""
+
+    flops: float
+    mem_bytes: float
+    seconds: float
+    conv_flops: float = 0.0
+    conv_mem_bytes: float = 0.0
+    conv_seconds: float = 0.0
+
+
+def _is_conv(f) -> bool:
+    from dask_ipar.kernels.costs import kernel_kind
+
+    return kernel_kind(f) == "conv"
+
+
+def _terms(calls, itemsize, conv_only=False):
+    """``(flops, edge, small, large)`` of ``calls`` (their conv front's calls alone with
+    ``conv_only``) by the cost model: their flops, their products' edge (priced by the
+    step model at ``gemm_edge_flops`` per element) and their memory bytes split by each
+    call's largest array between the small and the large block of
+    :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS` (``mem * (1 - w)`` and ``mem * w``,
     ``w`` of :func:`dask_ipar.cost.machine.block_weight`)."""
     from dask_ipar.cost.machine import block_weight
     from dask_ipar.kernels.costs import block_bytes, kernel_cost
 
     flops = edge = small = large = 0.0
     for f, args in calls:
+        if conv_only and not _is_conv(f):
+            continue
         out, fl, mb, e = kernel_cost(f, args, _shape, itemsize)
         w = block_weight(block_bytes(out, [a.shape for a in args if isinstance(a, np.ndarray)],
                                      itemsize))
@@ -107,9 +135,9 @@ def _terms(calls, itemsize):
     return flops, edge, small, large
 
 
-def _split(dtype, images):
+def _split(dtype, images, conv_only=False):
     """:func:`_terms` of one round of the mix with its conv block on ``images`` images."""
-    return _terms(kernel_calls(dtype, images), np.dtype(dtype).itemsize)
+    return _terms(kernel_calls(dtype, images), np.dtype(dtype).itemsize, conv_only)
 
 
 def mix_split(dtype="float32", images=IMAGES, edge_flops=0.0):
@@ -123,19 +151,42 @@ def mix_split(dtype="float32", images=IMAGES, edge_flops=0.0):
 
 def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
     """Run the mix ``repeats`` times in this process (with its BLAS threads as they are:
-    a worker's, one per worker thread), its conv block on ``images`` images; returns
-    ``(flops, mem_bytes, seconds)``: the model's flops and memory bytes of the calls
-    (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took."""
+    a worker's, one per worker thread), its conv block on ``images`` images; returns a
+    :class:`MixRun`: the model's flops and memory bytes of the calls
+    (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took, and the
+    same of its conv front's calls, each call timed."""
     calls = kernel_calls(dtype, images)
-    flops, _, small, large = _terms(calls, np.dtype(dtype).itemsize)
+    itemsize = np.dtype(dtype).itemsize
+    flops, _, small, large = _terms(calls, itemsize)
+    c_flops, _, c_small, c_large = _terms(calls, itemsize, conv_only=True)
+    conv = [_is_conv(f) for f, _ in calls]
     for f, args in calls:  # warm: the first call of a kernel allocates and imports
         f(*args)
-    t = time.perf_counter()
+    clock = time.perf_counter
+    conv_s = 0.0
+    t = clock()
     for _ in range(repeats):
-        for f, args in calls:
+        for (f, args), is_conv in zip(calls, conv):
+            t0 = clock()
             f(*args)
-    seconds = time.perf_counter() - t
-    return flops * repeats, (small + large) * repeats, seconds
+            if is_conv:
+                conv_s += clock() - t0
+    seconds = clock() - t
+    return MixRun(flops * repeats, (small + large) * repeats, seconds,
+                  c_flops * repeats, (c_small + c_large) * repeats, conv_s)
+
+
+def _solve(rows):
+    """The rates ``(r_small, r_large)`` for which ``small / r_small + large / r_large =
+    left`` holds for both ``rows`` ``(small, large, left)``; None where the two runs'
+    bytes do not tell the sizes apart or a rate comes out not positive."""
+    (a1, b1, l1), (a2, b2, l2) = rows
+    det = a1 * b2 - a2 * b1
+    if det > 0.05 * a1 * b2:  # the large run's bytes lie mostly at the large block
+        x, y = (l1 * b2 - l2 * b1) / det, (a1 * l2 - a2 * l1) / det
+        if x > 0 and y > 0:
+            return 1.0 / x, 1.0 / y
+    return None
 
 
 def elementwise_rates(small_run, large_run, flops_per_s, dtype="float32", edge_flops=0.0):
@@ -150,18 +201,35 @@ def elementwise_rates(small_run, large_run, flops_per_s, dtype="float32", edge_f
     positive solution."""
     rows = []
     priced = []  # the runs' flop-equivalents
-    for (flops, _, seconds), images in ((small_run, IMAGES), (large_run, LARGE_IMAGES)):
+    for run, images in ((small_run, IMAGES), (large_run, LARGE_IMAGES)):
+        flops, seconds = run[0], run[2]
         f1, e1, a, b = _split(dtype, images)  # one round's terms (its inputs made once)
         rounds = flops / f1
         priced.append(flops + rounds * edge_flops * e1)
         rows.append((a * rounds, b * rounds, seconds - priced[-1] / flops_per_s))
-    (a1, b1, l1), (a2, b2, l2) = rows
-    det = a1 * b2 - a2 * b1
-    if det > 0.05 * a1 * b2:  # the large run's bytes lie mostly at the large block
-        x, y = (l1 * b2 - l2 * b1) / det, (a1 * l2 - a2 * l1) / det
-        if x > 0 and y > 0:
-            return 1.0 / x, 1.0 / y
-    return elementwise_rate(priced[0], *small_run[1:], flops_per_s), None
+    rates = _solve(rows)
+    if rates is not None:
+        return rates
+    return elementwise_rate(priced[0], small_run[1], small_run[2], flops_per_s), None
+
+
+def conv_rates(small_run, large_run, flops_per_s, dtype="float32"):
+    """The conv front's element-wise rates at the small and the large block
+    (``conv_Bps``, ``conv_large_Bps`` of :class:`dask_ipar.cost.Machine`): as
+    :func:`elementwise_rates`, from the two runs' conv and pooling calls alone
+    (:class:`MixRun`'s ``conv_*``; their products have no edge). ``(rate, None)`` from
+    the small run where the two have no positive solution, ``(None, None)`` where the
+    small run's flops alone take 95% of its conv calls' time or more."""
+    rows = []
+    for run, images in ((small_run, IMAGES), (large_run, LARGE_IMAGES)):
+        f1, _, a, b = _split(dtype, images, conv_only=True)
+        rounds = run.conv_flops / f1
+        rows.append((a * rounds, b * rounds, run.conv_seconds - run.conv_flops / flops_per_s))
+    rates = _solve(rows)
+    if rates is not None:
+        return rates
+    return elementwise_rate(small_run.conv_flops, small_run.conv_mem_bytes,
+                            small_run.conv_seconds, flops_per_s), None
 
 
 def elementwise_rate(flops, mem_bytes, seconds, flops_per_s, speed=1.0):
@@ -175,3 +243,10 @@ def elementwise_rate(flops, mem_bytes, seconds, flops_per_s, speed=1.0):
     if left <= 0.05 * seconds * speed:
         return None
     return mem_bytes / left
+
+
+def mix_rates(small_run, large_run, flops_per_s, dtype="float32", edge_flops=0.0):
+    """``(elementwise, elementwise_large, conv, conv_large)``: :func:`elementwise_rates`
+    and :func:`conv_rates` of the same two runs (``dask-ipar calibrate``'s)."""
+    return (*elementwise_rates(small_run, large_run, flops_per_s, dtype, edge_flops),
+            *conv_rates(small_run, large_run, flops_per_s, dtype))

@@ -20,7 +20,6 @@ below a square one's rate.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
@@ -196,10 +195,13 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
 
         # the element-wise rate by the size of a kernel's arrays, where measured at two, as
         # large as the blocks of the processes that take turns on a core
-        mem_s_per_B = (functools.partial(machine.elementwise_s_per_B,
-                                         default_Bps=ELEMENTWISE_BPS,
-                                         turns=core_turns(workers, cores))
-                       if machine.elementwise_large_Bps else None)
+        # (the conv front's strided kernels at their own rates, where measured)
+        turns = core_turns(workers, cores)
+
+        def by_kind(block_bytes, kind):
+            return machine.elementwise_s_per_B(block_bytes, ELEMENTWISE_BPS, turns, kind)
+
+        mem_s_per_B = by_kind if machine.elementwise_large_Bps or machine.conv_Bps else None
 
         def run(tasks, available):
             return simulate_programs(
