@@ -25,8 +25,10 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     # the conv front's own rate, from the mix's conv and pooling calls (its flops are a
     # small part of their time: always measurable)
     assert 1e8 < m.conv_Bps < 1e12, m.conv_Bps
-    assert any("element-wise rate of the conv front's" in line and "GB/s" in line
-               for line in lines)
+    # one rate for every block size: read on blocks that stream from memory (session 52)
+    assert m.elementwise_large_Bps is None
+    assert any("element-wise rate of the conv front's" in line and "16 MiB blocks" in line
+               and "GB/s" in line for line in lines)
     assert 1e-7 < m.direct_message_cpu_s < 1e-2 and 0 <= m.message_cpu_s < 1e-1  # seconds
     assert m.word_bytes == 4
     # beside the kernels the links carry no more than alone (a generous margin: noise)

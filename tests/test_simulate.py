@@ -698,9 +698,9 @@ def test_the_elementwise_rate_goes_by_the_size_of_a_tasks_arrays():
 
 @pytest.mark.fast
 def test_the_conv_fronts_kernels_take_their_own_element_wise_rates():
-    """``conv_Bps``/``conv_large_Bps``: a task of kind ``"conv"`` (the conv front's strided
-    kernels) takes them, by its block's size as the common rates go; the other tasks, and
-    every task where the machine has none, the common ones. In a CNN's simulated step the
+    """``conv_Bps``: a task of kind ``"conv"`` (the conv front's strided kernels) takes it,
+    at every block size; the other tasks, and every task where the machine has none, the
+    common rates by size. In a CNN's simulated step the
     conv and pooling kernels are that kind, the dense ones not, and a slower conv rate
     lengthens the step by exactly their bytes' extra seconds on one worker."""
     from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d
@@ -714,18 +714,14 @@ def test_the_conv_fronts_kernels_take_their_own_element_wise_rates():
 
     mib = 2**20
     m = Machine(flops_per_s=1e11, elementwise_Bps=2e10, elementwise_large_Bps=1e10,
-                conv_Bps=8e9, conv_large_Bps=5e9)
-    assert m.elementwise_s_per_B(mib, 5e9, kind="conv") == pytest.approx(1 / 8e9)
-    assert m.elementwise_s_per_B(8 * mib, 5e9, kind="conv") == pytest.approx(0.5 / 8e9 + 0.5 / 5e9)
-    assert m.elementwise_s_per_B(64 * mib, 5e9, kind="conv") == pytest.approx(1 / 5e9)
-    assert m.elementwise_s_per_B(2 * mib, 5e9, turns=4, kind="conv") == pytest.approx(
-        0.5 / 8e9 + 0.5 / 5e9)
+                conv_Bps=8e9)
+    for size in (mib, 8 * mib, 64 * mib):  # one conv rate for every size
+        assert m.elementwise_s_per_B(size, 5e9, turns=4, kind="conv") == pytest.approx(1 / 8e9)
     assert m.elementwise_s_per_B(mib, 5e9) == pytest.approx(1 / 2e10)
-    plain = m.replace(conv_Bps=None, conv_large_Bps=None)
+    assert m.elementwise_s_per_B(64 * mib, 5e9) == pytest.approx(1 / 1e10)
+    plain = m.replace(conv_Bps=None)
     assert plain.elementwise_s_per_B(mib, 5e9, kind="conv") == pytest.approx(1 / 2e10)
-    # one conv rate for every size where the large one is not measured
-    assert m.replace(conv_large_Bps=None).elementwise_s_per_B(
-        64 * mib, 5e9, kind="conv") == pytest.approx(1 / 8e9)
+    assert plain.elementwise_s_per_B(64 * mib, 5e9, kind="conv") == pytest.approx(1 / 1e10)
     tasks = [SimTask("c", "A", (), mem_bytes=1e9, block_bytes=mib, kind="conv"),
              SimTask("d", "B", (), mem_bytes=1e9, block_bytes=mib)]
     kw = dict(flops_per_s=1e11, mem_Bps=2e10, bandwidth_Bps=1e9, latency_s=0.0)
@@ -743,8 +739,8 @@ def test_the_conv_fronts_kernels_take_their_own_element_wise_rates():
     tasks, _ = step_tasks(engine, names, 8, (3, 16, 16), "float32", SGD(0.1))
     conv = [t for t in tasks if t.kind == "conv"]
     assert conv and any(t.kind == "" and t.mem_bytes for t in tasks)
-    m1 = Machine(flops_per_s=1e11, elementwise_Bps=2e10, elementwise_large_Bps=2e10)
-    slow = m1.replace(conv_Bps=1e10, conv_large_Bps=1e10)
+    m1 = Machine(flops_per_s=1e11, elementwise_Bps=2e10)
+    slow = m1.replace(conv_Bps=1e10)
     extra = sum(t.mem_bytes for t in conv) * (1 / 1e10 - 1 / 2e10)
     a = simulate_layers(net, (3, 16, 16), "1x1", 8, m1, cores=1)
     b = simulate_layers(net, (3, 16, 16), "1x1", 8, slow, cores=1)

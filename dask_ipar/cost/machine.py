@@ -165,14 +165,16 @@ class Machine:
         block takes from the computing when worker processes share a machine's cores.
     elementwise_Bps : float, optional
         Bytes per second of the kernels' element-wise work as the step-time model counts
-        it (the engine's own kernels on one worker, their flops' time taken off); the
+        it (the engine's own kernels on one worker, their flops' time taken off;
+        ``dask-ipar calibrate`` runs them on blocks that stream from memory, 16 MiB); the
         model's fixed default where None.
     elementwise_large_Bps : float, optional
-        The same for kernels whose largest array holds the large size of
-        :data:`ELEMENTWISE_BLOCKS` or more (16 MiB: blocks that stream from memory),
-        ``elementwise_Bps`` then standing for its small size or less (4 MiB); between
-        the two, the seconds per byte go linearly with the logarithm of the block's size
-        (:meth:`elementwise_s_per_B`). One rate for every size where None.
+        Where given (a machine file's; ``dask-ipar calibrate`` measured it before session
+        52 and no longer does): the same for kernels whose largest array holds the large
+        size of :data:`ELEMENTWISE_BLOCKS` or more (16 MiB), ``elementwise_Bps`` then
+        standing for its small size or less (4 MiB); between the two, the seconds per byte
+        go linearly with the logarithm of the block's size (:meth:`elementwise_s_per_B`).
+        One rate for every size where None.
     exchange_Bps : float, optional
         Bytes per second one worker sends while every worker sends to every other at once
         (a collective's per-link rate); the step-time model's link rate where below
@@ -225,13 +227,13 @@ class Machine:
         in real steps of a small network (:mod:`dask_ipar.runtime.stepprobe`; 19-34 us on
         local and emulated clusters of 2 to 8 workers sharing 2 cores); the step-time
         model adds it to every task of a step run as programs. 0 where None.
-    conv_Bps, conv_large_Bps : float, optional
-        ``elementwise_Bps`` and ``elementwise_large_Bps`` of the conv front's strided
-        kernels alone (im2col gathers, col2im slice-adds, pooling windows:
-        :data:`dask_ipar.kernels.conv_costs.CONV_KERNELS`), read by ``dask-ipar calibrate``
-        from those kernels' own calls in the kernel mix (one worker of a 2-core AMD EPYC:
-        0.8-0.95 of the whole mix's rates; the mix's dense kernels run faster); the step
-        model prices these kernels' bytes at them. The whole mix's rates where None.
+    conv_Bps : float, optional
+        ``elementwise_Bps`` of the conv front's strided kernels alone (im2col gathers,
+        col2im slice-adds, pooling windows: :data:`dask_ipar.kernels.conv_costs.CONV_KERNELS`),
+        read by ``dask-ipar calibrate`` from those kernels' own calls in the kernel mix (one
+        worker of a 2-core AMD EPYC: 0.84-0.98 of the whole mix's rate); the step model
+        prices these kernels' bytes at it, at every block size. ``elementwise_Bps`` (by
+        size) where None.
     """
 
     alpha_s: float = 2e-6
@@ -258,7 +260,6 @@ class Machine:
     gemm_edge_flops: float | None = None
     program_task_cpu_s: float | None = None
     conv_Bps: float | None = None
-    conv_large_Bps: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -276,7 +277,7 @@ class Machine:
                       "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps",
                       "loaded_message_s", "step_cpu_s", "background_cores",
                       "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s",
-                      "conv_Bps", "conv_large_Bps"):
+                      "conv_Bps"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -296,14 +297,14 @@ class Machine:
         its process the others' blocks go through the caches, so a block is priced as one
         of ``turns`` times its bytes (the two rates are measured on one worker alone).
         ``kind``: a kernel's :func:`dask_ipar.kernels.costs.kernel_kind`; ``"conv"`` takes
-        ``conv_Bps`` and ``conv_large_Bps`` where measured."""
-        small, large = self.elementwise_Bps or default_Bps, self.elementwise_large_Bps
+        ``conv_Bps`` where measured."""
         if kind == "conv" and self.conv_Bps:
-            small, large = self.conv_Bps, self.conv_large_Bps
-        if not large:
+            return 1.0 / self.conv_Bps
+        small = self.elementwise_Bps or default_Bps
+        if not self.elementwise_large_Bps:
             return 1.0 / small
         w = block_weight(block_bytes * max(1.0, turns))
-        return (1.0 - w) / small + w / large
+        return (1.0 - w) / small + w / self.elementwise_large_Bps
 
     @property
     def beta_s_per_byte(self) -> float:
@@ -348,8 +349,7 @@ _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compu
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
                  "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
                  "busy_exchange_Bps", "loaded_message_s", "step_cpu_s", "background_cores",
-                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s", "conv_Bps",
-                 "conv_large_Bps")
+                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s", "conv_Bps")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -361,8 +361,8 @@ def load_machine(path: str | Path) -> Machine:
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
     ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
     ``loaded_message_s``, ``step_cpu_s``, ``background_cores``, ``elementwise_large_Bps``,
-    ``gemm_edge_flops``, ``program_task_cpu_s``, ``conv_Bps``, ``conv_large_Bps``. Missing
-    keys take the paper machine's values.
+    ``gemm_edge_flops``, ``program_task_cpu_s``, ``conv_Bps``. Missing keys take the paper
+    machine's values.
     """
     import yaml  # lazy: only needed for machine files
 

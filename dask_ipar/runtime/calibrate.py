@@ -66,14 +66,13 @@ What the engine pays, measured the way the engine pays it:
   (:mod:`dask_ipar.runtime.stepprobe`). What dask itself takes from the cores where the
   workers share them. ``program_task_cpu_s``: from the same steps, the programs' own
   loops' CPU per task beyond the kernels and the transports.
-* ``elementwise_Bps``, ``elementwise_large_Bps``: the step-time model's rates of the
-  kernels' element-wise work (their counted memory passes, :mod:`dask_ipar.kernels.costs`)
-  in kernels whose largest array holds 4 MiB and 16 MiB: the engine's conv, pooling and
-  dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker with the conv block on
-  each size, their times less their flops at ``flops_per_s`` (the fastest of three runs of
-  each, as the matmul rate), solved for the two rates (one thread of this machine: 16.8-19.6
-  and 13.7-16.3 GB/s). ``conv_Bps``, ``conv_large_Bps``: the same from the mix's conv and
-  pooling calls alone, each call timed (:func:`~dask_ipar.runtime.kernelmix.conv_rates`).
+* ``elementwise_Bps``: the step-time model's rate of the kernels' element-wise work (their
+  counted memory passes, :mod:`dask_ipar.kernels.costs`): the engine's conv, pooling and
+  dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker on 16 MiB blocks (that
+  stream from memory), their time less their flops at ``flops_per_s`` (the fastest of three
+  runs, as the matmul rate; 2-8 workers of a 2-core AMD EPYC: 8.4-9.6 GB/s). ``conv_Bps``:
+  the same from the mix's conv and pooling calls alone, each call timed
+  (:func:`~dask_ipar.runtime.kernelmix.mix_rates`).
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -122,7 +121,7 @@ class Effort:
     matmul_n: int = 1024
     tasks: int = 300
     block_mib: int = 16
-    mix_repeats: int = 2
+    mix_repeats: int = 1
     mix_runs: int = 3
     cluster_repeats: int = CLUSTER_REPEATS
     cluster_rounds: int = CLUSTER_ROUNDS
@@ -299,20 +298,16 @@ def _hop_time(client, a, b, hops, tag):
 def _mix_rate(client, worker, flops_per_s, repeats, edge_flops, tries=3):
     """The step-time model's element-wise rates (:mod:`dask_ipar.runtime.kernelmix`): the
     kernel mix run on one worker while the others idle, ``repeats`` rounds with its conv
-    block on 4 MiB and one round on 16 MiB, the fastest of ``tries`` runs of each (as
-    ``flops_per_s``; the simulator shares the cores between running tasks with the matmul
-    contention factor, flops and bytes alike): ``(small, large)`` of
-    :func:`~dask_ipar.runtime.kernelmix.mix_rates` (four: the conv front's two beside)."""
-    from dask_ipar.runtime.kernelmix import IMAGES, LARGE_IMAGES, kernel_mix, mix_rates
+    block on 16 MiB, the fastest of ``tries`` runs (as ``flops_per_s``; the simulator shares
+    the cores between running tasks with the matmul contention factor, flops and bytes
+    alike): ``(elementwise, conv)`` of :func:`~dask_ipar.runtime.kernelmix.mix_rates`."""
+    from dask_ipar.runtime.kernelmix import LARGE_IMAGES, kernel_mix, mix_rates
 
-    def fastest(rounds, images):
-        runs = [client.submit(kernel_mix, rounds, images=images, workers=[worker], pure=False,
-                              allow_other_workers=False).result() for _ in range(tries)]
-        return min(runs, key=lambda r: r[2])
-
-    # solved on the worker: the mix's model terms build its inputs (128 MiB at the large size)
-    return client.submit(mix_rates, fastest(repeats, IMAGES), fastest(1, LARGE_IMAGES),
-                         flops_per_s, edge_flops=edge_flops, workers=[worker], pure=False,
+    runs = [client.submit(kernel_mix, repeats, images=LARGE_IMAGES, workers=[worker],
+                          pure=False, allow_other_workers=False).result() for _ in range(tries)]
+    # read on the worker: the mix's model terms build its inputs (128 MiB)
+    return client.submit(mix_rates, min(runs, key=lambda r: r.seconds), flops_per_s,
+                         edge_flops=edge_flops, workers=[worker], pure=False,
                          allow_other_workers=False).result()
 
 
@@ -331,7 +326,7 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     **sizes
         Fields of :class:`Effort` that replace ``effort``'s (e.g. ``block_mib=2``;
         ``mix_repeats`` is the kernel mix's rounds per run for the element-wise rate, one
-        round about 0.2 s of one core, three runs).
+        round about 0.35 s of one core, three runs).
     """
     from dask_ipar.runtime.release import install_release
     from dask_ipar.runtime.workers import scheduler_workers
@@ -412,14 +407,12 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
               for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
-    ew, ew_large, conv, conv_large = _mix_rate(client, a, flops, e.mix_repeats, edge,
-                                               e.mix_runs)
-    for what, small, large in (("the kernels (conv, pooling and dense kernels", ew, ew_large),
-                               ("the conv front's (its conv and pooling calls", conv, conv_large)):
-        log(f"element-wise rate of {what}, one worker): " + (
-            "not measured (the matmul part took the whole time)" if small is None else
-            f"{small / 1e9:.1f} GB/s" + ("" if large is None else
-                                         f" on 4 MiB blocks, {large / 1e9:.1f} GB/s on 16 MiB")))
+    ew, conv = _mix_rate(client, a, flops, e.mix_repeats, edge, e.mix_runs)
+    for what, rate in (("the kernels (conv, pooling and dense kernels", ew),
+                       ("the conv front's (its conv and pooling calls", conv)):
+        log(f"element-wise rate of {what} on 16 MiB blocks, one worker): " + (
+            "not measured (the matmul part took the whole time)" if rate is None
+            else f"{rate / 1e9:.1f} GB/s"))
     cluster_bw = bandwidth
     if len(everyone) > 2:
         _cluster_bandwidth(client, everyone, 2**20, f"{tag}bw")
@@ -490,5 +483,4 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
                    exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
                    direct_message_cpu_s=direct_msg, message_cpu_s=comms_msg,
                    step_cpu_s=step_s, background_cores=background,
-                   elementwise_large_Bps=ew_large, gemm_edge_flops=edge,
-                   program_task_cpu_s=task_cpu, conv_Bps=conv, conv_large_Bps=conv_large)
+                   gemm_edge_flops=edge, program_task_cpu_s=task_cpu, conv_Bps=conv)

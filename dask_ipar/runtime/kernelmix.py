@@ -15,10 +15,18 @@ rate read 22 GB/s), and a dense block forward (ReLU, bias) whose contraction is 
 that its passes over the output dominate, with the reduce of a dX reduce-scatter (two
 remote pieces summed, then ReLU').
 
+``dask-ipar calibrate`` runs it with its conv block on 64 images (:data:`LARGE_IMAGES`: 16
+MiB blocks, which stream from memory) and prices every kernel's bytes at that one rate
+(session 52). Two sizes before, 4 MiB and 16 MiB, solved for a rate each: the step model
+then priced the small blocks of the CNN's domain-parallel strips at the small size's rate,
+which workers sharing a machine's cores do not reach (the CNN's Pr > 1 grids on 2 to 8
+emulated hosts ran 8-22% slower than predicted, the small rate's solve moved 7.4-12.8 GB/s
+run to run, the large one 8.2-9.8).
+
 Its conv and pooling calls are timed apart as well: the conv front's strided kernels run at
-a rate of their own (:func:`conv_rates`; one worker of this machine: 0.8-0.95 of the whole
-mix's rate, the dense kernels faster), which the step model charges them
-(:class:`dask_ipar.cost.Machine`'s ``conv_Bps``).
+a rate of their own (:func:`mix_rates`' second; one worker of this machine: 0.84-0.98 of
+the whole mix's rate), which the step model charges them (:class:`dask_ipar.cost.Machine`'s
+``conv_Bps``).
 """
 
 from __future__ import annotations
@@ -28,13 +36,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["kernel_mix", "kernel_calls", "elementwise_rate", "elementwise_rates", "mix_split",
-           "conv_rates", "mix_rates", "MixRun", "IMAGES", "LARGE_IMAGES"]
+__all__ = ["kernel_mix", "kernel_calls", "elementwise_rate", "mix_rates", "MixRun", "IMAGES",
+           "LARGE_IMAGES"]
 
 XSHAPE = (16, 32, 32, 64)
 DENSE = (64, 4096, 1024)
-#: images of the conv block: the mix's small size (4 MiB blocks of float32) and its large
-#: one (16 MiB, the dense block unchanged): :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS`
+#: images of the conv block: the mix's small size (4 MiB blocks of float32: the default of
+#: the benchmarks that run it) and its large one (16 MiB, the dense block unchanged), the
+#: calibration's: :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS`
 IMAGES, LARGE_IMAGES = XSHAPE[0], 4 * XSHAPE[0]
 
 
@@ -114,39 +123,18 @@ def _is_conv(f) -> bool:
 
 
 def _terms(calls, itemsize, conv_only=False):
-    """``(flops, edge, small, large)`` of ``calls`` (their conv front's calls alone with
+    """``(flops, edge, mem)`` of ``calls`` (their conv front's calls alone with
     ``conv_only``) by the cost model: their flops, their products' edge (priced by the
-    step model at ``gemm_edge_flops`` per element) and their memory bytes split by each
-    call's largest array between the small and the large block of
-    :data:`dask_ipar.cost.machine.ELEMENTWISE_BLOCKS` (``mem * (1 - w)`` and ``mem * w``,
-    ``w`` of :func:`dask_ipar.cost.machine.block_weight`)."""
-    from dask_ipar.cost.machine import block_weight
-    from dask_ipar.kernels.costs import block_bytes, kernel_cost
+    step model at ``gemm_edge_flops`` per element) and their memory bytes."""
+    from dask_ipar.kernels.costs import kernel_cost
 
-    flops = edge = small = large = 0.0
+    flops = edge = mem = 0.0
     for f, args in calls:
         if conv_only and not _is_conv(f):
             continue
-        out, fl, mb, e = kernel_cost(f, args, _shape, itemsize)
-        w = block_weight(block_bytes(out, [a.shape for a in args if isinstance(a, np.ndarray)],
-                                     itemsize))
-        flops, edge = flops + fl, edge + e
-        small, large = small + mb * (1 - w), large + mb * w
-    return flops, edge, small, large
-
-
-def _split(dtype, images, conv_only=False):
-    """:func:`_terms` of one round of the mix with its conv block on ``images`` images."""
-    return _terms(kernel_calls(dtype, images), np.dtype(dtype).itemsize, conv_only)
-
-
-def mix_split(dtype="float32", images=IMAGES, edge_flops=0.0):
-    """The model's terms of one round of the mix with its conv block on ``images`` images:
-    ``(flops, small, large)``, its flops with ``edge_flops`` per element of its products'
-    edge (the step model's ``gemm_edge_flops``), its memory bytes split by each call's
-    largest array (see :func:`_terms`)."""
-    flops, edge, small, large = _split(dtype, images)
-    return flops + edge_flops * edge, small, large
+        _, fl, mb, e = kernel_cost(f, args, _shape, itemsize)
+        flops, edge, mem = flops + fl, edge + e, mem + mb
+    return flops, edge, mem
 
 
 def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
@@ -157,8 +145,8 @@ def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
     same of its conv front's calls, each call timed."""
     calls = kernel_calls(dtype, images)
     itemsize = np.dtype(dtype).itemsize
-    flops, _, small, large = _terms(calls, itemsize)
-    c_flops, _, c_small, c_large = _terms(calls, itemsize, conv_only=True)
+    flops, _, mem = _terms(calls, itemsize)
+    c_flops, _, c_mem = _terms(calls, itemsize, conv_only=True)
     conv = [_is_conv(f) for f, _ in calls]
     for f, args in calls:  # warm: the first call of a kernel allocates and imports
         f(*args)
@@ -172,64 +160,22 @@ def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
             if is_conv:
                 conv_s += clock() - t0
     seconds = clock() - t
-    return MixRun(flops * repeats, (small + large) * repeats, seconds,
-                  c_flops * repeats, (c_small + c_large) * repeats, conv_s)
+    return MixRun(flops * repeats, mem * repeats, seconds, c_flops * repeats, c_mem * repeats,
+                  conv_s)
 
 
-def _solve(rows):
-    """The rates ``(r_small, r_large)`` for which ``small / r_small + large / r_large =
-    left`` holds for both ``rows`` ``(small, large, left)``; None where the two runs'
-    bytes do not tell the sizes apart or a rate comes out not positive."""
-    (a1, b1, l1), (a2, b2, l2) = rows
-    det = a1 * b2 - a2 * b1
-    if det > 0.05 * a1 * b2:  # the large run's bytes lie mostly at the large block
-        x, y = (l1 * b2 - l2 * b1) / det, (a1 * l2 - a2 * l1) / det
-        if x > 0 and y > 0:
-            return 1.0 / x, 1.0 / y
-    return None
-
-
-def elementwise_rates(small_run, large_run, flops_per_s, dtype="float32", edge_flops=0.0):
-    """The element-wise rates at the small and the large block
-    (``elementwise_Bps``, ``elementwise_large_Bps`` of :class:`dask_ipar.cost.Machine`) that
-    make the model's times of two kernel-mix runs, ``(flops, mem_bytes, seconds)`` of
-    :func:`kernel_mix` at :data:`IMAGES` and at :data:`LARGE_IMAGES` images, equal their
-    measured seconds: per run, ``seconds - flops / flops_per_s = small / r_small + large /
-    r_large`` (:func:`mix_split` times the run's rounds), two equations, the products'
-    flops with ``edge_flops`` per element of their edge (the machine's ``gemm_edge_flops``).
-    ``(rate, None)`` (:func:`elementwise_rate` of the small run) where they have no
-    positive solution."""
-    rows = []
-    priced = []  # the runs' flop-equivalents
-    for run, images in ((small_run, IMAGES), (large_run, LARGE_IMAGES)):
-        flops, seconds = run[0], run[2]
-        f1, e1, a, b = _split(dtype, images)  # one round's terms (its inputs made once)
-        rounds = flops / f1
-        priced.append(flops + rounds * edge_flops * e1)
-        rows.append((a * rounds, b * rounds, seconds - priced[-1] / flops_per_s))
-    rates = _solve(rows)
-    if rates is not None:
-        return rates
-    return elementwise_rate(priced[0], small_run[1], small_run[2], flops_per_s), None
-
-
-def conv_rates(small_run, large_run, flops_per_s, dtype="float32"):
-    """The conv front's element-wise rates at the small and the large block
-    (``conv_Bps``, ``conv_large_Bps`` of :class:`dask_ipar.cost.Machine`): as
-    :func:`elementwise_rates`, from the two runs' conv and pooling calls alone
-    (:class:`MixRun`'s ``conv_*``; their products have no edge). ``(rate, None)`` from
-    the small run where the two have no positive solution, ``(None, None)`` where the
-    small run's flops alone take 95% of its conv calls' time or more."""
-    rows = []
-    for run, images in ((small_run, IMAGES), (large_run, LARGE_IMAGES)):
-        f1, _, a, b = _split(dtype, images, conv_only=True)
-        rounds = run.conv_flops / f1
-        rows.append((a * rounds, b * rounds, run.conv_seconds - run.conv_flops / flops_per_s))
-    rates = _solve(rows)
-    if rates is not None:
-        return rates
-    return elementwise_rate(small_run.conv_flops, small_run.conv_mem_bytes,
-                            small_run.conv_seconds, flops_per_s), None
+def mix_rates(run, flops_per_s, dtype="float32", edge_flops=0.0, images=LARGE_IMAGES):
+    """``(elementwise, conv)``: the element-wise rates of a :func:`kernel_mix` run with its
+    conv block on ``images`` images (:class:`MixRun`), as ``dask-ipar calibrate`` reads them
+    (:class:`dask_ipar.cost.Machine`'s ``elementwise_Bps`` and ``conv_Bps``): the whole mix's,
+    its products' flops with ``edge_flops`` per element of their edge (the machine's
+    ``gemm_edge_flops``), and its conv and pooling calls' alone (their products have no
+    edge); each :func:`elementwise_rate` (None where the flops take the time)."""
+    f1, e1, _ = _terms(kernel_calls(dtype, images), np.dtype(dtype).itemsize)
+    priced = run.flops * (1.0 + edge_flops * e1 / f1)
+    return (elementwise_rate(priced, run.mem_bytes, run.seconds, flops_per_s),
+            elementwise_rate(run.conv_flops, run.conv_mem_bytes, run.conv_seconds,
+                             flops_per_s))
 
 
 def elementwise_rate(flops, mem_bytes, seconds, flops_per_s, speed=1.0):
@@ -243,10 +189,3 @@ def elementwise_rate(flops, mem_bytes, seconds, flops_per_s, speed=1.0):
     if left <= 0.05 * seconds * speed:
         return None
     return mem_bytes / left
-
-
-def mix_rates(small_run, large_run, flops_per_s, dtype="float32", edge_flops=0.0):
-    """``(elementwise, elementwise_large, conv, conv_large)``: :func:`elementwise_rates`
-    and :func:`conv_rates` of the same two runs (``dask-ipar calibrate``'s)."""
-    return (*elementwise_rates(small_run, large_run, flops_per_s, dtype, edge_flops),
-            *conv_rates(small_run, large_run, flops_per_s, dtype))
