@@ -35,8 +35,8 @@ def main(argv=None):
     from threadpoolctl import threadpool_limits
 
     from dask_ipar.kernels import conv as CK
-    from dask_ipar.kernels.costs import kernel_cost
-    from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_mix
+    from dask_ipar.kernels.costs import kernel_cost, kernel_kind
+    from dask_ipar.runtime.kernelmix import LARGE_IMAGES, kernel_mix, mix_rates
     from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,15 +51,17 @@ def main(argv=None):
         m = rng.standard_normal((1024, 1024), dtype=np.float32)
         rate = 2 * 1024 ** 3 / _median_s(lambda: m @ m, reps=a.reps)
         if a.elementwise:
-            ew = a.elementwise * 1e9
-        else:  # as calibrate: the fastest of three runs of the mix
-            mixes = [kernel_mix(2) for _ in range(3)]
-            ew = elementwise_rate(*min(mixes, key=lambda r: r[2])[:3], rate) or ELEMENTWISE_BPS
+            ew = conv = a.elementwise * 1e9
+        else:  # as calibrate: the fastest of three runs of the mix on 16 MiB blocks
+            mixes = [kernel_mix(1, images=LARGE_IMAGES) for _ in range(3)]
+            ew, conv = mix_rates(min(mixes, key=lambda r: r.seconds), rate)
+            ew = ew or ELEMENTWISE_BPS
+            conv = conv or ew
 
         def cost(func, *args):
             shape = lambda v: tuple(v.shape) if isinstance(v, np.ndarray) else None  # noqa: E731
             _, flops, nbytes, _ = kernel_cost(func, args, shape, 4)
-            return flops / rate + nbytes / ew
+            return flops / rate + nbytes / (conv if kernel_kind(func) == "conv" else ew)
 
         c, h = 3, 64
         for k, o in enumerate((32, 32, 64, 64)):

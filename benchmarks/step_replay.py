@@ -40,15 +40,15 @@ COLD_BYTES = 64 * 2**20
 
 def _rates():
     """``(matmul flops/s, element-wise bytes/s)`` of this process, as calibrate measures
-    them on a worker (the fastest of three 1024-cubed matmuls; the kernel mix, fastest of
-    three runs)."""
+    them on a worker (the fastest of three 1024-cubed matmuls; the kernel mix on 16 MiB
+    blocks, fastest of three runs: the whole mix's rate, the conv front's not apart)."""
     from dask_ipar.runtime.calibrate import _matmul_rate
-    from dask_ipar.runtime.kernelmix import elementwise_rate, kernel_mix
+    from dask_ipar.runtime.kernelmix import LARGE_IMAGES, kernel_mix, mix_rates
     from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS
 
     rate = _matmul_rate(1024, "float32", 3)
-    mixes = [kernel_mix(2) for _ in range(3)]
-    return rate, elementwise_rate(*min(mixes, key=lambda r: r[2])[:3], rate) or ELEMENTWISE_BPS
+    mixes = [kernel_mix(1, images=LARGE_IMAGES) for _ in range(3)]
+    return rate, mix_rates(min(mixes, key=lambda r: r.seconds), rate)[0] or ELEMENTWISE_BPS
 
 
 def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold: bool):

@@ -39,8 +39,9 @@ def test_the_mix_counts_its_kernels_model_costs_and_times_them():
     assert (one.conv_flops, one.conv_mem_bytes) == pytest.approx(want["conv"])
     assert (three.conv_flops, three.conv_mem_bytes) == pytest.approx(
         (3 * want["conv"][0], 3 * want["conv"][1]))
-    # each conv call timed inside the whole run's window
+    # each conv call timed inside the whole run's window; the products' edge counted
     assert 0 < one.conv_seconds < s1 and 0 < three.conv_seconds < s3
+    assert three.edge == pytest.approx(3 * one.edge) and one.edge > 0
     # the mix is mostly element-wise work: the conv, pooling and short dense kernels
     assert mem1 > 1e8 and flops1 > 1e8
 
@@ -56,31 +57,25 @@ def test_elementwise_rate_makes_the_model_time_equal_the_measured_time():
     assert elementwise_rate(flops, mem, 0.5 * flops / rate, rate) is None
 
 
-def _model_terms(images, conv_only=False):
-    """``(flops, edge, mem)`` of one round of the mix by the cost model, call by call."""
-    flops = edge = mem = 0.0
-    for f, args in kernel_calls("float32", images):
-        if conv_only and kernel_kind(f) != "conv":
-            continue
-        _, fl, mb, e = kernel_cost(f, args, lambda v: tuple(v.shape)
-                                   if isinstance(v, np.ndarray) else None, 4)
-        flops, edge, mem = flops + fl, edge + e, mem + mb
-    return flops, edge, mem
-
-
 def test_the_large_runs_rates_make_the_model_time_equal_the_measured_times():
     """``dask-ipar calibrate``'s two element-wise rates from one run of the mix on 16 MiB
     blocks: the whole mix's (``elementwise_Bps``, its products' flops with their edge at
     ``gemm_edge_flops``) and its conv and pooling calls' alone (``conv_Bps``). A run timed as
     the model would time it at known rates gives them back."""
-    assert kernel_calls("float32", LARGE_IMAGES)[0][1][0].nbytes == 16 * 2**20
+    calls = kernel_calls("float32", LARGE_IMAGES)
+    assert calls[0][1][0].nbytes == 16 * 2**20
+    f = edge = mem = cf = cedge = cmem = 0.0
+    for fn, args in calls:  # the cost model's terms, call by call
+        _, fl, mb, e = kernel_cost(fn, args, lambda v: tuple(v.shape)
+                                   if isinstance(v, np.ndarray) else None, 4)
+        f, edge, mem = f + fl, edge + e, mem + mb
+        if kernel_kind(fn) == "conv":
+            cf, cedge, cmem = cf + fl, cedge + e, cmem + mb
+    assert cedge == 0 and 0 < cf < f and 0.9 * mem < cmem < mem and edge > 0
     rate, dense, conv, e, k = 1e11, 2.0e10, 0.8e10, 30.0, 2
-    f, edge, mem = _model_terms(LARGE_IMAGES)
-    cf, cedge, cmem = _model_terms(LARGE_IMAGES, conv_only=True)
-    assert cedge == 0 and 0 < cf < f and 0 < cmem < mem and edge > 0
     conv_s = k * (cf / rate + cmem / conv)
     dense_s = k * ((f - cf + e * edge) / rate + (mem - cmem) / dense)
-    run = MixRun(k * f, k * mem, conv_s + dense_s, k * cf, k * cmem, conv_s)
+    run = MixRun(k * f, k * mem, conv_s + dense_s, k * cf, k * cmem, conv_s, k * edge)
     whole, got_conv = mix_rates(run, rate, edge_flops=e)
     assert got_conv == pytest.approx(conv)
     # the whole mix's: its bytes over their time, between the conv front's and the rest's

@@ -705,6 +705,7 @@ def test_the_conv_fronts_kernels_take_their_own_element_wise_rates():
     lengthens the step by exactly their bytes' extra seconds on one worker."""
     from dask_ipar import Conv2d, Dense, Flatten, MaxPool2d
     from dask_ipar.cost import Machine, SimTask, simulate_programs
+    from dask_ipar.kernels.conv_costs import CONV_COSTS, CONV_KERNELS
     from dask_ipar.kernels.costs import kernel_kind
     from dask_ipar.kernels import blocks as BK, conv as CK, dense as DK
     from dask_ipar.runtime.gridrank import simulate_layers
@@ -731,6 +732,7 @@ def test_the_conv_fronts_kernels_take_their_own_element_wise_rates():
     assert {kernel_kind(f) for f in (CK.conv_block, CK.conv_block_backward, CK.pool_block,
                                       CK.pool_block_backward)} == {"conv"}
     assert {kernel_kind(f) for f in (DK.dense_forward, DK.sgd_update, BK.take_rows)} == {""}
+    assert CONV_KERNELS <= set(CONV_COSTS)  # each a kernel the cost model knows
 
     net = [Conv2d(16, 3, padding=1, activation="relu"), MaxPool2d(2), Flatten(),
            Dense(64, "relu"), Dense(10)]

@@ -25,8 +25,9 @@ __all__ = [
 ]
 
 #: The largest array of a kernel, in bytes, that ``elementwise_Bps`` and
-#: ``elementwise_large_Bps`` stand for (the kernel mix of ``dask-ipar calibrate`` at its two
-#: sizes: conv blocks of 16 and of 64 images of 32 x 32 x 64)
+#: ``elementwise_large_Bps`` stand for where a machine gives both (the kernel mix of
+#: ``dask-ipar calibrate`` at its two sizes before session 52: conv blocks of 16 and of 64
+#: images of 32 x 32 x 64; it now reads one rate, on the large size)
 ELEMENTWISE_BLOCKS = (4 * 2**20, 16 * 2**20)
 
 
@@ -295,9 +296,11 @@ class Machine:
         see ``elementwise_large_Bps``). ``turns``: the worker processes that take turns on
         each core (workers over cores, where more): between a kernel and the next one of
         its process the others' blocks go through the caches, so a block is priced as one
-        of ``turns`` times its bytes (the two rates are measured on one worker alone).
-        ``kind``: a kernel's :func:`dask_ipar.kernels.costs.kernel_kind`; ``"conv"`` takes
-        ``conv_Bps`` where measured."""
+        of ``turns`` times its bytes (the rates were measured on one worker alone); it
+        only matters with ``elementwise_large_Bps`` (a machine file's: a calibration reads
+        one rate, on blocks that stream from memory). ``kind``: a kernel's
+        :func:`dask_ipar.kernels.costs.kernel_kind`; ``"conv"`` takes ``conv_Bps`` where
+        measured, at every size."""
         if kind == "conv" and self.conv_Bps:
             return 1.0 / self.conv_Bps
         small = self.elementwise_Bps or default_Bps

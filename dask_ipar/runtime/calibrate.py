@@ -70,9 +70,9 @@ What the engine pays, measured the way the engine pays it:
   counted memory passes, :mod:`dask_ipar.kernels.costs`): the engine's conv, pooling and
   dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker on 16 MiB blocks (that
   stream from memory), their time less their flops at ``flops_per_s`` (the fastest of three
-  runs, as the matmul rate; 2-8 workers of a 2-core AMD EPYC: 8.4-9.6 GB/s). ``conv_Bps``:
-  the same from the mix's conv and pooling calls alone, each call timed
-  (:func:`~dask_ipar.runtime.kernelmix.mix_rates`).
+  runs, as the matmul rate; the sweeps' 2-8 workers of a 2-core AMD EPYC, sessions 49-51:
+  8.4-9.6 GB/s). ``conv_Bps``: the same from the mix's conv and pooling calls alone, each
+  call timed (:func:`~dask_ipar.runtime.kernelmix.mix_rates`).
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
@@ -90,9 +90,18 @@ from dask_ipar.cost import Machine
 from dask_ipar.kernels.blas import matmul
 from dask_ipar.kernels.cost_shapes import GEMM_REF_N, edge_flops, gemm
 from dask_ipar.nn.graph import StepGraph
-from dask_ipar.runtime.linkprobe import (BUSY_REPEATS, LOADED_REPEATS, TRANSFER_REPEATS,
-                                         TRANSFER_WARMUPS, busy_exchange, loaded_hop,
-                                         message_cpu, program_hop, rest_cores, transfer_cpu)
+from dask_ipar.runtime.linkprobe import (
+    BUSY_REPEATS,
+    LOADED_REPEATS,
+    TRANSFER_REPEATS,
+    TRANSFER_WARMUPS,
+    busy_exchange,
+    loaded_hop,
+    message_cpu,
+    program_hop,
+    rest_cores,
+    transfer_cpu,
+)
 from dask_ipar.runtime.stepprobe import PROBE_STEPS, background_cores, measurable, step_cpu
 
 __all__ = ["calibrate", "program_hop", "edge_flops", "one_worker_flops", "Effort", "FULL",
@@ -305,10 +314,7 @@ def _mix_rate(client, worker, flops_per_s, repeats, edge_flops, tries=3):
 
     runs = [client.submit(kernel_mix, repeats, images=LARGE_IMAGES, workers=[worker],
                           pure=False, allow_other_workers=False).result() for _ in range(tries)]
-    # read on the worker: the mix's model terms build its inputs (128 MiB)
-    return client.submit(mix_rates, min(runs, key=lambda r: r.seconds), flops_per_s,
-                         edge_flops=edge_flops, workers=[worker], pure=False,
-                         allow_other_workers=False).result()
+    return mix_rates(min(runs, key=lambda r: r.seconds), flops_per_s, edge_flops=edge_flops)
 
 
 def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, log=None,

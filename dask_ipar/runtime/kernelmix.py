@@ -1,7 +1,7 @@
 """The engine's own element-wise-heavy kernels as a calibration workload.
 
 ``dask-ipar calibrate`` runs :func:`kernel_mix` on a worker and turns its time into the
-step-time model's element-wise rate (:func:`elementwise_rate`): the rate at which the
+step-time model's element-wise rates (:func:`mix_rates`): the rate at which the
 model's counted memory passes (:mod:`dask_ipar.kernels.costs`) go, in the simulator's own
 terms. A fixed copy benchmark would not do: the kernels' strided im2col gathers, pooling
 windows and in-place sums run at a fraction of what a plain ``a * s + b`` reaches (this
@@ -24,9 +24,9 @@ emulated hosts ran 8-22% slower than predicted, the small rate's solve moved 7.4
 run to run, the large one 8.2-9.8).
 
 Its conv and pooling calls are timed apart as well: the conv front's strided kernels run at
-a rate of their own (:func:`mix_rates`' second; one worker of this machine: 0.84-0.98 of
-the whole mix's rate), which the step model charges them (:class:`dask_ipar.cost.Machine`'s
-``conv_Bps``).
+a rate of their own (:func:`mix_rates`' second; 2 loopback workers of this machine: 0.98
+of the whole mix's rate, whose bytes they hold 93% of), which the step model charges them
+(:class:`dask_ipar.cost.Machine`'s ``conv_Bps``).
 """
 
 from __future__ import annotations
@@ -114,6 +114,8 @@ class MixRun(NamedTuple):
     conv_flops: float = 0.0
     conv_mem_bytes: float = 0.0
     conv_seconds: float = 0.0
+    #: the products' edge (:func:`dask_ipar.kernels.cost_shapes.gemm`), all the calls'
+    edge: float = 0.0
 
 
 def _is_conv(f) -> bool:
@@ -140,12 +142,12 @@ def _terms(calls, itemsize, conv_only=False):
 def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
     """Run the mix ``repeats`` times in this process (with its BLAS threads as they are:
     a worker's, one per worker thread), its conv block on ``images`` images; returns a
-    :class:`MixRun`: the model's flops and memory bytes of the calls
+    :class:`MixRun`: the model's flops, products' edge and memory bytes of the calls
     (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took, and the
     same of its conv front's calls, each call timed."""
     calls = kernel_calls(dtype, images)
     itemsize = np.dtype(dtype).itemsize
-    flops, _, mem = _terms(calls, itemsize)
+    flops, edge, mem = _terms(calls, itemsize)
     c_flops, _, c_mem = _terms(calls, itemsize, conv_only=True)
     conv = [_is_conv(f) for f, _ in calls]
     for f, args in calls:  # warm: the first call of a kernel allocates and imports
@@ -161,18 +163,19 @@ def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
                 conv_s += clock() - t0
     seconds = clock() - t
     return MixRun(flops * repeats, mem * repeats, seconds, c_flops * repeats, c_mem * repeats,
-                  conv_s)
+                  conv_s, edge * repeats)
 
 
-def mix_rates(run, flops_per_s, dtype="float32", edge_flops=0.0, images=LARGE_IMAGES):
-    """``(elementwise, conv)``: the element-wise rates of a :func:`kernel_mix` run with its
-    conv block on ``images`` images (:class:`MixRun`), as ``dask-ipar calibrate`` reads them
-    (:class:`dask_ipar.cost.Machine`'s ``elementwise_Bps`` and ``conv_Bps``): the whole mix's,
-    its products' flops with ``edge_flops`` per element of their edge (the machine's
-    ``gemm_edge_flops``), and its conv and pooling calls' alone (their products have no
-    edge); each :func:`elementwise_rate` (None where the flops take the time)."""
-    f1, e1, _ = _terms(kernel_calls(dtype, images), np.dtype(dtype).itemsize)
-    priced = run.flops * (1.0 + edge_flops * e1 / f1)
+def mix_rates(run, flops_per_s, edge_flops=0.0):
+    """``(elementwise, conv)``: the element-wise rates of a :func:`kernel_mix` run
+    (:class:`MixRun`), as ``dask-ipar calibrate`` reads them from a run on
+    :data:`LARGE_IMAGES` (:class:`dask_ipar.cost.Machine`'s ``elementwise_Bps`` and
+    ``conv_Bps``): the whole mix's, its products' flops with ``edge_flops`` per element of
+    their edge (the machine's ``gemm_edge_flops``), and its conv and pooling calls' alone
+    (their products have no edge); each :func:`elementwise_rate` (None where the flops take
+    the time). The conv calls hold most of the mix's bytes (93% on 16 MiB), so the two
+    rates differ by what the dense calls add."""
+    priced = run.flops + edge_flops * run.edge
     return (elementwise_rate(priced, run.mem_bytes, run.seconds, flops_per_s),
             elementwise_rate(run.conv_flops, run.conv_mem_bytes, run.conv_seconds,
                              flops_per_s))

@@ -119,7 +119,10 @@ def core_turns(workers: int, cores: int | None) -> float:
     own, or ``cores`` is None): what a kernel's block competes with in the caches
     (:meth:`dask_ipar.cost.Machine.elementwise_s_per_B`). On 8 one-thread workers sharing
     2 cores the CNN's conv and pooling kernels took 1.2-1.7x their price at the rate of
-    their own blocks' size (`benchmarks/kernel_cpu.py`), 1.06-1.3x at 4 times that."""
+    their own blocks' size (`benchmarks/kernel_cpu.py`), 1.06-1.3x at 4 times that. Used
+    where a machine gives rates at two sizes (``elementwise_large_Bps``: calibrations before
+    session 52 and machine files); one rate, as calibrated now, is that of blocks that
+    stream from memory at every size."""
     return max(1.0, workers / cores) if cores else 1.0
 
 
@@ -193,9 +196,9 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         def message_cpu(nbytes):  # each end's fixed work: written by the program or not
             return (direct_msg if nbytes <= DIRECT_BYTES else comms_msg) or 0.0
 
-        # the element-wise rate by the size of a kernel's arrays, where measured at two, as
-        # large as the blocks of the processes that take turns on a core
-        # (the conv front's strided kernels at their own rates, where measured)
+        # the element-wise rate by the size of a kernel's arrays, where given at two, as
+        # large as the blocks of the processes that take turns on a core; the conv front's
+        # strided kernels at their own rate, where measured
         turns = core_turns(workers, cores)
 
         def by_kind(block_bytes, kind):
