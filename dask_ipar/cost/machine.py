@@ -231,8 +231,8 @@ class Machine:
     conv_Bps : float, optional
         ``elementwise_Bps`` of the conv front's strided kernels alone (im2col gathers,
         col2im slice-adds, pooling windows: :data:`dask_ipar.kernels.conv_costs.CONV_KERNELS`),
-        read by ``dask-ipar calibrate`` from those kernels' own calls in the kernel mix (one
-        worker of a 2-core AMD EPYC: 0.84-0.98 of the whole mix's rate); the step model
+        read by ``dask-ipar calibrate`` from those kernels' own calls in the kernel mix (a
+        loopback worker of a 2-core AMD EPYC: 0.98 of the whole mix's rate); the step model
         prices these kernels' bytes at it, at every block size. ``elementwise_Bps`` (by
         size) where None.
     """

@@ -19,7 +19,7 @@ remote pieces summed, then ReLU').
 MiB blocks, which stream from memory) and prices every kernel's bytes at that one rate
 (session 52). Two sizes before, 4 MiB and 16 MiB, solved for a rate each: the step model
 then priced the small blocks of the CNN's domain-parallel strips at the small size's rate,
-which workers sharing a machine's cores do not reach (the CNN's Pr > 1 grids on 2 to 8
+which workers sharing a machine's cores do not reach (the CNN's Pr > 1 grids on 2 and 4
 emulated hosts ran 8-22% slower than predicted, the small rate's solve moved 7.4-12.8 GB/s
 run to run, the large one 8.2-9.8).
 
@@ -118,25 +118,18 @@ class MixRun(NamedTuple):
     edge: float = 0.0
 
 
-def _is_conv(f) -> bool:
-    from dask_ipar.kernels.costs import kernel_kind
+def _costs(calls, itemsize):
+    """``[(flops, edge, mem, conv)]`` of each of ``calls`` by the cost model: its flops, its
+    products' edge (priced by the step model at ``gemm_edge_flops`` per element), its memory
+    bytes, and whether it is one of the conv front's (:func:`~dask_ipar.kernels.costs.kernel_kind`
+    ``"conv"``)."""
+    from dask_ipar.kernels.costs import kernel_cost, kernel_kind
 
-    return kernel_kind(f) == "conv"
-
-
-def _terms(calls, itemsize, conv_only=False):
-    """``(flops, edge, mem)`` of ``calls`` (their conv front's calls alone with
-    ``conv_only``) by the cost model: their flops, their products' edge (priced by the
-    step model at ``gemm_edge_flops`` per element) and their memory bytes."""
-    from dask_ipar.kernels.costs import kernel_cost
-
-    flops = edge = mem = 0.0
+    out = []
     for f, args in calls:
-        if conv_only and not _is_conv(f):
-            continue
-        _, fl, mb, e = kernel_cost(f, args, _shape, itemsize)
-        flops, edge, mem = flops + fl, edge + e, mem + mb
-    return flops, edge, mem
+        _, flops, mem, edge = kernel_cost(f, args, _shape, itemsize)
+        out.append((flops, edge, mem, kernel_kind(f) == "conv"))
+    return out
 
 
 def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
@@ -146,10 +139,10 @@ def kernel_mix(repeats: int, dtype="float32", images=IMAGES):
     (:func:`dask_ipar.kernels.costs.kernel_cost`) and the wall time they took, and the
     same of its conv front's calls, each call timed."""
     calls = kernel_calls(dtype, images)
-    itemsize = np.dtype(dtype).itemsize
-    flops, edge, mem = _terms(calls, itemsize)
-    c_flops, _, c_mem = _terms(calls, itemsize, conv_only=True)
-    conv = [_is_conv(f) for f, _ in calls]
+    costs = _costs(calls, np.dtype(dtype).itemsize)
+    conv = [c[3] for c in costs]
+    flops, edge, mem = (sum(c[k] for c in costs) for k in range(3))
+    c_flops, c_mem = (sum(c[k] for c in costs if c[3]) for k in (0, 2))
     for f, args in calls:  # warm: the first call of a kernel allocates and imports
         f(*args)
     clock = time.perf_counter
