@@ -2,11 +2,12 @@
 
     python benchmarks/kernel_cpu.py [--model cnn] [--workers 8] [--grids 8x1,4x2]
                                     [--steps 10] [--steps-per-program 1]
-                                    [--data client] [--json out.json]
+                                    [--data client] [--rate 1gbit] [--json out.json]
 
 A ``LocalCluster`` of ``--workers`` one-thread worker processes (dask-ipar's worker
-settings) on this machine's cores, calibrated as ``dask-ipar calibrate`` does (the link
-figures from ``netcluster.link_check``: loopback here), then per grid ``--steps`` steps of
+settings) on this machine's cores (with ``--rate``: each in an emulated host of its own,
+``netcluster.py``'s namespaces and links of that rate), calibrated as ``dask-ipar
+calibrate`` does (the link figures from ``netcluster.link_check``), then per grid ``--steps`` steps of
 ``--model`` (``cnn``, ``compute`` or ``weight`` of ``benchmarks/common.py``; the conv
 schemes the planner picks) after three untimed ones, the train-step loop of
 ``common.time_dask_grid`` (with ``--steps-per-program`` k: ``--steps`` submissions of
@@ -14,8 +15,9 @@ k steps each, ``fit``'s way, priced by the model at k steps a submission). Measu
 the timed steps, per step:
 
 * each process's threads' CPU time (``psutil``), by role: the workers' program threads,
-  event loops, direct-transport threads, and the client's process (the scheduler runs in
-  it);
+  event loops, direct-transport threads, the client's process and the scheduler's (one
+  process on a ``LocalCluster``), and the whole machine's busy CPU (``/proc/stat``: the
+  network stack's interrupt work too);
 * each kernel's CPU time inside the programs (``dask_ipar.runtime.programs.kernel_cpu``:
   the thread's CPU clock around each call, so not the turns the other processes take),
   summed over the workers, beside the step model's price of the same kernels at the
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import sys
@@ -43,7 +46,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-#: The key of :func:`model_costs` for the transports' CPU (per message and byte, both ends).
+#: The key of :func:`model_costs` for the transports' CPU (per message and byte, both ends;
+#: not ``flow_cpu_s_per_s``, which the simulator charges over each block's time on its link).
 TRANSPORTS = "transports"
 #: The key of :func:`model_costs` and of a grid's ``kernel_cpu_s`` for the programs' own
 #: loops beyond their kernels and transports (``program_task_cpu_s`` a task in the model;
@@ -68,6 +72,18 @@ def _cpu_by_thread(pids) -> dict:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def _host_busy():
+    """The machine's busy CPU seconds so far (``/proc/stat``: every process and the kernel's
+    interrupt work, which the network stack of emulated hosts runs in), None where unread."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _role(name) -> str:
@@ -164,7 +180,9 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
             submit(s)
         client.run(kernel_cpu, True)
         workers = {pid: addr for addr, pid in pids.items()}
-        everyone = [os.getpid(), *workers]
+        scheduler = client.run_on_scheduler(os.getpid)
+        everyone = [os.getpid(), *workers, *([scheduler] if scheduler != os.getpid() else [])]
+        host0 = _host_busy()
         before, t0 = _cpu_by_thread(everyone), time.perf_counter()
         ends = []
         for s in range(steps):  # submissions of k steps each
@@ -172,7 +190,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
             ends.append(time.perf_counter())
         wall = time.perf_counter() - t0
         steps *= group
-        after = _cpu_by_thread(everyone)
+        after, host1 = _cpu_by_thread(everyone), _host_busy()
         kernels = client.run(kernel_cpu, False)
         client.gather(model.train_step(*batches[0], opt, more=False))
         wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
@@ -180,7 +198,9 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         model.close()
     roles: dict = collections.Counter()
     for (pid, tid), cpu in after.items():
-        role = ("client and scheduler process" if pid == os.getpid() else
+        role = ("client and scheduler process" if pid == os.getpid() == scheduler else
+                "client process" if pid == os.getpid() else
+                "scheduler process" if pid == scheduler else
                 "workers' " + _role(names[workers[pid]].get(tid)))
         roles[role] += (cpu - before.get((pid, tid), 0.0)) / steps
     per_kernel: dict = collections.Counter()
@@ -199,6 +219,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         b - a for a, b in zip([t0, *ends], ends)) / group, "wall_s": wall, "steps": steps,
         "steps_per_program": group,
         "cpu_by_role_s": dict(roles), "kernel_cpu_s": dict(per_kernel),
+        "host_busy_s": None if host0 is None or host1 is None else (host1 - host0) / steps,
         "kernel_calls": dict(calls)}
 
 
@@ -209,13 +230,16 @@ def render(res: dict) -> str:
              + (f" --data {res['data']}" if res.get("data", "client") != "client" else "")
              + (f" --steps-per-program {res['steps_per_program']}"
                 if res.get("steps_per_program", 1) > 1 else "")
+             + (f" --rate {res['rate']}" if res.get("rate") else "")
              + f"` on {res['when']} ({res['cores']} cores; raw numbers in "
              f"`{res['json']}`), per step:", ""]
     for r in res["grids"]:
         lines += [f"**{r['grid']}**: step {r['step_s']:.3f} s measured, {r['model_step_s']:.3f} s "
                   f"predicted ({r['model_step_s'] / r['step_s']:.2f}); CPU "
                   f"{sum(r['cpu_by_role_s'].values()) * 1e3:.0f} ms of the "
-                  f"{res['cores'] * r['wall_s'] / r['steps'] * 1e3:.0f} ms the cores had.", "",
+                  f"{res['cores'] * r['wall_s'] / r['steps'] * 1e3:.0f} ms the cores had"
+                  + (f" (the machine's busy CPU, /proc/stat: {r['host_busy_s'] * 1e3:.0f} ms)"
+                     if r.get("host_busy_s") is not None else "") + ".", "",
                   "| where | CPU (ms) |", "|---|---|"]
         for role, v in sorted(r["cpu_by_role_s"].items(), key=lambda kv: -kv[1]):
             lines.append(f"| {role} | {v * 1e3:.1f} |")
@@ -255,6 +279,28 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _cluster(workers, cores, rate):
+    """A client of ``workers`` one-thread worker processes: a ``LocalCluster`` on this
+    machine's cores, or with ``rate`` one emulated host per worker on links of that rate
+    (``netcluster.emulated_cluster``: root)."""
+    import common as C
+    import netcluster as N
+
+    if rate is None:
+        cluster, client, _ = C.local_cluster(workers, cores)
+        try:
+            yield client
+        finally:
+            client.close()
+            cluster.close()
+        return
+    from distributed import Client
+
+    with N.emulated_cluster(workers, rate) as addr, Client(addr) as client:
+        yield client
+
+
 def main(argv=None):
     import dataclasses
 
@@ -272,6 +318,9 @@ def main(argv=None):
                         "step) or a .npy file each worker reads")
     p.add_argument("--steps-per-program", type=int, default=1,
                    help="steps per submission (fit's way); --steps counts submissions")
+    p.add_argument("--rate", default=None,
+                   help="one emulated host per worker on links of this rate (e.g. 1gbit; "
+                        "netcluster.py's topology, needs root) instead of a LocalCluster")
     p.add_argument("--json", default=None, help="where to write the raw numbers (default: "
                    "benchmarks/results/kernel-cpu-<time>.json)")
     a = p.parse_args(argv)
@@ -285,11 +334,10 @@ def main(argv=None):
                                   f"kernel-cpu-{time.strftime('%Y%m%dT%H%M%S')}.json")
     res = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cores": cores, "model": a.model,
            "workers": a.workers, "steps": a.steps, "data": a.data, "grids": [],
-           "steps_per_program": a.steps_per_program,
+           "steps_per_program": a.steps_per_program, "rate": a.rate,
            "json": path if a.json else f"benchmarks/results/{os.path.basename(path)}"}
-    cluster, client, _ = C.local_cluster(a.workers, cores)
-    try:
-        machine = N.step_machine(client, N.link_check(client, None), log=False)
+    with _cluster(a.workers, cores, a.rate) as client:
+        machine = N.step_machine(client, N.link_check(client, a.rate), log=False)
         res["machine"] = dataclasses.asdict(machine)
         shape = cfg.image if isinstance(cfg, C.CNNConfig) else (cfg.widths[0],)
         ranked = {str(c.grid): c for c in rank_grids(cfg.layers(), shape, a.workers, cfg.batch,
@@ -311,9 +359,6 @@ def main(argv=None):
             r["model_kernel_s"] = model_costs(cfg, g, c.layers, machine, cores,
                                               r["model_kernel_tasks"])
             res["grids"].append(r)
-    finally:
-        client.close()
-        cluster.close()
     C.write_json(path, res)
     print(render(res))
 
