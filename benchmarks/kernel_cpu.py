@@ -46,8 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-#: The key of :func:`model_costs` for the transports' CPU (per message and byte, both ends;
-#: not ``flow_cpu_s_per_s``, which the simulator charges over each block's time on its link).
+#: The key of :func:`model_costs` for the transports' CPU (per message and byte, both ends).
 TRANSPORTS = "transports"
 #: The key of :func:`model_costs` and of a grid's ``kernel_cpu_s`` for the programs' own
 #: loops beyond their kernels and transports (``program_task_cpu_s`` a task in the model;

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 import os
 
-import pytest
-
 from dask_ipar.runtime.calibrate import QUICK, calibrate
 from dask_ipar.cost import load_machine, save_machine
 
@@ -23,11 +21,6 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert 1e-5 < m.alpha_s < 1.0 and 1e-5 < m.task_s < 1.0  # seconds, not ms or us
     assert 1e-6 < m.message_s < m.alpha_s  # a program's message skips the scheduler
     assert 1e-12 < m.transfer_cpu_s_per_B < 1e-6  # seconds per byte: 1 TB/s to 1 MB/s
-    # the part per second a block is on its link (0 where a pair's bytes cost no less than
-    # the all-to-all's): a fraction of a core per flow
-    assert m.flow_cpu_s_per_s is not None and 0 <= m.flow_cpu_s_per_s < 1, m.flow_cpu_s_per_s
-    assert any("transfer CPU" in line and "ns per byte" in line and "ms per second a block"
-               in line for line in lines)
     assert 1e8 < m.elementwise_Bps < 1e12 and 1e5 < m.exchange_Bps < 1e12  # bytes/s
     # the conv front's own rate, from the mix's conv and pooling calls (its flops are a
     # small part of their time: always measurable)
@@ -142,29 +135,3 @@ def test_the_programs_loop_cpu_is_their_run_less_setup_and_everything_counted():
     assert loop == approx(0.9) and tasks == 60
     assert beyond == approx(0.9 - 0.5 - 0.2 - 0.05 - 0.02 - 0.01 - calls * 1e-4)
     assert program_cpu({}, 1e-4) == (0.0, 0.0, 0)  # nothing ran counted
-
-
-@pytest.mark.fast
-def test_flow_cpu_splits_the_transfer_cpu_by_how_long_bytes_take():
-    """The line through an all-to-all's and a pair's (CPU per byte, seconds a byte's flow is
-    on its link) medians: known parts come back; where the pair's bytes are not faster or
-    not cheaper, all of it is per byte (the all-to-all's figure)."""
-    from dask_ipar.runtime.linkprobe import flow_cpu
-
-    per_byte, per_s = 5e-10, 5e-3
-
-    def reading(x, noise=0.0):
-        return (per_byte + per_s * x + noise, x)
-
-    # an all-to-all of 8 on 1 Gbit/s links (16 MiB blocks in about 1 s), a pair's 64 MiB
-    # in 0.56 s: the medians of noisy readings
-    a2a = [reading(6.2e-8, n) for n in (-2e-11, 0.0, 3e-11)]
-    pair = [reading(8.4e-9, n) for n in (1e-11, 0.0, -1e-11)]
-    got = flow_cpu(a2a, pair)
-    assert got == pytest.approx((per_byte, per_s), rel=1e-9)
-    # fast links: the pair as fast as the all-to-all per flow (CPU-bound), or not cheaper
-    assert flow_cpu([reading(2e-8)], [reading(1.5e-8)]) == (pytest.approx(reading(2e-8)[0]), 0.0)
-    assert flow_cpu([(4e-10, 2e-8)], [(4.5e-10, 1e-9)]) == (pytest.approx(4e-10), 0.0)
-    # a pair that costs almost nothing: all of the all-to-all's CPU from its flows' time
-    assert flow_cpu([(8e-10, 6e-8)], [(1e-12, 1e-8)]) == (0.0, pytest.approx(8e-10 / 6e-8))
-

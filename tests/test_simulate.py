@@ -293,36 +293,6 @@ def test_programs_charge_a_transfer_to_the_shared_cores_at_both_ends():
     assert r.seconds == pytest.approx(4.0)
 
 
-@pytest.mark.fast
-def test_programs_charge_a_flows_time_on_its_link_at_both_ends():
-    """``flow_cpu_s_per_s``: each end of a block's flow works that much per second the
-    flow is on its link, charged as it goes; two flows that share a link each cost their
-    own time (a link carrying two is not one flow)."""
-    from dask_ipar.cost import simulate_programs
-
-    kw = dict(flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e6, latency_s=0.0,
-              flow_cpu_s_per_s=0.5)
-    one = [SimTask("b", "B", ("x",))]
-    where = {"x": ("A", 1e6)}
-    # a core per worker (cores not given): not charged; the block arrives at 1
-    assert simulate_programs(one, **kw, available=where).seconds == pytest.approx(1.0)
-    # the flow's 1 s on the link leaves 0.5 s of work at each end; two cores: both by 1.5
-    assert simulate_programs(one, **kw, cores=2, available=where).seconds \
-        == pytest.approx(1.5)
-    # one core shared by the two ends' work: 1 s more
-    assert simulate_programs(one, **kw, cores=1, available=where).seconds \
-        == pytest.approx(2.0)
-    # two blocks share A's link, each flow on it 2 s: 2 x 2 x 0.25 s at each end, done at 3
-    two = [SimTask("b", "B", ("x", "y"))]
-    r = simulate_programs(two, **{**kw, "flow_cpu_s_per_s": 0.25}, cores=2,
-                          available={"x": ("A", 1e6), "y": ("A", 1e6)})
-    assert r.seconds == pytest.approx(3.0)
-    # beside the per-byte work (1 s at each end from the flow's start): one core shares
-    # both ends' work: 2 s per-byte work + 2 x 0.5 s flow work, from 0
-    both = simulate_programs(one, **kw, cores=1, available=where, transfer_cpu_s_per_B=1e-6)
-    assert both.seconds == pytest.approx(3.0)
-
-
 def test_simulated_grids_without_a_cluster_match_the_distributed_model(client):
     """simulate_layers (placeholder workers) predicts what a distributed model's
     predict_step_s does, for both executors; rank_grids orders every grid by it."""

@@ -164,15 +164,6 @@ class Machine:
         CPU seconds a worker spends per byte it sends or receives (the transport's copies
         and system calls, measured while every worker transfers at once): what moving a
         block takes from the computing when worker processes share a machine's cores.
-    flow_cpu_s_per_s : float, optional
-        CPU seconds each end of a block's transfer costs per second the block is on its
-        link, beyond ``transfer_cpu_s_per_B``: a flow paced by a slow link, or sharing it
-        with others, hands its reader a few segments a wakeup, so its bytes cost more CPU
-        the longer they take (emulated 1 Gbit/s hosts sharing 2 cores: 0.81-0.92 ns a byte
-        in an all-to-all of 8, each link carrying 7 flows each way, against 0.51-0.61 for
-        one pair; 0.39-0.46 for both at 10 Gbit/s). ``dask-ipar calibrate`` solves for it
-        and ``transfer_cpu_s_per_B`` from an all-to-all and one pair's exchange; the
-        step-time model charges it over each block's time on the link. 0 where None.
     elementwise_Bps : float, optional
         Bytes per second of the kernels' element-wise work as the step-time model counts
         it (the engine's own kernels on one worker, their flops' time taken off;
@@ -270,7 +261,6 @@ class Machine:
     gemm_edge_flops: float | None = None
     program_task_cpu_s: float | None = None
     conv_Bps: float | None = None
-    flow_cpu_s_per_s: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -288,7 +278,7 @@ class Machine:
                       "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps",
                       "loaded_message_s", "step_cpu_s", "background_cores",
                       "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s",
-                      "conv_Bps", "flow_cpu_s_per_s"):
+                      "conv_Bps"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -362,8 +352,7 @@ _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compu
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
                  "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
                  "busy_exchange_Bps", "loaded_message_s", "step_cpu_s", "background_cores",
-                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s", "conv_Bps",
-                 "flow_cpu_s_per_s")
+                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s", "conv_Bps")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -375,8 +364,8 @@ def load_machine(path: str | Path) -> Machine:
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
     ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
     ``loaded_message_s``, ``step_cpu_s``, ``background_cores``, ``elementwise_large_Bps``,
-    ``gemm_edge_flops``, ``program_task_cpu_s``, ``conv_Bps``, ``flow_cpu_s_per_s``. Missing
-    keys take the paper machine's values.
+    ``gemm_edge_flops``, ``program_task_cpu_s``, ``conv_Bps``. Missing keys take the paper
+    machine's values.
     """
     import yaml  # lazy: only needed for machine files
 

@@ -232,7 +232,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                       available=None, task_s=0.0, shared=1.0,
                       transfer_cpu_s_per_B=0.0, message_cpu_s=0.0, busy_bandwidth_Bps=None,
                       loaded_latency_s=None, start_cpu_s=0.0, background_cores=0.0,
-                      trace=None, mem_s_per_B=None, flow_cpu_s_per_s=0.0) -> SimResult:
+                      trace=None, mem_s_per_B=None) -> SimResult:
     """Simulate one step run as worker programs (``Model.executor = "programs"``).
 
     No scheduler between tasks: each worker runs its own tasks, at each point the first
@@ -266,12 +266,10 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     from when it starts on the link (the transport's copies and system calls, which run as
     the bytes go; measured by ``dask-ipar calibrate``), and ``message_cpu_s`` per message on
     each end (a number, or a function of the message's bytes: the transport's fixed work
-    per message, its framing, system calls and event-loop turns), and ``flow_cpu_s_per_s``
-    on each end for every second a block is on its link (a flow that a slow or shared link
-    paces hands its reader a few segments a wakeup; charged as the flow goes). Each
-    worker's transfer work is one more runner in the processor sharing, beside its task,
-    until it is done (``shared`` applies to it as to tasks); the step ends when every task
-    and every transfer's work is done.
+    per message, its framing, system calls and event-loop turns). Each worker's transfer work is one
+    more runner in the processor sharing, beside its task, until it is done (``shared``
+    applies to it as to tasks); the step ends when every task and every transfer's work is
+    done.
 
     Also with ``cores`` given, dask's own work takes its share of them: ``start_cpu_s``
     seconds per worker from the step's start (what a submitted step costs the scheduler,
@@ -305,7 +303,6 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     rated = True  # the flows' rates are those of the flows now in flight
     busy_links = False  # as many tasks run as there are cores: the links' busy rate
     per_byte = transfer_cpu_s_per_B if cores is not None else 0.0
-    per_flow_s = flow_cpu_s_per_s if cores is not None else 0.0
     if cores is None or not message_cpu_s:
         per_message = None
     elif callable(message_cpu_s):
@@ -403,9 +400,6 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
             left = []
             for f in flows:
                 f[3] -= (step_to - now) * f[4]
-                if per_flow_s:  # both ends' work for the flow's time on the link
-                    for w in (f[0], f[1]):
-                        comm[w] = comm.get(w, 0.0) + per_flow_s * (step_to - now)
                 if f[3] <= 1e-6 * max(f[4], 1.0):  # its last byte left (a microsecond's)
                     arrive(f[1], f[2], step_to, f[5])
                     rated = False

@@ -37,10 +37,7 @@ What the engine pays, measured the way the engine pays it:
   worker process, 3-11% more than the workers' own on 4 and 8 emulated hosts):
   what moving blocks takes from the computing where workers share a machine's cores;
   the median of :data:`TRANSFER_REPEATS` exchanges after :data:`TRANSFER_WARMUPS` of the
-  same size (the steady state of a run's exchanges, not its first). With as many
-  exchanges of one pair (4x the block) it is split into a part per byte and
-  ``flow_cpu_s_per_s``, a part per second a block is on its link
-  (:func:`~dask_ipar.runtime.linkprobe.flow_cpu`: on slow links the bytes cost more).
+  same size (the steady state of a run's exchanges, not its first).
 * ``bandwidth_Bps`` is raised to ``exchange_Bps`` where the fit reads lower (a link's
   share of an all-to-all bounds its rate from below; on one host's loopback the fit over
   dask's transfer logs read 132-264 MiB/s in some runs against 0.9-3 GB/s all-to-all).
@@ -99,7 +96,6 @@ from dask_ipar.runtime.linkprobe import (
     TRANSFER_REPEATS,
     TRANSFER_WARMUPS,
     busy_exchange,
-    flow_cpu,
     loaded_hop,
     message_cpu,
     program_hop,
@@ -450,13 +446,10 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
         transfer_cpu(client, everyone, block_mib * 2**20, rest)
     figures = [transfer_cpu(client, everyone, block_mib * 2**20, rest)
                for _ in range(e.transfer_repeats)]
-    exchange = float(np.median([x for _, x, _ in figures]))
-    pair = [transfer_cpu(client, [a, b], 4 * block_mib * 2**20, rest)  # a warm-up first
-            for _ in range(1 + e.transfer_repeats)][1:]
-    cpu_B, flow_s = flow_cpu([(c, f) for c, _, f in figures], [(c, f) for c, _, f in pair])
-    log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once, and one "
-        f"pair {4 * block_mib} MiB): {cpu_B * 1e9:.2f} ns per byte sent or received and "
-        f"{flow_s * 1e3:.2f} ms per second a block is on its link; each worker sent "
+    cpu_B = float(np.median([c for c, _ in figures]))
+    exchange = float(np.median([x for _, x in figures]))
+    log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once): "
+        f"{cpu_B * 1e9:.2f} ns per byte sent or received; each worker sent "
         f"{exchange / 2**20:.0f} MiB/s")
     if exchange > bandwidth:  # one link's share of an all-to-all bounds its rate below
         log(f"bandwidth: the fit over dask's transfer logs ({bandwidth / 2**20:.0f} MiB/s) is "
@@ -496,5 +489,4 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
                    exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
                    direct_message_cpu_s=direct_msg, message_cpu_s=comms_msg,
                    step_cpu_s=step_s, background_cores=background,
-                   gemm_edge_flops=edge, program_task_cpu_s=task_cpu, conv_Bps=conv,
-                   flow_cpu_s_per_s=flow_s)
+                   gemm_edge_flops=edge, program_task_cpu_s=task_cpu, conv_Bps=conv)

@@ -9,8 +9,6 @@ Its one job: time what the programs' links do, with what a program uses (its
   per byte the transports spend, and each link's rate (``exchange_Bps``); with
   :func:`rest_cores`, the CPU the hosts spend beyond the workers' own (the kernel's
   network stack, charged to no worker process);
-* :func:`flow_cpu`: the transports' CPU split into a part per byte and a part per second a
-  block is on its link, from an all-to-all and one pair's exchange (``flow_cpu_s_per_s``);
 * :func:`busy_exchange`: the same while every worker also computes (``busy_exchange_Bps``);
 * :func:`message_cpu`: the transports' fixed CPU per message.
 """
@@ -23,8 +21,7 @@ import time
 
 import numpy as np
 
-__all__ = ["program_hop", "loaded_hop", "transfer_cpu", "flow_cpu", "busy_exchange",
-           "message_cpu",
+__all__ = ["program_hop", "loaded_hop", "transfer_cpu", "busy_exchange", "message_cpu",
            "rest_cores", "hosts_cpu", "TRANSFER_WARMUPS", "TRANSFER_REPEATS", "BUSY_REPEATS",
            "LOADED_REPEATS"]
 
@@ -233,42 +230,17 @@ def _exchange(client, workers, nbytes: int, busy: bool = False, rest: dict | Non
     return total, float(sum(b for _, _, b, *_ in out)), took
 
 
-def transfer_cpu(client, workers, nbytes: int,
-                 rest: dict | None = None) -> tuple[float, float, float]:
-    """``(CPU seconds per byte, bytes per second each worker sends, seconds a byte's flow
-    is on its link)``, every worker of
+def transfer_cpu(client, workers, nbytes: int, rest: dict | None = None) -> tuple[float, float]:
+    """``(CPU seconds per byte, bytes per second each worker sends)``, every worker of
     ``workers`` pushing an ``nbytes`` block to every other one at once (:func:`_exchange`):
     the workers' CPU time (with ``rest``, the hosts' beyond their rest where that is more:
     the kernel's network stack runs in interrupt context, charged to no worker or to another
     process) over the bytes that crossed their transports, both ends counted;
     and the bytes a worker pushed over the median worker's time from its first block out to
     its last block in (what one link carries while every link is busy, as in a collective:
-    below a pair's rate where the links share a switch, a host's stack or its cores); and
-    that time over ``nbytes``: each block's flow is on its link about as long as the
-    exchange, at each end (for :func:`flow_cpu`)."""
+    below a pair's rate where the links share a switch, a host's stack or its cores)."""
     cpu, nbytes_all, took = _exchange(client, workers, nbytes, rest=rest)
-    return cpu / nbytes_all, _sent_bytes(nbytes, workers) / max(took, 1e-9), took / nbytes
-
-
-def flow_cpu(all_to_all, pair) -> tuple[float, float]:
-    """``(CPU seconds per byte, CPU seconds per second a flow is on its link)``, each end,
-    from exchanges' ``(CPU per byte, seconds a byte's flow is on its link)`` readings
-    (:func:`transfer_cpu`): an all-to-all's, whose links each carry a flow per peer each
-    way, and one pair's, whose links carry one: the line through their medians. A flow
-    that its link paces or shares hands its reader a few segments a wakeup; the slower
-    its bytes go, the more CPU each costs (emulated 1 Gbit/s hosts sharing 2 cores, 8 of
-    them: 0.81-0.92 ns a byte all-to-all, 0.51-0.61 a pair; 0.39-0.46 both at 10 Gbit/s).
-    Where the pair's bytes do not go at least 1.5 times faster, or do not cost less, all
-    of it is per byte (the all-to-all's figure, as before session 53)."""
-    (y_a, x_a), (y_p, x_p) = (tuple(np.median(np.asarray(r, float), axis=0))
-                              for r in (all_to_all, pair))
-    if x_a < 1.5 * x_p or y_a <= y_p:
-        return float(y_a), 0.0
-    per_s = (y_a - y_p) / (x_a - x_p)
-    per_byte = y_a - per_s * x_a
-    if per_byte < 0:  # all of it from the flows' time
-        return 0.0, float(y_a / x_a)
-    return float(per_byte), float(per_s)
+    return cpu / nbytes_all, _sent_bytes(nbytes, workers) / max(took, 1e-9)
 
 
 def busy_exchange(client, workers, nbytes: int) -> float:

@@ -103,8 +103,8 @@ def predict_step_s(model, batch: int, machine, *, cores: int | None = None, opti
     ``machine`` is a :class:`dask_ipar.cost.Machine` from ``dask-ipar calibrate``
     (``alpha_s`` = seconds per dependent hop, ``message_s`` = one way between worker
     programs, ``bandwidth_Bps``, ``flops_per_s``, ``cluster_flops_per_s``,
-    ``transfer_cpu_s_per_B`` and ``flow_cpu_s_per_s``: the transports' CPU per byte and
-    per second a block is on its link, charged where ``cores`` is given); ``cores`` shared by the workers (default: one per worker); ``executor``:
+    ``transfer_cpu_s_per_B``: the transports' CPU per byte, charged where ``cores`` is
+    given); ``cores`` shared by the workers (default: one per worker); ``executor``:
     ``"programs"`` or ``"graph"`` (default: the model's). Returns a
     :class:`dask_ipar.cost.SimResult`.
     """
@@ -214,7 +214,6 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
                            else machine.alpha_s),
                 cores=cores, available=available, shared=shared,
                 transfer_cpu_s_per_B=machine.transfer_cpu_s_per_B or 0.0,
-                flow_cpu_s_per_s=machine.flow_cpu_s_per_s or 0.0,
                 message_cpu_s=message_cpu if (direct_msg or comms_msg) else 0.0,
                 busy_bandwidth_Bps=busy_link, loaded_latency_s=machine.loaded_message_s,
                 start_cpu_s=machine.step_cpu_s or 0.0,
