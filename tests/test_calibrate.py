@@ -21,6 +21,10 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert 1e-5 < m.alpha_s < 1.0 and 1e-5 < m.task_s < 1.0  # seconds, not ms or us
     assert 1e-6 < m.message_s < m.alpha_s  # a program's message skips the scheduler
     assert 1e-12 < m.transfer_cpu_s_per_B < 1e-6  # seconds per byte: 1 TB/s to 1 MB/s
+    # the figure written is the one read beside computing (session 53), not on idle cores
+    (beside,) = [line for line in lines if line.startswith("exchange beside computing")]
+    assert f"transfer CPU {m.transfer_cpu_s_per_B * 1e9:.2f} ns per byte" in beside, beside
+    assert any("on idle cores" in line and "ns per byte" in line for line in lines)
     assert 1e8 < m.elementwise_Bps < 1e12 and 1e5 < m.exchange_Bps < 1e12  # bytes/s
     # the conv front's own rate, from the mix's conv and pooling calls (its flops are a
     # small part of their time: always measurable)

@@ -37,7 +37,11 @@ What the engine pays, measured the way the engine pays it:
   worker process, 3-11% more than the workers' own on 4 and 8 emulated hosts):
   what moving blocks takes from the computing where workers share a machine's cores;
   the median of :data:`TRANSFER_REPEATS` exchanges after :data:`TRANSFER_WARMUPS` of the
-  same size (the steady state of a run's exchanges, not its first).
+  same size (the steady state of a run's exchanges, not its first). Since session 53 the
+  figure written is the one beside computing (``busy_exchange_Bps``'s exchanges, the
+  computing threads' CPU taken off): where the cores compute, a transport wakes less often
+  and reads larger pieces (8 emulated hosts at 1 Gbit/s: 0.43-0.54 ns a byte against
+  0.80-0.86 on idle cores), and that is where its CPU slows a step.
 * ``bandwidth_Bps`` is raised to ``exchange_Bps`` where the fit reads lower (a link's
   share of an all-to-all bounds its rate from below; on one host's loopback the fit over
   dask's transfer logs read 132-264 MiB/s in some runs against 0.9-3 GB/s all-to-all).
@@ -449,17 +453,20 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     cpu_B = float(np.median([c for c, _ in figures]))
     exchange = float(np.median([x for _, x in figures]))
     log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once): "
-        f"{cpu_B * 1e9:.2f} ns per byte sent or received; each worker sent "
+        f"{cpu_B * 1e9:.2f} ns per byte sent or received on idle cores; each worker sent "
         f"{exchange / 2**20:.0f} MiB/s")
     if exchange > bandwidth:  # one link's share of an all-to-all bounds its rate below
         log(f"bandwidth: the fit over dask's transfer logs ({bandwidth / 2**20:.0f} MiB/s) is "
             f"below what each link carried in the all-to-all; taking that")
         bandwidth = exchange
-    busy_exchange(client, everyone, block_mib * 2**20)  # warm the computing threads
-    busy = float(np.median([busy_exchange(client, everyone, block_mib * 2**20)
-                            for _ in range(e.busy_repeats)]))
+    busy_exchange(client, everyone, block_mib * 2**20, rest)  # warm the computing threads
+    beside = [busy_exchange(client, everyone, block_mib * 2**20, rest)
+              for _ in range(e.busy_repeats)]
+    busy = float(np.median([x for x, _ in beside]))
+    busy_B = float(np.median([c for _, c in beside]))
     log(f"exchange beside computing (the same, every worker also running the kernel mix): "
-        f"each worker sent {busy / 2**20:.0f} MiB/s")
+        f"each worker sent {busy / 2**20:.0f} MiB/s; transfer CPU {busy_B * 1e9:.2f} ns per "
+        f"byte (the computing threads' CPU taken off): the step model's")
     loaded = [loaded_hop(client, everyone) for _ in range(e.loaded_repeats)]
     loaded = [h for h in loaded if h is not None]
     loaded_s = float(np.median(loaded)) if loaded else None
@@ -485,7 +492,7 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
                    mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,
-                   round_s=round_s, transfer_cpu_s_per_B=cpu_B, elementwise_Bps=ew,
+                   round_s=round_s, transfer_cpu_s_per_B=busy_B, elementwise_Bps=ew,
                    exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
                    direct_message_cpu_s=direct_msg, message_cpu_s=comms_msg,
                    step_cpu_s=step_s, background_cores=background,
