@@ -73,18 +73,6 @@ def _cpu_by_thread(pids) -> dict:
     return out
 
 
-def _host_busy():
-    """The machine's busy CPU seconds so far (``/proc/stat``: every process and the kernel's
-    interrupt work, which the network stack of emulated hosts runs in), None where unread."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def _role(name) -> str:
     if name is None:
         return "BLAS and other native threads"
@@ -166,6 +154,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
     import common as C
     from distributed import wait
 
+    from dask_ipar.runtime.linkprobe import _host_busy  # /proc/stat, as calibrate reads it
     from dask_ipar.runtime.programs import count_cost_s, kernel_cpu
     from dask_ipar.runtime.stepprobe import program_cpu
 
@@ -181,7 +170,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         workers = {pid: addr for addr, pid in pids.items()}
         scheduler = client.run_on_scheduler(os.getpid)
         everyone = [os.getpid(), *workers, *([scheduler] if scheduler != os.getpid() else [])]
-        host0 = _host_busy()
+        host0 = _host_busy()[1]
         before, t0 = _cpu_by_thread(everyone), time.perf_counter()
         ends = []
         for s in range(steps):  # submissions of k steps each
@@ -189,7 +178,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
             ends.append(time.perf_counter())
         wall = time.perf_counter() - t0
         steps *= group
-        after, host1 = _cpu_by_thread(everyone), _host_busy()
+        after, host1 = _cpu_by_thread(everyone), _host_busy()[1]
         kernels = client.run(kernel_cpu, False)
         client.gather(model.train_step(*batches[0], opt, more=False))
         wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])

@@ -145,8 +145,8 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     (``time.time()`` from this worker's first block out to its last block in; the host's CPU
     by :func:`_host_busy`). ``busy``: a thread of the worker runs the engine's kernels (the
     calibration's kernel mix, :mod:`dask_ipar.runtime.kernelmix`) from before the first
-    block leaves until the last one is in, as a program's kernels run beside its transfers;
-    its CPU (its thread's clock) is not in the process's returned."""
+    block leaves until the last one is in, as a program's kernels run beside its transfers
+    (its CPU, by its thread's clock, returned apart: the process's includes it)."""
     import os
     import resource
     import threading
@@ -199,7 +199,7 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
             kernels.join()
     _, h1 = _host_busy()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime) - kernel_cpu[0]
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     return (os.getpid(), cpu, got + block.nbytes * len(others), t0, t1, host, h0, h1,
             kernel_cpu[0])
 
@@ -225,15 +225,17 @@ def _exchange(client, workers, nbytes: int, busy: bool = False, rest: dict | Non
             for k, w in enumerate(workers)]
     out = client.gather(futs)
     cpu: dict = {}
-    for pid, c, *_ in out:
+    kernels: dict = {}  # the computing threads' CPU, per process (not the transports')
+    for pid, c, *_, k in out:
         cpu[pid] = max(cpu.get(pid, 0.0), c)
+        kernels[pid] = kernels.get(pid, 0.0) + k
     took = float(np.median([t1 - t0 for _, _, _, t0, t1, *_ in out]))
-    total = sum(cpu.values())
+    total = sum(cpu.values()) - sum(kernels.values())
     if rest is not None:
         machine = hosts_cpu([(h, b0, b1, t0, t1) for _, _, _, t0, t1, h, b0, b1, _ in out],
                             rest)
         if machine is not None:  # less the computing threads' CPU, where they ran
-            total = max(total, machine - sum(k for *_, k in out))
+            total = max(total, machine - sum(kernels.values()))
     return total, float(sum(b for _, _, b, *_ in out)), took
 
 
