@@ -25,6 +25,14 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     (beside,) = [line for line in lines if line.startswith("exchange beside computing")]
     assert f"transfer CPU {m.transfer_cpu_s_per_B * 1e9:.2f} ns per byte" in beside, beside
     assert any("on idle cores" in line and "ns per byte" in line for line in lines)
+    # its exchanges' blocks: each worker sends QUICK's 28 MiB at least (2 MiB blocks asked)
+    from dask_ipar.runtime.linkprobe import exchange_block
+    from dask_ipar.runtime.workers import scheduler_workers
+
+    peers = len(scheduler_workers(client)) - 1
+    mib = exchange_block(peers + 1, 2 << 20, QUICK.exchange_mib << 20)
+    assert peers * mib >= 28 << 20 and any(f"pushing {mib >> 20} MiB to every other" in line
+                                           for line in lines), lines
     assert 1e8 < m.elementwise_Bps < 1e12 and 1e5 < m.exchange_Bps < 1e12  # bytes/s
     # the conv front's own rate, from the mix's conv and pooling calls (its flops are a
     # small part of their time: always measurable)
@@ -77,6 +85,21 @@ def test_dask_cpu_probes_skip_workers_in_the_clients_process(client):
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                       dashboard_address=None) as cluster, Client(cluster) as local:
         assert not measurable(local, sorted(scheduler_workers(local)))
+
+
+def test_exchange_block_sends_each_worker_its_least():
+    """The transfer CPU's exchanges: the block asked for where every worker sends at least
+    ``least`` bytes with it, else the smallest that does (rounded up: 112 MiB over 3 peers
+    is 37.33 MiB)."""
+    from dask_ipar.runtime.linkprobe import exchange_block
+
+    mib = 2**20
+    assert exchange_block(8, 16 * mib, 112 * mib) == 16 * mib  # 7 peers: 112 MiB already
+    assert exchange_block(16, 16 * mib, 112 * mib) == 16 * mib  # more than enough
+    assert exchange_block(2, 16 * mib, 112 * mib) == 112 * mib  # one peer takes it all
+    b = exchange_block(4, 16 * mib, 112 * mib)
+    assert 3 * b >= 112 * mib > 3 * (b - 1)
+    assert exchange_block(1, 16 * mib, 112 * mib) == 112 * mib  # no peer: no division by 0
 
 
 def test_hosts_cpu_is_each_hosts_busy_span_less_its_rest():

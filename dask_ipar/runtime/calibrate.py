@@ -100,6 +100,7 @@ from dask_ipar.runtime.linkprobe import (
     TRANSFER_REPEATS,
     TRANSFER_WARMUPS,
     busy_exchange,
+    exchange_block,
     loaded_hop,
     message_cpu,
     program_hop,
@@ -126,14 +127,15 @@ class Effort:
     or the fastest, of its repeats). :data:`FULL` is what ``dask-ipar calibrate`` runs;
     :data:`QUICK` (``--quick``) about 0.6 of its time (2 workers on 2 cores: 17 s against
     29 s), its figures noisier (the matmul rates on 512-cubed products scaled to 1024-cubed
-    by the edge model, the transfers on 4 MiB blocks): a check that a cluster works end to
-    end, not a machine file to plan large runs by."""
+    by the edge model, the transfers on 4 MiB blocks, 28 MiB a worker): a check that a
+    cluster works end to end, not a machine file to plan large runs by."""
 
     sizes_mib: tuple = (4, 16, 64)
     hops: int = 40
     matmul_n: int = 1024
     tasks: int = 300
     block_mib: int = 16
+    exchange_mib: int = 112  # the transfer CPU's exchanges: each worker sends at least this
     mix_repeats: int = 1
     mix_runs: int = 3
     cluster_repeats: int = CLUSTER_REPEATS
@@ -147,8 +149,8 @@ class Effort:
 
 
 FULL = Effort()
-QUICK = Effort(sizes_mib=(1, 4), hops=10, matmul_n=512, tasks=60, block_mib=4, mix_repeats=1,
-               mix_runs=1, cluster_repeats=32, cluster_rounds=2,
+QUICK = Effort(sizes_mib=(1, 4), hops=10, matmul_n=512, tasks=60, block_mib=4, exchange_mib=28,
+               mix_repeats=1, mix_runs=1, cluster_repeats=32, cluster_rounds=2,
                transfer_warmups=1, transfer_repeats=2, busy_repeats=1, loaded_repeats=1,
                background_s=0.3, probe_steps=6)
 
@@ -446,22 +448,21 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     rest = rest_cores(client, everyone)
     log("hosts' CPU at rest (nothing submitted): " + (", ".join(
         f"{h} {c:.3f} cores" for h, c in sorted(rest.items())) or "not readable here"))
+    xfer = exchange_block(len(everyone), block_mib * 2**20, e.exchange_mib * 2**20)
     for _ in range(e.transfer_warmups):
-        transfer_cpu(client, everyone, block_mib * 2**20, rest)
-    figures = [transfer_cpu(client, everyone, block_mib * 2**20, rest)
-               for _ in range(e.transfer_repeats)]
+        transfer_cpu(client, everyone, xfer, rest)
+    figures = [transfer_cpu(client, everyone, xfer, rest) for _ in range(e.transfer_repeats)]
     cpu_B = float(np.median([c for c, _ in figures]))
     exchange = float(np.median([x for _, x in figures]))
-    log(f"transfer CPU (every worker pushing {block_mib} MiB to every other at once): "
+    log(f"transfer CPU (every worker pushing {xfer / 2**20:.0f} MiB to every other at once): "
         f"{cpu_B * 1e9:.2f} ns per byte sent or received on idle cores; each worker sent "
         f"{exchange / 2**20:.0f} MiB/s")
     if exchange > bandwidth:  # one link's share of an all-to-all bounds its rate below
         log(f"bandwidth: the fit over dask's transfer logs ({bandwidth / 2**20:.0f} MiB/s) is "
             f"below what each link carried in the all-to-all; taking that")
         bandwidth = exchange
-    busy_exchange(client, everyone, block_mib * 2**20, rest)  # warm the computing threads
-    beside = [busy_exchange(client, everyone, block_mib * 2**20, rest)
-              for _ in range(e.busy_repeats)]
+    busy_exchange(client, everyone, xfer, rest)  # warm the computing threads
+    beside = [busy_exchange(client, everyone, xfer, rest) for _ in range(e.busy_repeats)]
     busy = float(np.median([x for x, _ in beside]))
     busy_B = float(np.median([c for _, c in beside]))
     log(f"exchange beside computing (the same, every worker also running the kernel mix): "
