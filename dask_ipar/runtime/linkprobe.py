@@ -23,8 +23,8 @@ import time
 import numpy as np
 
 __all__ = ["program_hop", "loaded_hop", "transfer_cpu", "busy_exchange", "message_cpu",
-           "exchange_block", "rest_cores", "hosts_cpu", "TRANSFER_WARMUPS", "TRANSFER_REPEATS", "BUSY_REPEATS",
-           "LOADED_REPEATS"]
+           "exchange_block", "rest_cores", "hosts_cpu", "TRANSFER_WARMUPS", "TRANSFER_REPEATS",
+           "BUSY_REPEATS", "LOADED_REPEATS"]
 
 #: Exchanges of the measured size before the transfer CPU is timed, and how many are timed.
 TRANSFER_WARMUPS = 2
