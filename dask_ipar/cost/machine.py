@@ -163,9 +163,9 @@ class Machine:
     transfer_cpu_s_per_B : float, optional
         CPU seconds a worker spends per byte it sends or receives (the transport's copies
         and system calls, measured while every worker transfers at once, 112 MiB each at
-        least, and computes beside it, since session 53: a transport whose cores compute is woken less often
-        and reads larger pieces): what moving a block takes from the computing when worker
-        processes share a machine's cores.
+        least, and computes beside it, since session 53: a transport whose cores compute is
+        woken less often and reads larger pieces): what moving a block takes from the
+        computing when worker processes share a machine's cores.
     elementwise_Bps : float, optional
         Bytes per second of the kernels' element-wise work as the step-time model counts
         it (the engine's own kernels on one worker, their flops' time taken off;
