@@ -17,7 +17,9 @@ the timed steps, per step:
 * each process's threads' CPU time (``psutil``), by role: the workers' program threads,
   event loops, direct-transport threads, the client's process and the scheduler's (one
   process on a ``LocalCluster``), and the whole machine's busy CPU (``/proc/stat``: the
-  network stack's interrupt work too);
+  network stack's interrupt work too); of the workers' threads' CPU, the part spent in the
+  kernel (system calls, page faults, the network stack's work charged to them), and the
+  workers' page faults and context switches (``/proc``);
 * each kernel's CPU time inside the programs (``dask_ipar.runtime.programs.kernel_cpu``:
   the thread's CPU clock around each call, so not the turns the other processes take),
   summed over the workers, beside the step model's price of the same kernels at the
@@ -60,15 +62,37 @@ def _thread_names():
     return {t.native_id: t.name for t in threading.enumerate()}
 
 
-def _cpu_by_thread(pids) -> dict:
+def _cpu_by_thread(pids, system: bool = False) -> dict:
+    """``{(pid, thread id): CPU seconds}`` of ``pids``' threads (``system``: their time in
+    the kernel alone: system calls, page faults, the network stack's work charged to them)."""
     import psutil
 
     out = {}
     for pid in pids:
         try:
             for th in psutil.Process(pid).threads():
-                out[(pid, th.id)] = th.user_time + th.system_time
+                out[(pid, th.id)] = th.system_time + (0.0 if system else th.user_time)
         except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _faults(pids) -> list:
+    """``[minor page faults, major page faults, voluntary and involuntary context switches]``
+    of ``pids`` together, so far (``/proc/<pid>/stat``, ``/proc/<pid>/status``)."""
+    import psutil
+
+    out = [0, 0, 0, 0]
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[0] += int(fields[7])  # minflt: the 10th field, the 3rd after the name
+            out[1] += int(fields[9])  # majflt
+            switches = psutil.Process(pid).num_ctx_switches()
+            out[2] += switches.voluntary
+            out[3] += switches.involuntary
+        except (OSError, psutil.NoSuchProcess):
             pass
     return out
 
@@ -171,6 +195,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         scheduler = client.run_on_scheduler(os.getpid)
         everyone = [os.getpid(), *workers, *([scheduler] if scheduler != os.getpid() else [])]
         host0 = _host_busy()[1]
+        sys0, faults0 = _cpu_by_thread(list(workers), system=True), _faults(workers)
         before, t0 = _cpu_by_thread(everyone), time.perf_counter()
         ends = []
         for s in range(steps):  # submissions of k steps each
@@ -179,6 +204,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         wall = time.perf_counter() - t0
         steps *= group
         after, host1 = _cpu_by_thread(everyone), _host_busy()[1]
+        sys1, faults1 = _cpu_by_thread(list(workers), system=True), _faults(workers)
         kernels = client.run(kernel_cpu, False)
         client.gather(model.train_step(*batches[0], opt, more=False))
         wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
@@ -191,6 +217,10 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
                 "scheduler process" if pid == scheduler else
                 "workers' " + _role(names[workers[pid]].get(tid)))
         roles[role] += (cpu - before.get((pid, tid), 0.0)) / steps
+    system: dict = collections.Counter()  # the workers' threads' time in the kernel
+    for (pid, tid), cpu in sys1.items():
+        system["workers' " + _role(names[workers[pid]].get(tid))] += \
+            (cpu - sys0.get((pid, tid), 0.0)) / steps
     per_kernel: dict = collections.Counter()
     calls: dict = collections.Counter()
     for got in kernels.values():
@@ -207,6 +237,9 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         b - a for a, b in zip([t0, *ends], ends)) / group, "wall_s": wall, "steps": steps,
         "steps_per_program": group,
         "cpu_by_role_s": dict(roles), "kernel_cpu_s": dict(per_kernel),
+        "system_by_role_s": dict(system), "workers_faults": dict(zip(
+            ("minor", "major", "voluntary switches", "involuntary switches"),
+            ((b - a) / steps for a, b in zip(faults0, faults1)))),
         "host_busy_s": None if host0 is None or host1 is None else (host1 - host0) / steps,
         "kernel_calls": dict(calls)}
 
@@ -229,8 +262,16 @@ def render(res: dict) -> str:
                   + (f" (the machine's busy CPU, /proc/stat: {r['host_busy_s'] * 1e3:.0f} ms)"
                      if r.get("host_busy_s") is not None else "") + ".", "",
                   "| where | CPU (ms) |", "|---|---|"]
+        system = r.get("system_by_role_s")
+        if system:
+            lines[-2:] = ["| where | CPU (ms) | of it in the kernel (ms) |", "|---|---|---|"]
         for role, v in sorted(r["cpu_by_role_s"].items(), key=lambda kv: -kv[1]):
-            lines.append(f"| {role} | {v * 1e3:.1f} |")
+            lines.append(f"| {role} | {v * 1e3:.1f} |" + (
+                f" {system[role] * 1e3:.1f} |" if role in (system or {}) else
+                " - |" if system else ""))
+        if r.get("workers_faults"):
+            lines += ["", "The workers' page faults and context switches: " + ", ".join(
+                f"{v:.0f} {k}" for k, v in r["workers_faults"].items()) + "."]
         m = res["machine"]
         outside = {
             "transports' CPU": r["model_kernel_s"].get(TRANSPORTS, 0.0),

@@ -2,7 +2,7 @@
 step-time model's cost of each kernel (issue 23).
 
     python benchmarks/step_replay.py [--model cnn] [--workers 8] [--grids 4x2,8x1]
-                                     [--reps 3] [--cold]
+                                     [--reps 3] [--cold] [--json FILE]
 
 Builds the step graph the engine runs for ``--model`` (``cnn``, ``compute`` or ``weight``
 of ``benchmarks/common.py``) on each grid of ``--workers`` processes (the conv schemes
@@ -17,13 +17,15 @@ The model's time of a task is ``flops / rate + bytes / elementwise``
 ``elementwise`` the kernel mix's (as ``dask-ipar calibrate`` measures both). Prints per
 kernel (layer, task and function, over all workers' tasks) the measured time, the
 model's (its flops and its bytes parts) and measured / model, and the totals: what the
-simulator's kernel costs miss before any sharing of cores.
+simulator's kernel costs miss before any sharing of cores. ``--json``: every kernel's
+figures (seconds) also written to ``FILE``, its ``"json"`` the path given.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import sys
 import time
@@ -130,19 +132,26 @@ def main(argv=None):
                          "kernel's first run allocates its arrays)")
     ap.add_argument("--cold", action="store_true", help="evict the caches before each kernel")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per grid")
+    ap.add_argument("--json", help="also write every kernel's figures here")
     a = ap.parse_args(argv)
     if a.reps < 2:
         ap.error(f"--reps: got {a.reps}; expected at least 2 (a kernel's first run allocates "
                  "its arrays and would be timed)")
     cfg = C.sweep_models()[a.model]
+    out = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": a.model,
+           "workers": a.workers, "reps": a.reps, "cold": a.cold, "json": a.json, "grids": {}}
     with threadpool_limits(1):
         rate, ew = _rates()
+        out.update(flops_per_s=rate, elementwise_Bps=ew)
         print(f"matmul {rate / 1e9:.1f} GFLOP/s, element-wise {ew / 1e9:.1f} GB/s (one thread)"
               f"{', caches evicted before each kernel' if a.cold else ''}\n")
         for grid in a.grids.split(","):
             per = replay(cfg, a.workers, grid, rate, ew, a.reps, a.cold)
             real = sum(p[0] for p in per.values())
             model = sum(p[1] + p[2] for p in per.values())
+            out["grids"][grid] = {"measured_s": real, "model_s": model, "kernels": [
+                {"kernel": name, "function": fn, "tasks": p[3], "measured_s": p[0],
+                 "flops_s": p[1], "bytes_s": p[2]} for (name, fn), p in sorted(per.items())]}
             print(f"{cfg.label} {grid} ({a.workers} workers' tasks): measured {real * 1e3:.1f} ms, "
                   f"model {model * 1e3:.1f} ms (measured / model {real / model:.2f})\n")
             print("| kernel | function | tasks | measured (ms) | model (ms) | flops / bytes "
@@ -154,6 +163,10 @@ def main(argv=None):
                 print(f"| {name} | {fn} | {p[3]} | {p[0] * 1e3:.1f} | {m * 1e3:.1f} | "
                       f"{p[1] * 1e3:.1f} / {p[2] * 1e3:.1f} | {ratio:.2f} |")
             print()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
 
 
 if __name__ == "__main__":
