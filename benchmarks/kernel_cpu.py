@@ -24,8 +24,10 @@ the timed steps, per step:
   the thread's CPU clock around each call, so not the turns the other processes take),
   summed over the workers, beside the step model's price of the same kernels at the
   calibrated rates (``flops / flops_per_s`` with the product edge, plus ``bytes`` at the
-  element-wise rate for the kernel's block size) before the cores' sharing. Compared per
-  call: the timed window is not cut at steps' ends (a submission's last updates run after
+  element-wise rate for the kernel's block size) before the cores' sharing, and of its CPU
+  the time in the operating system's kernel (page faults, the network stack's work for the
+  packets that come while it runs: ``programs.kernel_system_cpu``). Compared per call: the
+  timed window is not cut at steps' ends (a submission's last updates run after
   its loss statistics are back), so a kernel's calls in it need not be whole steps'; its
   CPU a call times the model's tasks a step is set beside the model's. Before session 51
   the window's CPU was: on 2 workers' 2x1 grids a sixth of the SGD update's calls fell
@@ -179,7 +181,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
     from distributed import wait
 
     from dask_ipar.runtime.linkprobe import _host_busy  # /proc/stat, as calibrate reads it
-    from dask_ipar.runtime.programs import count_cost_s, kernel_cpu
+    from dask_ipar.runtime.programs import count_cost_s, kernel_cpu, kernel_system_cpu
     from dask_ipar.runtime.stepprobe import program_cpu
 
     model.distribute(client, grid)
@@ -190,7 +192,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
 
         for s in range(3):
             submit(s)
-        client.run(kernel_cpu, True)
+        client.run(kernel_cpu, True, True)
         workers = {pid: addr for addr, pid in pids.items()}
         scheduler = client.run_on_scheduler(os.getpid)
         everyone = [os.getpid(), *workers, *([scheduler] if scheduler != os.getpid() else [])]
@@ -205,6 +207,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         steps *= group
         after, host1 = _cpu_by_thread(everyone), _host_busy()[1]
         sys1, faults1 = _cpu_by_thread(list(workers), system=True), _faults(workers)
+        kernels_system = client.run(kernel_system_cpu)
         kernels = client.run(kernel_cpu, False)
         client.gather(model.train_step(*batches[0], opt, more=False))
         wait([f for lay in model.state_blocks()["layers"] for f in lay["w"].values()])
@@ -222,6 +225,10 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         system["workers' " + _role(names[workers[pid]].get(tid))] += \
             (cpu - sys0.get((pid, tid), 0.0)) / steps
     per_kernel: dict = collections.Counter()
+    kernel_system: dict = collections.Counter()
+    for got in kernels_system.values():
+        for k, sec in (got or {}).items():
+            kernel_system[k] += sec / steps
     calls: dict = collections.Counter()
     for got in kernels.values():
         for k, (sec, n) in (got or {}).items():
@@ -237,6 +244,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         b - a for a, b in zip([t0, *ends], ends)) / group, "wall_s": wall, "steps": steps,
         "steps_per_program": group,
         "cpu_by_role_s": dict(roles), "kernel_cpu_s": dict(per_kernel),
+        "kernel_system_s": dict(kernel_system),
         "system_by_role_s": dict(system), "workers_faults": dict(zip(
             ("minor", "major", "voluntary switches", "involuntary switches"),
             ((b - a) / steps for a, b in zip(faults0, faults1)))),
@@ -288,9 +296,11 @@ def render(res: dict) -> str:
         # its loss statistics come back, so a kernel's calls in it are not always whole steps'
         # (e.g. 3.33 of 4 updates a step): compared per call, times the model's tasks a step
         tasks = r.get("model_kernel_tasks", {})
+        in_kernel = r.get("kernel_system_s")
         lines += ["", "| kernel (task:function) | calls a step (model's tasks) | CPU (ms) | "
-                  "CPU a call x tasks (ms) | model (ms) | CPU / model |",
-                  "|---|---|---|---|---|---|"]
+                  "CPU a call x tasks (ms) | model (ms) | CPU / model |"
+                  + (" of the CPU in the OS kernel (ms) |" if in_kernel else ""),
+                  "|---|---|---|---|---|---|" + ("---|" if in_kernel else "")]
         model = r["model_kernel_s"]
         tot_cpu = tot_model = 0.0
         for k, v in sorted(r["kernel_cpu_s"].items(), key=lambda kv: -kv[1]):
@@ -302,9 +312,11 @@ def render(res: dict) -> str:
             ratio = f"{whole / m:.2f}" if m else "-"
             lines.append(f"| {k} | {calls:.2f}" + (f" ({n})" if n else "") + f" | {v * 1e3:.1f} | "
                          f"{whole * 1e3:.1f} | {'-' if m is None else f'{m * 1e3:.1f}'} | "
-                         f"{ratio} |")
+                         f"{ratio} |" + ((f" {in_kernel[k] * 1e3:.1f} |" if k in in_kernel
+                                          else " - |") if in_kernel else ""))
         lines += [f"| all | | | {tot_cpu * 1e3:.1f} | {tot_model * 1e3:.1f} | "
-                  f"{tot_cpu / tot_model if tot_model else float('nan'):.2f} |", ""]
+                  f"{tot_cpu / tot_model if tot_model else float('nan'):.2f} |"
+                  + (f" {sum(in_kernel.values()) * 1e3:.1f} |" if in_kernel else ""), ""]
     return "\n".join(lines)
 
 

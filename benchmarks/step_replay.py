@@ -2,7 +2,7 @@
 step-time model's cost of each kernel (issue 23).
 
     python benchmarks/step_replay.py [--model cnn] [--workers 8] [--grids 4x2,8x1]
-                                     [--reps 3] [--cold] [--json FILE]
+                                     [--reps 3] [--cold] [--processes 1] [--json FILE]
 
 Builds the step graph the engine runs for ``--model`` (``cnn``, ``compute`` or ``weight``
 of ``benchmarks/common.py``) on each grid of ``--workers`` processes (the conv schemes
@@ -11,6 +11,10 @@ order in this process (one BLAS thread, float32, random weights and batch, the w
 malloc settings), ``--reps`` times; a kernel's time is its fastest. ``--cold``: before each
 kernel, a pass over a 64 MiB buffer evicts the caches, as other processes' work does
 between a kernel and the one that made its inputs where worker processes share the cores.
+``--processes N``: N processes replay the step at once from a common start, process ``i``
+pinned to core ``i`` modulo the cores (2 on 2 cores: side by side, sharing the memory
+system; 8 on 2 cores: four taking turns on each, as 8 workers on 2 cores do); a kernel's
+time is then its thread's CPU time, the mean over the processes of each one's fastest.
 
 The model's time of a task is ``flops / rate + bytes / elementwise``
 (:mod:`dask_ipar.kernels.costs`), the rate the matmul rate of this process and
@@ -53,8 +57,10 @@ def _rates():
     return rate, mix_rates(min(mixes, key=lambda r: r.seconds), rate)[0] or ELEMENTWISE_BPS
 
 
-def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold: bool):
-    """``{(layer.task, function): [measured s, flops s, bytes s, tasks]}`` of one step."""
+def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold: bool,
+           start=None):
+    """``{(layer.task, function): [measured s, flops s, bytes s, tasks]}`` of one step
+    (``start``: a barrier passed before the timed runs)."""
     from dask._task_spec import DataNode, TaskRef
 
     from dask_ipar import SGD
@@ -87,6 +93,10 @@ def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold
                         if np.issubdtype(v.dtype, np.floating) else v)
     scratch = np.ones(COLD_BYTES // 4, np.float32) if cold else None
     times = collections.defaultdict(list)
+    clock = time.perf_counter
+    if start is not None:  # processes take turns on the cores: each kernel's own CPU
+        clock = time.thread_time
+        start.wait()
     for _ in range(reps):
         vals = dict(ext)
         for key, node in g.dsk.items():
@@ -95,9 +105,9 @@ def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold
             deps = {a.key: vals[a.key] for a in node.args if isinstance(a, TaskRef)}
             if scratch is not None:
                 scratch += 1.0
-            t = time.perf_counter()
+            t = clock()
             vals[key] = node(deps)
-            times[key].append(time.perf_counter() - t)
+            times[key].append(clock() - t)
     per = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0])
     for key, ts in times.items():
         name = (key[0] if isinstance(key, tuple) else key).split("-")[0]
@@ -107,6 +117,31 @@ def replay(cfg, workers: int, grid: str, rate: float, ew: float, reps: int, cold
         p[2] += cost[key].mem_bytes / ew
         p[3] += 1
     return dict(per)
+
+
+def _pinned(core, queue, start, *args):
+    """:func:`replay` in a process pinned to ``core``, its result put on ``queue``."""
+    os.sched_setaffinity(0, {core})
+    queue.put(replay(*args, start=start))
+
+
+def together(n: int, *args) -> dict:
+    """:func:`replay`'s ``args`` run in ``n`` processes at once from a common start, process
+    ``i`` pinned to core ``i`` modulo this process's cores: each kernel's figures with its
+    measured time (CPU) the mean of the processes'."""
+    import multiprocessing as mp
+
+    cores = sorted(os.sched_getaffinity(0))
+    ctx = mp.get_context("fork")
+    queue, start = ctx.Queue(), ctx.Barrier(n)
+    procs = [ctx.Process(target=_pinned, args=(cores[i % len(cores)], queue, start, *args))
+             for i in range(n)]
+    for p in procs:
+        p.start()
+    got = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return {k: [sum(g[k][0] for g in got) / n, *got[0][k][1:]] for k in got[0]}
 
 
 def main(argv=None):
@@ -131,22 +166,30 @@ def main(argv=None):
                     help="runs of the step, a kernel's time its fastest (at least 2: a "
                          "kernel's first run allocates its arrays)")
     ap.add_argument("--cold", action="store_true", help="evict the caches before each kernel")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="processes replaying the step at once, spread over the cores")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per grid")
     ap.add_argument("--json", help="also write every kernel's figures here")
     a = ap.parse_args(argv)
+    if a.processes < 1:
+        ap.error(f"--processes: got {a.processes}; expected at least 1")
     if a.reps < 2:
         ap.error(f"--reps: got {a.reps}; expected at least 2 (a kernel's first run allocates "
                  "its arrays and would be timed)")
     cfg = C.sweep_models()[a.model]
     out = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": a.model,
-           "workers": a.workers, "reps": a.reps, "cold": a.cold, "json": a.json, "grids": {}}
+           "workers": a.workers, "reps": a.reps, "cold": a.cold, "processes": a.processes,
+           "json": a.json, "grids": {}}
     with threadpool_limits(1):
         rate, ew = _rates()
         out.update(flops_per_s=rate, elementwise_Bps=ew)
         print(f"matmul {rate / 1e9:.1f} GFLOP/s, element-wise {ew / 1e9:.1f} GB/s (one thread)"
-              f"{', caches evicted before each kernel' if a.cold else ''}\n")
+              f"{', caches evicted before each kernel' if a.cold else ''}"
+              + (f", {a.processes} processes at once over {len(os.sched_getaffinity(0))} "
+                 "cores (kernels' CPU time)" if a.processes > 1 else "") + "\n")
         for grid in a.grids.split(","):
-            per = replay(cfg, a.workers, grid, rate, ew, a.reps, a.cold)
+            args = (cfg, a.workers, grid, rate, ew, a.reps, a.cold)
+            per = together(a.processes, *args) if a.processes > 1 else replay(*args)
             real = sum(p[0] for p in per.values())
             model = sum(p[1] + p[2] for p in per.values())
             out["grids"][grid] = {"measured_s": real, "model_s": model, "kernels": [

@@ -324,8 +324,9 @@ def test_dask_fine_performance_metrics_split_programs_by_layer_and_phase(client)
 def test_kernel_cpu_counts_each_kernel_call_of_the_programs(client):
     """``programs.kernel_cpu``: off by default; switched on, each worker counts its
     programs' kernel calls by task and function (the forward's, one per cell and step) and
-    their CPU time; switched off, it returns the counts and stops."""
-    from dask_ipar.runtime.programs import kernel_cpu
+    their CPU time; switched off, it returns the counts and stops. With ``system``, also
+    each kernel's system time (``kernel_system_cpu``), None again once switched off."""
+    from dask_ipar.runtime.programs import kernel_cpu, kernel_system_cpu
 
     model, X, y = _small_model(client, "2x1", 60.0)
     try:
@@ -343,5 +344,17 @@ def test_kernel_cpu_counts_each_kernel_call_of_the_programs(client):
             assert all(sec >= 0.0 for sec, _ in counts.values())
             assert sum(sec for sec, _ in counts.values()) > 0.0
         assert set(client.run(kernel_cpu, workers=workers).values()) == {None}
+        # with system=True, each kernel's time in the OS kernel too, under the same names
+        assert set(client.run(kernel_system_cpu, workers=workers).values()) == {None}
+        client.run(kernel_cpu, True, True, workers=workers)
+        client.gather(model.train_step(X, y, opt))
+        _weight_futures(model)
+        system = client.run(kernel_system_cpu, workers=workers)
+        got = client.run(kernel_cpu, False, workers=workers)
+        for w, counts in got.items():
+            kernels = {k for k in counts if not k.startswith("program:")}
+            assert set(system[w]) == kernels and "act:dense_forward" in " ".join(kernels)
+            assert all(0.0 <= s <= 10.0 for s in system[w].values())
+        assert set(client.run(kernel_system_cpu, workers=workers).values()) == {None}
     finally:
         model.close()

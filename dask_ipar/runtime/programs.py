@@ -75,8 +75,8 @@ from dask_ipar.runtime.collector import collector_paused
 from dask_ipar.runtime.exchange import plugin_of
 from dask_ipar.runtime.sender import Sender
 
-__all__ = ["Program", "run_program", "pick", "step_of", "kernel_cpu", "count_cost_s",
-           "MUTATES", "DEFAULT_TIMEOUT_S", "QUICK_S"]
+__all__ = ["Program", "run_program", "pick", "step_of", "kernel_cpu", "kernel_system_cpu",
+           "count_cost_s", "MUTATES", "DEFAULT_TIMEOUT_S", "QUICK_S"]
 
 #: Seconds a program waits without receiving any block before it gives up.
 DEFAULT_TIMEOUT_S = 300.0
@@ -92,9 +92,12 @@ QUICK_S = 5e-4
 #: This process's programs' CPU time per kernel while :func:`kernel_cpu` has it on
 #: (``{(task, function): [seconds, calls]}``), else None: nothing measured.
 _KERNEL_CPU: dict | None = None
+#: Of it, the kernels' time in the operating system's kernel while :func:`kernel_cpu` was
+#: switched on with ``system=True`` (``{(task, function): seconds}``), else None.
+_KERNEL_SYSTEM: dict | None = None
 
 
-def kernel_cpu(on: bool | None = None) -> dict | None:
+def kernel_cpu(on: bool | None = None, system: bool = False) -> dict | None:
     """The CPU time (``time.thread_time``: not the turns other processes take on the core)
     of the kernels this worker's programs ran, ``{"<task>:<function>": (seconds, calls)}``
     with ``<task>`` the key's task name (``act``, ``bwd``, ``dxp``, ...), and
@@ -107,13 +110,34 @@ def kernel_cpu(on: bool | None = None) -> dict | None:
     switched on; None while it is off (the default). ``on``: True starts it from zero,
     False stops it (what it counted is returned). Run it on the workers
     (``client.run(kernel_cpu, True)``): ``benchmarks/kernel_cpu.py`` sets each kernel's
-    CPU in real steps beside the step model's price of it."""
-    global _KERNEL_CPU
+    CPU in real steps beside the step model's price of it. ``system`` (with ``on=True``):
+    also each kernel's time in the operating system's kernel (page faults, the network
+    stack's work for packets that come while it runs), :func:`kernel_system_cpu`; a
+    second clock read a call."""
+    global _KERNEL_CPU, _KERNEL_SYSTEM
     got = None if _KERNEL_CPU is None else {
         f"{t}:{f}": (v[0], v[1]) for (t, f), v in _KERNEL_CPU.items()}
     if on is not None:
         _KERNEL_CPU = {} if on else None
+        _KERNEL_SYSTEM = {} if on and system else None
     return got
+
+
+def kernel_system_cpu() -> dict | None:
+    """Of :func:`kernel_cpu`'s kernels' CPU, the seconds each spent in the operating
+    system's kernel (``{"<task>:<function>": seconds}``; the thread's ``RUSAGE_THREAD``
+    system time, which Linux splits from the thread's CPU time by sampling at its ticks:
+    exact only over many calls) since the accounting was switched on with ``system=True``;
+    None otherwise. Read it before :func:`kernel_cpu` switches the accounting off."""
+    if _KERNEL_SYSTEM is None:
+        return None
+    return {f"{t}:{f}": v for (t, f), v in _KERNEL_SYSTEM.items()}
+
+
+def _system_time() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_stime
 
 
 def _count_cpu(counts, task, func, c0):
@@ -258,12 +282,12 @@ def _run(prog, *values):
         return _run_program(None, prog, *values)
     c0 = time.thread_time()
     try:
-        return _run_program(counts, prog, *values)
+        return _run_program(counts, prog, *values, system=_KERNEL_SYSTEM)
     finally:
         _count_cpu(counts, "program", "run", c0)
 
 
-def _run_program(counts, prog, *values):
+def _run_program(counts, prog, *values, system=None):
     from distributed import get_worker, rejoin, secede
     from distributed.metrics import context_meter
 
@@ -380,6 +404,7 @@ def _run_program(counts, prog, *values):
                 rec.now("computing", N(key[0]))
                 t0 = time.time()
             c0 = time.thread_time() if counts is not None else 0.0
+            s0 = _system_time() if system is not None else 0.0
             t1 = time.perf_counter()
             try:
                 env[key] = value = node({d: env[d] for d in deps})
@@ -389,8 +414,11 @@ def _run_program(counts, prog, *values):
                 spent[label] = spent.get(label, 0.0) + took
                 quick[task] = took < QUICK_S
             if counts is not None:
-                _count_cpu(counts, task.rsplit(".", 1)[-1],
-                           getattr(getattr(node, "func", None), "__name__", None), c0)
+                name = (task.rsplit(".", 1)[-1],
+                        getattr(getattr(node, "func", None), "__name__", None))
+                _count_cpu(counts, *name, c0)
+                if system is not None:
+                    system[name] = system.get(name, 0.0) + _system_time() - s0
             if rec is not None:
                 trace.append([key[0], "compute", t0, time.time()])
                 rec.add(N(key[0]), "compute", t0, trace[-1][3])
