@@ -131,16 +131,30 @@ def together(n: int, *args) -> dict:
     measured time (CPU) the mean of the processes'."""
     import multiprocessing as mp
 
+    import queue as queues
+
     cores = sorted(os.sched_getaffinity(0))
     ctx = mp.get_context("fork")
-    queue, start = ctx.Queue(), ctx.Barrier(n)
+    queue, start = ctx.Queue(), ctx.Barrier(n, timeout=600)
     procs = [ctx.Process(target=_pinned, args=(cores[i % len(cores)], queue, start, *args))
              for i in range(n)]
     for p in procs:
         p.start()
-    got = [queue.get() for _ in procs]
-    for p in procs:
-        p.join()
+    got = []
+    try:
+        while len(got) < n:
+            try:
+                got.append(queue.get(timeout=5))
+            except queues.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    raise SystemExit(f"--processes: a replaying process failed (exit code "
+                                     f"{failed[0]}); its error is printed above") from None
+    finally:
+        for p in procs:
+            if len(got) < n:
+                p.terminate()
+            p.join()
     return {k: [sum(g[k][0] for g in got) / n, *got[0][k][1:]] for k in got[0]}
 
 

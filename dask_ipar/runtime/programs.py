@@ -115,6 +115,14 @@ def kernel_cpu(on: bool | None = None, system: bool = False) -> dict | None:
     stack's work for packets that come while it runs), :func:`kernel_system_cpu`; a
     second clock read a call."""
     global _KERNEL_CPU, _KERNEL_SYSTEM
+    if on and system:
+        import resource
+
+        if not hasattr(resource, "RUSAGE_THREAD"):
+            from dask_ipar.errors import IparError
+
+            raise IparError("kernel_cpu(system=True): a thread's system time is not "
+                            "readable on this platform (no RUSAGE_THREAD: Linux only).")
     got = None if _KERNEL_CPU is None else {
         f"{t}:{f}": (v[0], v[1]) for (t, f), v in _KERNEL_CPU.items()}
     if on is not None:
