@@ -64,16 +64,16 @@ def _thread_names():
     return {t.native_id: t.name for t in threading.enumerate()}
 
 
-def _cpu_by_thread(pids, system: bool = False) -> dict:
-    """``{(pid, thread id): CPU seconds}`` of ``pids``' threads (``system``: their time in
-    the kernel alone: system calls, page faults, the network stack's work charged to them)."""
+def _cpu_by_thread(pids) -> dict:
+    """``{(pid, thread id): (CPU seconds, of them in the OS kernel)}`` of ``pids``' threads
+    (the kernel's: system calls, page faults, the network stack's work charged to them)."""
     import psutil
 
     out = {}
     for pid in pids:
         try:
             for th in psutil.Process(pid).threads():
-                out[(pid, th.id)] = th.system_time + (0.0 if system else th.user_time)
+                out[(pid, th.id)] = (th.user_time + th.system_time, th.system_time)
         except psutil.NoSuchProcess:
             pass
     return out
@@ -197,7 +197,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         scheduler = client.run_on_scheduler(os.getpid)
         everyone = [os.getpid(), *workers, *([scheduler] if scheduler != os.getpid() else [])]
         host0 = _host_busy()[1]
-        sys0, faults0 = _cpu_by_thread(list(workers), system=True), _faults(workers)
+        faults0 = _faults(workers)
         before, t0 = _cpu_by_thread(everyone), time.perf_counter()
         ends = []
         for s in range(steps):  # submissions of k steps each
@@ -206,7 +206,7 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
         wall = time.perf_counter() - t0
         steps *= group
         after, host1 = _cpu_by_thread(everyone), _host_busy()[1]
-        sys1, faults1 = _cpu_by_thread(list(workers), system=True), _faults(workers)
+        faults1 = _faults(workers)
         kernels_system = client.run(kernel_system_cpu)
         kernels = client.run(kernel_cpu, False)
         client.gather(model.train_step(*batches[0], opt, more=False))
@@ -214,16 +214,16 @@ def _measure(client, model, opt, batches, grid, steps, pids, names, group=1) -> 
     finally:
         model.close()
     roles: dict = collections.Counter()
-    for (pid, tid), cpu in after.items():
+    system: dict = collections.Counter()  # the workers' threads' time in the OS kernel
+    for (pid, tid), (cpu, in_os) in after.items():
         role = ("client and scheduler process" if pid == os.getpid() == scheduler else
                 "client process" if pid == os.getpid() else
                 "scheduler process" if pid == scheduler else
                 "workers' " + _role(names[workers[pid]].get(tid)))
-        roles[role] += (cpu - before.get((pid, tid), 0.0)) / steps
-    system: dict = collections.Counter()  # the workers' threads' time in the kernel
-    for (pid, tid), cpu in sys1.items():
-        system["workers' " + _role(names[workers[pid]].get(tid))] += \
-            (cpu - sys0.get((pid, tid), 0.0)) / steps
+        cpu0, in_os0 = before.get((pid, tid), (0.0, 0.0))
+        roles[role] += (cpu - cpu0) / steps
+        if pid in workers:
+            system[role] += (in_os - in_os0) / steps
     per_kernel: dict = collections.Counter()
     kernel_system: dict = collections.Counter()
     for got in kernels_system.values():
@@ -272,7 +272,7 @@ def render(res: dict) -> str:
                   "| where | CPU (ms) |", "|---|---|"]
         system = r.get("system_by_role_s")
         if system:
-            lines[-2:] = ["| where | CPU (ms) | of it in the kernel (ms) |", "|---|---|---|"]
+            lines[-2:] = ["| where | CPU (ms) | of it in the OS kernel (ms) |", "|---|---|---|"]
         for role, v in sorted(r["cpu_by_role_s"].items(), key=lambda kv: -kv[1]):
             lines.append(f"| {role} | {v * 1e3:.1f} |" + (
                 f" {system[role] * 1e3:.1f} |" if role in (system or {}) else
