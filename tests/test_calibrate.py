@@ -25,6 +25,17 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     (beside,) = [line for line in lines if line.startswith("exchange beside computing")]
     assert f"transfer CPU {m.transfer_cpu_s_per_B * 1e9:.2f} ns per byte" in beside, beside
     assert any("on idle cores" in line and "ns per byte" in line for line in lines)
+    # the network stack's work on the computing threads (their system time; Linux reads a
+    # thread's): a fraction of their time at the exchange's rate, logged as such
+    import resource
+
+    if hasattr(resource, "RUSAGE_THREAD"):
+        from dask_ipar.runtime.workers import scheduler_workers
+
+        crossing = 2 * m.busy_exchange_Bps * len(scheduler_workers(client))
+        assert m.stack_s_per_B is not None and 0 <= m.stack_s_per_B * crossing < 1, \
+            (m.stack_s_per_B, crossing)
+        assert f"{m.stack_s_per_B * crossing:.1%} of the computing threads' time" in beside
     # its exchanges' blocks: each worker sends QUICK's 28 MiB at least (2 MiB blocks asked)
     from dask_ipar.runtime.linkprobe import exchange_block
     from dask_ipar.runtime.workers import scheduler_workers

@@ -821,3 +821,52 @@ def test_the_programs_loops_cost_their_cpu_on_every_task():
     graph = [simulate_layers(net, (64,), "2x2", 32, mm, cores=4, executor="graph").seconds
              for mm in (m, m.replace(program_task_cpu_s=cost))]
     assert graph[0] == graph[1]
+
+
+@pytest.mark.fast
+def test_the_network_stacks_work_for_the_bytes_on_the_links_slows_the_running_tasks():
+    """``stack_s_per_B``: while bytes move, every running task loses that many seconds of its
+    core for each byte a second crossing the links (both ends counted): the network stack's
+    work for the packets is charged to whatever runs where they come (measured: the
+    computing threads' time in the operating system's kernel beside an all-to-all); only
+    where the workers share ``cores``."""
+    from dask_ipar.cost import simulate_programs
+
+    # a (nothing to do) makes a 1 MB block that b on B reads: on the link 0-0.1 s at 1e7
+    # B/s; z (1 s on A) runs meanwhile
+    tasks = [SimTask("a", "A", (), out_bytes=1e6), SimTask("z", "A", (), flops=1e9),
+             SimTask("b", "B", ("a",))]
+    kw = dict(flops_per_s=1e9, mem_Bps=1e9, bandwidth_Bps=1e7, latency_s=0.0,
+              stack_s_per_B=5e-9)
+    assert simulate_programs(tasks, **kw).seconds == pytest.approx(1.0)  # no shared cores
+    assert simulate_programs(tasks, **{**kw, "stack_s_per_B": 0.0},
+                             cores=2).seconds == pytest.approx(1.0)
+    # 2 x 1e7 bytes a second cross the transports: z loses 2e7 x 5e-9 = 0.1 of its core
+    # for the 0.1 s the block moves, on 2 cores or 4
+    for cores in (2, 4):
+        r = simulate_programs(tasks, **kw, cores=cores)
+        assert r.seconds == pytest.approx(1.01) and r.stack_s == pytest.approx(0.01)
+    # every task running loses as much
+    both = tasks + [SimTask("y", "B", (), flops=1e9)]
+    r = simulate_programs(both, **kw, cores=2)
+    assert r.seconds == pytest.approx(1.01) and r.stack_s == pytest.approx(0.02)
+    # nothing on the links: nothing lost
+    alone = simulate_programs([SimTask("z", "A", (), flops=1e9)], **kw, cores=2)
+    assert alone.seconds == pytest.approx(1.0) and alone.stack_s == 0.0
+
+
+def test_the_programs_model_takes_the_network_stacks_work_from_the_machine():
+    """The worker programs' step model passes the machine's ``stack_s_per_B`` to the
+    simulator: on shared cores it lengthens the step, without ``cores`` it does not."""
+    from dask_ipar.runtime.stepmodel import simulate_engine
+
+    engine, names, base = _dense_1x2(512)
+    stacked = base.replace(stack_s_per_B=1e-10)
+
+    def model(m, cores):
+        return simulate_engine(engine, names, 256, (512,), "float32", m, cores, SGD(0.1, 0.9),
+                               "programs")
+
+    assert model(stacked, 1).seconds > model(base, 1).seconds
+    assert model(stacked, 1).stack_s > 0 and model(base, 1).stack_s == 0.0
+    assert model(stacked, None).seconds == pytest.approx(model(base, None).seconds)

@@ -30,18 +30,17 @@ What the engine pays, measured the way the engine pays it:
 * ``round_s``: a graph of one small task per worker submitted and its results
   gathered: what a step run as programs pays once outside them.
 * ``transfer_cpu_s_per_B``: CPU seconds a worker process spends per byte it sends or
-  receives, measured while every worker program pushes a large block to every other one
-  at once over the programs' transport (the process's CPU time, all of its threads; or,
-  where more and readable (``/proc/stat``), each host's busy CPU over the exchange less
-  its CPU at rest: the kernel's network stack runs in interrupt context, charged to no
-  worker process, 3-11% more than the workers' own on 4 and 8 emulated hosts):
-  what moving blocks takes from the computing where workers share a machine's cores;
-  the median of :data:`TRANSFER_REPEATS` exchanges after :data:`TRANSFER_WARMUPS` of the
-  same size (the steady state of a run's exchanges, not its first). Since session 53 the
-  figure written is the one beside computing (``busy_exchange_Bps``'s exchanges, the
-  computing threads' CPU taken off): where the cores compute, a transport wakes less often
-  and reads larger pieces (8 emulated hosts at 1 Gbit/s: 0.43-0.54 ns a byte against
-  0.80-0.86 on idle cores), and that is where its CPU slows a step.
+  receives while every worker program pushes a large block to every other one at once
+  over the programs' transport (the process's CPU, all of its threads; or, where more and
+  readable (``/proc/stat``), each host's busy CPU less its CPU at rest: 3-11% more on 4
+  and 8 emulated hosts): what moving blocks takes from the computing where workers share
+  a machine's cores; the median of :data:`BUSY_REPEATS` exchanges after one, each worker
+  also computing, the computing threads' CPU taken off (since session 53: where the cores
+  compute, a transport wakes less often and reads larger pieces, 0.43-0.54 ns a byte on 8
+  emulated hosts at 1 Gbit/s against 0.80-0.86 on idle cores).
+* ``stack_s_per_B``: in the same exchanges, the computing threads' time in the operating
+  system's kernel over their CPU (the network stack's work for the packets that come while
+  they run: they make no system calls), per byte a second crossing the transports.
 * ``bandwidth_Bps`` is raised to ``exchange_Bps`` where the fit reads lower (a link's
   share of an all-to-all bounds its rate from below; on one host's loopback the fit over
   dask's transfer logs read 132-264 MiB/s in some runs against 0.9-3 GB/s all-to-all).
@@ -441,19 +440,16 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     round_s = float(np.median([_round_time(client, everyone, f"{tag}r{r}") for r in range(9)]))
     log(f"round trip (a graph of one small task per worker, submitted and gathered): "
         f"{round_s * 1e3:.2f} ms")
-    # the steady state a run's exchanges see: the first exchanges of a size cost the
-    # workers up to 5x the CPU per byte of later ones (fresh memory for the blocks and the
-    # links' buffers; measured on 8 emulated hosts: 3.1 and 2.3 ns/B first, 0.5-1.2
-    # after), so two warm the links and the workers' heaps at the size measured
+    # the steady state a run's exchanges see: the first exchanges of a size cost up to 5x
+    # the CPU a byte of later ones (fresh memory; 8 emulated hosts: 3.1, 2.3 ns/B, 0.5-1.2)
     rest = rest_cores(client, everyone)
     log("hosts' CPU at rest (nothing submitted): " + (", ".join(
         f"{h} {c:.3f} cores" for h, c in sorted(rest.items())) or "not readable here"))
     xfer = exchange_block(len(everyone), block_mib * 2**20, e.exchange_mib * 2**20)
     for _ in range(e.transfer_warmups):
         transfer_cpu(client, everyone, xfer, rest)
-    figures = [transfer_cpu(client, everyone, xfer, rest) for _ in range(e.transfer_repeats)]
-    cpu_B = float(np.median([c for c, _ in figures]))
-    exchange = float(np.median([x for _, x in figures]))
+    cpu_B, exchange = (float(np.median(col)) for col in zip(*(
+        transfer_cpu(client, everyone, xfer, rest) for _ in range(e.transfer_repeats))))
     log(f"transfer CPU (every worker pushing {xfer / 2**20:.0f} MiB to every other at once): "
         f"{cpu_B * 1e9:.2f} ns per byte sent or received on idle cores; each worker sent "
         f"{exchange / 2**20:.0f} MiB/s")
@@ -463,11 +459,14 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
         bandwidth = exchange
     busy_exchange(client, everyone, xfer, rest)  # warm the computing threads
     beside = [busy_exchange(client, everyone, xfer, rest) for _ in range(e.busy_repeats)]
-    busy = float(np.median([x for x, _ in beside]))
-    busy_B = float(np.median([c for _, c in beside]))
+    busy, busy_B, stack_B = (None if any(v is None for v in col) else float(np.median(col))
+                             for col in zip(*beside))
+    lost = None if stack_B is None else stack_B * 2 * busy * len(everyone)  # at that rate
     log(f"exchange beside computing (the same, every worker also running the kernel mix): "
         f"each worker sent {busy / 2**20:.0f} MiB/s; transfer CPU {busy_B * 1e9:.2f} ns per "
-        f"byte (the computing threads' CPU taken off): the step model's")
+        f"byte (the computing threads' CPU taken off): the step model's; the network stack's "
+        f"work: " + ("not readable here" if lost is None else f"{lost:.1%} of the computing "
+                     f"threads' time ({stack_B * 1e12:.1f} ps per B/s)"))
     loaded = [loaded_hop(client, everyone) for _ in range(e.loaded_repeats)]
     loaded = [h for h in loaded if h is not None]
     loaded_s = float(np.median(loaded)) if loaded else None
@@ -497,4 +496,5 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
                    exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
                    direct_message_cpu_s=direct_msg, message_cpu_s=comms_msg,
                    step_cpu_s=step_s, background_cores=background,
-                   gemm_edge_flops=edge, program_task_cpu_s=task_cpu, conv_Bps=conv)
+                   gemm_edge_flops=edge, program_task_cpu_s=task_cpu, conv_Bps=conv,
+                   stack_s_per_B=stack_B)

@@ -30,7 +30,7 @@ __all__ = ["program_hop", "loaded_hop", "transfer_cpu", "busy_exchange", "messag
 TRANSFER_WARMUPS = 2
 TRANSFER_REPEATS = 5
 #: Exchanges beside computing (``busy_exchange_Bps``) timed after one warm-up.
-BUSY_REPEATS = 3
+BUSY_REPEATS = 5
 #: Loaded ping-pongs (``loaded_message_s``): their median.
 LOADED_REPEATS = 3
 
@@ -141,7 +141,8 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     """Run as a task on every worker of ``peers``: push an ``nbytes`` block to every other
     one and take theirs, over what a program uses (its sender, the mailbox); returns
     ``(process id, CPU seconds of this process, bytes sent and received, start, stop, host,
-    its busy CPU at start, at stop, the computing thread's CPU)`` over the exchange
+    its busy CPU at start, at stop, the computing thread's CPU, its part in the operating
+    system's kernel or None)`` over the exchange
     (``time.time()`` from this worker's first block out to its last block in; the host's CPU
     by :func:`_host_busy`). ``busy``: a thread of the worker runs the engine's kernels (the
     calibration's kernel mix, :mod:`dask_ipar.runtime.kernelmix`) from before the first
@@ -170,16 +171,18 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     _barrier(plugin, sender, peers, me, uid)
     host, h0 = _host_busy()
     stop = threading.Event()
-    kernel_cpu = [0.0]  # the computing thread's CPU: not the transports'
+    kernel_cpu = [0.0, None]  # the computing thread's CPU (not the transports'), its system
     if busy:
         def compute():  # until the last block is in (not to the end of a round)
-            c0 = time.thread_time()
+            c0, s0 = time.thread_time(), _thread_system()
             while not stop.is_set():
                 for f, args in calls:
                     if stop.is_set():
                         break
                     f(*args)
             kernel_cpu[0] = time.thread_time() - c0
+            s1 = _thread_system()
+            kernel_cpu[1] = None if s0 is None or s1 is None else s1 - s0
 
         kernels = threading.Thread(target=compute, name="calibrate-busy", daemon=True)
         kernels.start()
@@ -201,16 +204,27 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     return (os.getpid(), cpu, got + block.nbytes * len(others), t0, t1, host, h0, h1,
-            kernel_cpu[0])
+            *kernel_cpu)
+
+
+def _thread_system():
+    """The calling thread's CPU seconds in the operating system's kernel (None where no
+    ``RUSAGE_THREAD``): for a computing thread that makes no system calls, the network
+    stack's work for the packets that come while it runs."""
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return None if who is None else resource.getrusage(who).ru_stime
 
 
 def _exchange(client, workers, nbytes: int, busy: bool = False, rest: dict | None = None):
     """Every worker of ``workers`` pushes an ``nbytes`` block to every other one at once
-    (:func:`_exchange_cpu`): ``(CPU seconds, bytes, seconds)``: the workers' CPU time (workers
+    (:func:`_exchange_cpu`): ``(CPU seconds, bytes, seconds, lost)``: the workers' CPU time (workers
     in one process: its CPU time once; with ``rest`` (:func:`rest_cores`), the hosts' CPU
     beyond their rest where that reads more, :func:`hosts_cpu`), the bytes that crossed
-    their transports (both ends counted), and the median worker's time from its first block
-    out to its last block in."""
+    their transports (both ends counted), the median worker's time from its first block
+    out to its last block in, and with ``busy`` the computing threads' time in the OS kernel
+    over their CPU (None without ``busy`` or where unreadable)."""
     from dask_ipar.errors import IparError
     from dask_ipar.runtime.exchange import install_exchange
 
@@ -226,17 +240,22 @@ def _exchange(client, workers, nbytes: int, busy: bool = False, rest: dict | Non
     out = client.gather(futs)
     cpu: dict = {}
     kernels: dict = {}  # the computing threads' CPU, per process (not the transports')
-    for pid, c, *_, k in out:
+    stack = []  # their time in the OS kernel: the network stack's work charged to them
+    for pid, c, *_, k, ks in out:
         cpu[pid] = max(cpu.get(pid, 0.0), c)
         kernels[pid] = kernels.get(pid, 0.0) + k
+        stack.append(ks)
     took = float(np.median([t1 - t0 for _, _, _, t0, t1, *_ in out]))
     total = sum(cpu.values()) - sum(kernels.values())
     if rest is not None:
-        machine = hosts_cpu([(h, b0, b1, t0, t1) for _, _, _, t0, t1, h, b0, b1, _ in out],
+        machine = hosts_cpu([(h, b0, b1, t0, t1) for _, _, _, t0, t1, h, b0, b1, *_ in out],
                             rest)
         if machine is not None:  # less the computing threads' CPU, where they ran
             total = max(total, machine - sum(kernels.values()))
-    return total, float(sum(b for _, _, b, *_ in out)), took
+    nbytes_all = float(sum(b for _, _, b, *_ in out))
+    # the computing threads' time in the OS kernel over their CPU: what the stack took
+    stack = sum(stack) / max(sum(kernels.values()), 1e-9) if busy and None not in stack else None
+    return total, nbytes_all, took, stack
 
 
 def exchange_block(workers: int, block: int, least: int) -> int:
@@ -259,22 +278,28 @@ def transfer_cpu(client, workers, nbytes: int, rest: dict | None = None) -> tupl
     and the bytes a worker pushed over the median worker's time from its first block out to
     its last block in (what one link carries while every link is busy, as in a collective:
     below a pair's rate where the links share a switch, a host's stack or its cores)."""
-    cpu, nbytes_all, took = _exchange(client, workers, nbytes, rest=rest)
+    cpu, nbytes_all, took, _ = _exchange(client, workers, nbytes, rest=rest)
     return cpu / nbytes_all, _sent_bytes(nbytes, workers) / max(took, 1e-9)
 
 
 def busy_exchange(client, workers, nbytes: int,
                   rest: dict | None = None) -> tuple[float, float]:
-    """``(bytes per second each worker sends, CPU seconds per byte)`` while every worker of
-    ``workers`` pushes an ``nbytes`` block to every other one at once and also computes (a
-    thread running the engine's kernels for the whole exchange, :func:`_exchange_cpu`): a
-    link's rate while a step's kernels fill the cores (its transport then waits for them),
-    and what the transports cost the cores then, the computing threads' CPU taken off (as
-    :func:`transfer_cpu`, with ``rest``). Beside computing a transport is woken less often
-    and reads larger pieces: 8 emulated hosts at 1 Gbit/s sharing 2 cores, 0.43-0.54 ns a
-    byte against 0.80-0.86 on idle cores (0.33-0.38 and 0.32-0.47 at 10 Gbit/s)."""
-    cpu, nbytes_all, took = _exchange(client, workers, nbytes, busy=True, rest=rest)
-    return _sent_bytes(nbytes, workers) / max(took, 1e-9), cpu / nbytes_all
+    """``(bytes per second each worker sends, CPU seconds per byte, stack seconds per byte)``
+    while every worker of ``workers`` pushes an ``nbytes`` block to every other one at once
+    and also computes (a thread running the engine's kernels for the whole exchange,
+    :func:`_exchange_cpu`): a link's rate while a step's kernels fill the cores (its
+    transport then waits for them); what the transports cost the cores then, the computing
+    threads' CPU taken off (as :func:`transfer_cpu`, with ``rest``); and what the network
+    stack's work costs the computing (``Machine.stack_s_per_B``): the computing threads'
+    time in the operating system's kernel over their CPU (they make no system calls), over
+    the bytes a second crossing the transports, both ends counted (None where a thread's
+    system time is not readable: no ``RUSAGE_THREAD``). Beside computing a transport is woken
+    less often and reads larger pieces: 8 emulated hosts at 1 Gbit/s sharing 2 cores,
+    0.43-0.54 ns a byte against 0.80-0.86 on idle cores (0.33-0.38 and 0.32-0.47 at 10
+    Gbit/s)."""
+    cpu, nbytes_all, took, lost = _exchange(client, workers, nbytes, busy=True, rest=rest)
+    return (_sent_bytes(nbytes, workers) / max(took, 1e-9), cpu / nbytes_all,
+            None if lost is None else lost * took / nbytes_all)
 
 
 def message_cpu(client, workers, per_byte: float, repeats: int = 3) -> tuple[float, float]:

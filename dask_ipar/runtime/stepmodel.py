@@ -217,7 +217,8 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
                 message_cpu_s=message_cpu if (direct_msg or comms_msg) else 0.0,
                 busy_bandwidth_Bps=busy_link, loaded_latency_s=machine.loaded_message_s,
                 start_cpu_s=machine.step_cpu_s or 0.0,
-                background_cores=machine.background_cores or 0.0)
+                background_cores=machine.background_cores or 0.0,
+                stack_s_per_B=machine.stack_s_per_B or 0.0)
 
         # a submission ends when its programs have pushed the last step's new weights to
         # their readers (``train_step(more=True)``, ``fit``: each program flushes its sends
