@@ -863,10 +863,12 @@ def test_the_programs_model_takes_the_network_stacks_work_from_the_machine():
     engine, names, base = _dense_1x2(512)
     stacked = base.replace(stack_s_per_B=1e-10)
 
-    def model(m, cores):
+    def model(m, cores, k=1):
         return simulate_engine(engine, names, 256, (512,), "float32", m, cores, SGD(0.1, 0.9),
-                               "programs")
+                               "programs", steps_per_program=k)
 
     assert model(stacked, 1).seconds > model(base, 1).seconds
     assert model(stacked, 1).stack_s > 0 and model(base, 1).stack_s == 0.0
+    # a step within a submission of several, as its seconds: what the kernels lose a step
+    assert 0 < model(stacked, 1, 3).stack_s < 2 * model(stacked, 1).stack_s
     assert model(stacked, None).seconds == pytest.approx(model(base, None).seconds)

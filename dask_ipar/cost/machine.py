@@ -378,8 +378,7 @@ def load_machine(path: str | Path) -> Machine:
     ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
     ``loaded_message_s``, ``step_cpu_s``, ``background_cores``, ``elementwise_large_Bps``,
     ``gemm_edge_flops``, ``program_task_cpu_s``, ``conv_Bps``, ``stack_s_per_B``. Missing
-    keys take the paper
-    machine's values.
+    keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files
 

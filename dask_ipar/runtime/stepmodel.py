@@ -228,12 +228,13 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         two_tasks, two_avail = looped(*step_tasks(engine, w_names, batch, input_shape, dtype,
                                                   optimizer, steps=2))
         pushed = run(_with_push(two_tasks, two_avail), two_avail)
-        seconds = pushed.seconds + (machine.round_s or 0.0)
+        seconds, stack = pushed.seconds + (machine.round_s or 0.0), pushed.stack_s
         if steps_per_program > 1:
             one, two = run(*one_step()), run(two_tasks, two_avail)
             seconds += (steps_per_program - 1) * (two.seconds - one.seconds)
-            seconds /= steps_per_program
-        return dataclasses.replace(pushed, seconds=seconds, latency_s=seconds)
+            stack += (steps_per_program - 1) * (two.stack_s - one.stack_s)
+            seconds, stack = seconds / steps_per_program, stack / steps_per_program
+        return dataclasses.replace(pushed, seconds=seconds, latency_s=seconds, stack_s=stack)
     tasks, available = one_step()
     return simulate_step(priced(tasks, machine), flops_per_s=machine.flops_per_s,
                          bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
