@@ -292,12 +292,6 @@ def render(res: dict) -> str:
         lines += ["", "The model's CPU outside the kernels: " + "; ".join(
             f"{k} {v * 1e3:.1f} ms" for k, v in outside.items())
             + f"; {sum(outside.values()) * 1e3:.1f} ms in all."]
-        if r.get("model_stack_s") is not None:
-            measured = sum(v for k, v in (r.get("kernel_system_s") or {}).items()
-                           if not k.startswith("program:"))
-            lines += ["", f"The kernels' time the model gives the network stack "
-                      f"(stack_s_per_B): {r['model_stack_s'] * 1e3:.1f} ms; the kernels' "
-                      f"measured time in the OS kernel: {measured * 1e3:.1f} ms."]
         # the timed window is not cut at steps' ends: a submission's last updates run after
         # its loss statistics come back, so a kernel's calls in it are not always whole steps'
         # (e.g. 3.33 of 4 updates a step): compared per call, times the model's tasks a step
@@ -402,8 +396,6 @@ def main(argv=None):
             r = measure(client, cfg, g, c.layers, a.steps, pids, names, a.data,
                         a.steps_per_program)
             r["model_step_s"] = c.seconds
-            # the kernels' time the model gives the network stack (Machine.stack_s_per_B)
-            r["model_stack_s"] = c.result.stack_s
             r["model_kernel_tasks"] = {}
             r["model_kernel_s"] = model_costs(cfg, g, c.layers, machine, cores,
                                               r["model_kernel_tasks"])

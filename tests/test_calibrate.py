@@ -26,16 +26,14 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert f"transfer CPU {m.transfer_cpu_s_per_B * 1e9:.2f} ns per byte" in beside, beside
     assert any("on idle cores" in line and "ns per byte" in line for line in lines)
     # the network stack's work on the computing threads (their system time; Linux reads a
-    # thread's): a fraction of their time at the exchange's rate, logged as such
+    # thread's): a share of their time, logged
+    import re
     import resource
 
     if hasattr(resource, "RUSAGE_THREAD"):
-        from dask_ipar.runtime.workers import scheduler_workers
-
-        crossing = 2 * m.busy_exchange_Bps * len(scheduler_workers(client))
-        assert m.stack_s_per_B is not None and 0 <= m.stack_s_per_B * crossing < 1, \
-            (m.stack_s_per_B, crossing)
-        assert f"{m.stack_s_per_B * crossing:.1%} of the computing threads' time" in beside
+        share = re.search(r"network stack's work: ([0-9.]+)% of the computing threads' time",
+                          beside)
+        assert share and 0 <= float(share.group(1)) < 100, beside
     # its exchanges' blocks: each worker sends QUICK's 28 MiB at least (2 MiB blocks asked)
     from dask_ipar.runtime.linkprobe import exchange_block
     from dask_ipar.runtime.workers import scheduler_workers

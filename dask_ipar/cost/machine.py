@@ -237,15 +237,6 @@ class Machine:
         loopback worker of a 2-core AMD EPYC: 0.98 of the whole mix's rate); the step model
         prices these kernels' bytes at it, at every block size. ``elementwise_Bps`` (by
         size) where None.
-    stack_s_per_B : float, optional
-        What the network stack's work for the packets costs the computing: seconds of its
-        core each running task loses per byte a second crossing the workers' transports
-        (both ends counted), where worker processes share a machine's cores. The stack's
-        work for a packet is charged to whatever runs where it comes, so a kernel running
-        while blocks arrive spends part of its time in the operating system's kernel; read
-        by ``dask-ipar calibrate`` in the exchanges beside computing, as the computing
-        threads' time in the OS kernel over their CPU, over the bytes a second then
-        (:func:`dask_ipar.runtime.linkprobe.busy_exchange`). 0 where None.
     """
 
     alpha_s: float = 2e-6
@@ -272,7 +263,6 @@ class Machine:
     gemm_edge_flops: float | None = None
     program_task_cpu_s: float | None = None
     conv_Bps: float | None = None
-    stack_s_per_B: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -290,7 +280,7 @@ class Machine:
                       "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps",
                       "loaded_message_s", "step_cpu_s", "background_cores",
                       "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s",
-                      "conv_Bps", "stack_s_per_B"):
+                      "conv_Bps"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -364,8 +354,7 @@ _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compu
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
                  "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
                  "busy_exchange_Bps", "loaded_message_s", "step_cpu_s", "background_cores",
-                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s", "conv_Bps",
-                 "stack_s_per_B")
+                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s", "conv_Bps")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -377,8 +366,8 @@ def load_machine(path: str | Path) -> Machine:
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
     ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
     ``loaded_message_s``, ``step_cpu_s``, ``background_cores``, ``elementwise_large_Bps``,
-    ``gemm_edge_flops``, ``program_task_cpu_s``, ``conv_Bps``, ``stack_s_per_B``. Missing
-    keys take the paper machine's values.
+    ``gemm_edge_flops``, ``program_task_cpu_s``, ``conv_Bps``. Missing keys take the paper
+    machine's values.
     """
     import yaml  # lazy: only needed for machine files
 

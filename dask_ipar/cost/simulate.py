@@ -77,7 +77,6 @@ class SimResult:
     latency_s: float = 0.0  # the event simulation's makespan
     throughput_s: float = 0.0  # the work on the shared cores (0 without task_s/cluster rates)
     critical_compute_s: float = 0.0  # work on the critical path, in both views
-    stack_s: float = 0.0  # CPU seconds the tasks lost to the network stack (simulate_programs)
 
 
 def simulate_step(tasks, *, flops_per_s, bandwidth_Bps, hop_s, latency_s=0.0, cores=None,
@@ -233,7 +232,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                       available=None, task_s=0.0, shared=1.0,
                       transfer_cpu_s_per_B=0.0, message_cpu_s=0.0, busy_bandwidth_Bps=None,
                       loaded_latency_s=None, start_cpu_s=0.0, background_cores=0.0,
-                      trace=None, mem_s_per_B=None, stack_s_per_B=0.0) -> SimResult:
+                      trace=None, mem_s_per_B=None) -> SimResult:
     """Simulate one step run as worker programs (``Model.executor = "programs"``).
 
     No scheduler between tasks: each worker runs its own tasks, at each point the first
@@ -272,12 +271,6 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     applies to it as to tasks); the step ends when every task and every transfer's work is
     done.
 
-    Also with ``cores`` given, the network stack's work for the bytes on the links lands on
-    whatever runs where the packets come: every running task loses ``stack_s_per_B`` of its
-    core for each byte a second crossing the links, both ends counted (the computing
-    threads' time in the operating system's kernel over their CPU, beside an all-to-all,
-    over its bytes a second: ``dask-ipar calibrate``); at most 0.9 of it.
-
     Also with ``cores`` given, dask's own work takes its share of them: ``start_cpu_s``
     seconds per worker from the step's start (what a submitted step costs the scheduler,
     the client and the workers' event loops outside the programs' loops: its dask tasks,
@@ -310,8 +303,6 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
     rated = True  # the flows' rates are those of the flows now in flight
     busy_links = False  # as many tasks run as there are cores: the links' busy rate
     per_byte = transfer_cpu_s_per_B if cores is not None else 0.0
-    per_stack = stack_s_per_B if cores is not None else 0.0
-    stack = 0.0  # CPU seconds the tasks lost to the network stack
     if cores is None or not message_cpu_s:
         per_message = None
     elif callable(message_cpu_s):
@@ -399,12 +390,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
         # what the cores lose to each other while more than one runs (the transports'
         # copies contend for the memory system too; the emulated sweeps fit better so)
         speed *= shared if n > 1 else 1.0
-        # the network stack's work for the bytes on the links (both ends) takes its share
-        # of every running task's core
-        lost = min(0.9, 2.0 * per_stack * sum(f[4] for f in flows)) if per_stack else 0.0
-        task_speed = speed * (1.0 - lost)
-        t_done = min((now + r[1] / task_speed for r in running.values()),
-                     default=float("inf"))
+        t_done = min((now + r[1] / speed for r in running.values()), default=float("inf"))
         ends = {w: now + c / speed for w, c in comm.items()}
         t_done = min([t_done, *ends.values()])
         t_next = events[0][0] if events else float("inf")
@@ -421,8 +407,7 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                     left.append(f)
             flows[:] = left
         for r in running.values():
-            r[1] -= (step_to - now) * task_speed
-        stack += (step_to - now) * speed * lost * len(running)
+            r[1] -= (step_to - now) * speed
         for w, end in ends.items():
             comm[w] -= (step_to - now) * speed
             if end <= step_to:  # done (not left to a rounding remainder)
@@ -437,5 +422,4 @@ def simulate_programs(tasks, *, flops_per_s, mem_Bps, bandwidth_Bps, latency_s, 
                 trace.append((w, key, start, now))
             here[w][key] = now
             send(key, w, by_key[key].out_bytes, now)
-    return SimResult(seconds=now, compute_s=busy, transfer_bytes=transfer, latency_s=now,
-                     stack_s=stack)
+    return SimResult(seconds=now, compute_s=busy, transfer_bytes=transfer, latency_s=now)

@@ -284,22 +284,20 @@ def transfer_cpu(client, workers, nbytes: int, rest: dict | None = None) -> tupl
 
 def busy_exchange(client, workers, nbytes: int,
                   rest: dict | None = None) -> tuple[float, float]:
-    """``(bytes per second each worker sends, CPU seconds per byte, stack seconds per byte)``
-    while every worker of ``workers`` pushes an ``nbytes`` block to every other one at once
-    and also computes (a thread running the engine's kernels for the whole exchange,
+    """``(bytes per second each worker sends, CPU seconds per byte, stack share)`` while
+    every worker of ``workers`` pushes an ``nbytes`` block to every other one at once and
+    also computes (a thread running the engine's kernels for the whole exchange,
     :func:`_exchange_cpu`): a link's rate while a step's kernels fill the cores (its
     transport then waits for them); what the transports cost the cores then, the computing
-    threads' CPU taken off (as :func:`transfer_cpu`, with ``rest``); and what the network
-    stack's work costs the computing (``Machine.stack_s_per_B``): the computing threads'
-    time in the operating system's kernel over their CPU (they make no system calls), over
-    the bytes a second crossing the transports, both ends counted (None where a thread's
-    system time is not readable: no ``RUSAGE_THREAD``). Beside computing a transport is woken
+    threads' CPU taken off (as :func:`transfer_cpu`, with ``rest``); and the computing
+    threads' time in the operating system's kernel over their CPU (they make no system
+    calls: the network stack's work for the packets that come while they run; None where
+    a thread's system time is not readable, no ``RUSAGE_THREAD``). Beside computing a transport is woken
     less often and reads larger pieces: 8 emulated hosts at 1 Gbit/s sharing 2 cores,
     0.43-0.54 ns a byte against 0.80-0.86 on idle cores (0.33-0.38 and 0.32-0.47 at 10
     Gbit/s)."""
     cpu, nbytes_all, took, lost = _exchange(client, workers, nbytes, busy=True, rest=rest)
-    return (_sent_bytes(nbytes, workers) / max(took, 1e-9), cpu / nbytes_all,
-            None if lost is None else lost * took / nbytes_all)
+    return _sent_bytes(nbytes, workers) / max(took, 1e-9), cpu / nbytes_all, lost
 
 
 def message_cpu(client, workers, per_byte: float, repeats: int = 3) -> tuple[float, float]:

@@ -217,8 +217,7 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
                 message_cpu_s=message_cpu if (direct_msg or comms_msg) else 0.0,
                 busy_bandwidth_Bps=busy_link, loaded_latency_s=machine.loaded_message_s,
                 start_cpu_s=machine.step_cpu_s or 0.0,
-                background_cores=machine.background_cores or 0.0,
-                stack_s_per_B=machine.stack_s_per_B or 0.0)
+                background_cores=machine.background_cores or 0.0)
 
         # a submission ends when its programs have pushed the last step's new weights to
         # their readers (``train_step(more=True)``, ``fit``: each program flushes its sends
@@ -228,13 +227,12 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
         two_tasks, two_avail = looped(*step_tasks(engine, w_names, batch, input_shape, dtype,
                                                   optimizer, steps=2))
         pushed = run(_with_push(two_tasks, two_avail), two_avail)
-        seconds, stack = pushed.seconds + (machine.round_s or 0.0), pushed.stack_s
+        seconds = pushed.seconds + (machine.round_s or 0.0)
         if steps_per_program > 1:
             one, two = run(*one_step()), run(two_tasks, two_avail)
             seconds += (steps_per_program - 1) * (two.seconds - one.seconds)
-            stack += (steps_per_program - 1) * (two.stack_s - one.stack_s)
-            seconds, stack = seconds / steps_per_program, stack / steps_per_program
-        return dataclasses.replace(pushed, seconds=seconds, latency_s=seconds, stack_s=stack)
+            seconds /= steps_per_program
+        return dataclasses.replace(pushed, seconds=seconds, latency_s=seconds)
     tasks, available = one_step()
     return simulate_step(priced(tasks, machine), flops_per_s=machine.flops_per_s,
                          bandwidth_Bps=machine.bandwidth_Bps, hop_s=machine.alpha_s,
