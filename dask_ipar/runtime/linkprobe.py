@@ -165,6 +165,7 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     block = np.ones(max(1, nbytes // 4), dtype=np.float32)
     if busy:  # the kernels' inputs made before the barrier: no worker's making of them
         from dask_ipar.runtime.kernelmix import kernel_calls  # runs beside the exchange
+        from dask_ipar.runtime.programs import thread_system_time
 
         calls = kernel_calls("float32")
     r0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -174,14 +175,14 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     kernel_cpu = [0.0, None]  # the computing thread's CPU (not the transports'), its system
     if busy:
         def compute():  # until the last block is in (not to the end of a round)
-            c0, s0 = time.thread_time(), _thread_system()
+            c0, s0 = time.thread_time(), thread_system_time()
             while not stop.is_set():
                 for f, args in calls:
                     if stop.is_set():
                         break
                     f(*args)
             kernel_cpu[0] = time.thread_time() - c0
-            s1 = _thread_system()
+            s1 = thread_system_time()
             kernel_cpu[1] = None if s0 is None or s1 is None else s1 - s0
 
         kernels = threading.Thread(target=compute, name="calibrate-busy", daemon=True)
@@ -205,16 +206,6 @@ def _exchange_cpu(peers: list, nbytes: int, uid: str, busy: bool = False):
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     return (os.getpid(), cpu, got + block.nbytes * len(others), t0, t1, host, h0, h1,
             *kernel_cpu)
-
-
-def _thread_system():
-    """The calling thread's CPU seconds in the operating system's kernel (None where no
-    ``RUSAGE_THREAD``): for a computing thread that makes no system calls, the network
-    stack's work for the packets that come while it runs."""
-    import resource
-
-    who = getattr(resource, "RUSAGE_THREAD", None)
-    return None if who is None else resource.getrusage(who).ru_stime
 
 
 def _exchange(client, workers, nbytes: int, busy: bool = False, rest: dict | None = None):
@@ -283,7 +274,7 @@ def transfer_cpu(client, workers, nbytes: int, rest: dict | None = None) -> tupl
 
 
 def busy_exchange(client, workers, nbytes: int,
-                  rest: dict | None = None) -> tuple[float, float]:
+                  rest: dict | None = None) -> tuple[float, float, float | None]:
     """``(bytes per second each worker sends, CPU seconds per byte, stack share)`` while
     every worker of ``workers`` pushes an ``nbytes`` block to every other one at once and
     also computes (a thread running the engine's kernels for the whole exchange,
@@ -292,10 +283,10 @@ def busy_exchange(client, workers, nbytes: int,
     threads' CPU taken off (as :func:`transfer_cpu`, with ``rest``); and the computing
     threads' time in the operating system's kernel over their CPU (they make no system
     calls: the network stack's work for the packets that come while they run; None where
-    a thread's system time is not readable, no ``RUSAGE_THREAD``). Beside computing a transport is woken
-    less often and reads larger pieces: 8 emulated hosts at 1 Gbit/s sharing 2 cores,
-    0.43-0.54 ns a byte against 0.80-0.86 on idle cores (0.33-0.38 and 0.32-0.47 at 10
-    Gbit/s)."""
+    a thread's system time is not readable, no ``RUSAGE_THREAD``). Beside computing a
+    transport is woken less often and reads larger pieces: 8 emulated hosts at 1 Gbit/s
+    sharing 2 cores, 0.43-0.54 ns a byte against 0.80-0.86 on idle cores (0.33-0.38 and
+    0.32-0.47 at 10 Gbit/s)."""
     cpu, nbytes_all, took, lost = _exchange(client, workers, nbytes, busy=True, rest=rest)
     return _sent_bytes(nbytes, workers) / max(took, 1e-9), cpu / nbytes_all, lost
 

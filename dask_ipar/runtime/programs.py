@@ -76,7 +76,7 @@ from dask_ipar.runtime.exchange import plugin_of
 from dask_ipar.runtime.sender import Sender
 
 __all__ = ["Program", "run_program", "pick", "step_of", "kernel_cpu", "kernel_system_cpu",
-           "count_cost_s", "MUTATES", "DEFAULT_TIMEOUT_S", "QUICK_S"]
+           "thread_system_time", "count_cost_s", "MUTATES", "DEFAULT_TIMEOUT_S", "QUICK_S"]
 
 #: Seconds a program waits without receiving any block before it gives up.
 DEFAULT_TIMEOUT_S = 300.0
@@ -142,10 +142,15 @@ def kernel_system_cpu() -> dict | None:
     return {f"{t}:{f}": v for (t, f), v in _KERNEL_SYSTEM.items()}
 
 
-def _system_time() -> float:
+def thread_system_time() -> float | None:
+    """The calling thread's CPU seconds in the operating system's kernel (``RUSAGE_THREAD``;
+    None where a thread's is not readable: Linux only). For a thread that makes no system
+    calls, as a kernel's, that is the network stack's work for the packets that come while
+    it runs, and page faults."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_stime
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return None if who is None else resource.getrusage(who).ru_stime
 
 
 def _count_cpu(counts, task, func, c0):
@@ -412,7 +417,7 @@ def _run_program(counts, prog, *values, system=None):
                 rec.now("computing", N(key[0]))
                 t0 = time.time()
             c0 = time.thread_time() if counts is not None else 0.0
-            s0 = _system_time() if system is not None else 0.0
+            s0 = thread_system_time() if system is not None else 0.0
             t1 = time.perf_counter()
             try:
                 env[key] = value = node({d: env[d] for d in deps})
@@ -426,7 +431,7 @@ def _run_program(counts, prog, *values, system=None):
                         getattr(getattr(node, "func", None), "__name__", None))
                 _count_cpu(counts, *name, c0)
                 if system is not None:
-                    system[name] = system.get(name, 0.0) + _system_time() - s0
+                    system[name] = system.get(name, 0.0) + thread_system_time() - s0
             if rec is not None:
                 trace.append([key[0], "compute", t0, time.time()])
                 rec.add(N(key[0]), "compute", t0, trace[-1][3])
