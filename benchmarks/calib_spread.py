@@ -37,7 +37,7 @@ FIGURES = ("bandwidth_Bps", "flops_per_s", "cluster_flops_per_s", "task_s", "mem
            "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
            "busy_exchange_Bps", "loaded_message_s", "direct_message_cpu_s", "message_cpu_s",
            "step_cpu_s", "background_cores", "elementwise_large_Bps", "gemm_edge_flops",
-           "program_task_cpu_s", "conv_Bps")
+           "program_task_cpu_s", "conv_Bps", "stack_cpu_s_per_B")
 
 
 def spread_table(machines: list[dict]) -> list[str]:

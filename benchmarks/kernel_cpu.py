@@ -52,6 +52,9 @@ sys.path.insert(0, HERE)
 
 #: The key of :func:`model_costs` for the transports' CPU (per message and byte, both ends).
 TRANSPORTS = "transports"
+#: The key of :func:`model_costs` for the network stack's work on the kernels
+#: (``stack_cpu_s_per_B`` a byte, both ends): measured as the kernels' OS-kernel time.
+STACK = "network stack"
 #: The key of :func:`model_costs` and of a grid's ``kernel_cpu_s`` for the programs' own
 #: loops beyond their kernels and transports (``program_task_cpu_s`` a task in the model;
 #: measured as ``dask-ipar calibrate`` does, :func:`dask_ipar.runtime.stepprobe.program_cpu`).
@@ -148,6 +151,7 @@ def model_costs(cfg, grid: str, layers, machine, cores=None, tasks_out=None) -> 
                     else machine.message_cpu_s) or 0.0) \
             + nbytes * (machine.transfer_cpu_s_per_B or 0.0)
         out[TRANSPORTS] += 2 * len(ws) * per_end
+        out[STACK] += 2 * len(ws) * nbytes * (machine.stack_cpu_s_per_B or 0.0)
     out[LOOPS] = len(tasks) * (machine.program_task_cpu_s or 0.0)
     for t in priced(tasks, machine):
         name = (t.key[0] if isinstance(t.key, tuple) else t.key).split("-")[0]
@@ -283,6 +287,8 @@ def render(res: dict) -> str:
         m = res["machine"]
         outside = {
             "transports' CPU": r["model_kernel_s"].get(TRANSPORTS, 0.0),
+            "the network stack's work on the kernels (stack_cpu_s_per_B a byte)":
+                r["model_kernel_s"].get(STACK, 0.0),
             "the programs' loops (program_task_cpu_s a task)":
                 r["model_kernel_s"].get(LOOPS, 0.0),
             "a submitted step's CPU (step_cpu_s, each worker)":
@@ -291,7 +297,10 @@ def render(res: dict) -> str:
                 (m.get("background_cores") or 0.0) * r["model_step_s"]}
         lines += ["", "The model's CPU outside the kernels: " + "; ".join(
             f"{k} {v * 1e3:.1f} ms" for k, v in outside.items())
-            + f"; {sum(outside.values()) * 1e3:.1f} ms in all."]
+            + f"; {sum(outside.values()) * 1e3:.1f} ms in all."
+            + (f" The kernels' time in the OS kernel, measured: "
+               f"{sum(r['kernel_system_s'].values()) * 1e3:.1f} ms."
+               if r.get("kernel_system_s") else "")]
         # the timed window is not cut at steps' ends: a submission's last updates run after
         # its loss statistics come back, so a kernel's calls in it are not always whole steps'
         # (e.g. 3.33 of 4 updates a step): compared per call, times the model's tasks a step

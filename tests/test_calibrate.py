@@ -26,14 +26,18 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert f"transfer CPU {m.transfer_cpu_s_per_B * 1e9:.2f} ns per byte" in beside, beside
     assert any("on idle cores" in line and "ns per byte" in line for line in lines)
     # the network stack's work on the computing threads (their system time; Linux reads a
-    # thread's): a share of their time, logged
+    # thread's): per byte crossing the transports, written, and a share of their time, logged
     import re
     import resource
 
     if hasattr(resource, "RUSAGE_THREAD"):
-        share = re.search(r"network stack's work: ([0-9.]+)% of the computing threads' time",
-                          beside)
-        assert share and 0 <= float(share.group(1)) < 100, beside
+        got = re.search(r"network stack's work on the computing threads: ([0-9.]+) ns per "
+                        r"byte \(([0-9.]+)% of their time\)", beside)
+        assert got and 0 <= float(got.group(2)) < 100, beside
+        assert m.stack_cpu_s_per_B is not None and 0 <= m.stack_cpu_s_per_B < 1e-6
+        assert got.group(1) == f"{m.stack_cpu_s_per_B * 1e9:.3f}", (got.group(1), m)
+    else:
+        assert m.stack_cpu_s_per_B is None and "not readable here" in beside
     # its exchanges' blocks: each worker sends QUICK's 28 MiB at least (2 MiB blocks asked)
     from dask_ipar.runtime.linkprobe import exchange_block
     from dask_ipar.runtime.workers import scheduler_workers

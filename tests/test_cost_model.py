@@ -82,7 +82,8 @@ def test_machine_validation_and_beta():
 
 def test_machine_yaml_roundtrip(tmp_path):
     m = Machine(alpha_s=1e-6, bandwidth_Bps=1e10, word_bytes=2, flops_per_s=1e12,
-                elementwise_Bps=1.8e10, elementwise_large_Bps=1.5e10, conv_Bps=9e9)
+                elementwise_Bps=1.8e10, elementwise_large_Bps=1.5e10, conv_Bps=9e9,
+                stack_cpu_s_per_B=1.4e-10)
     path = tmp_path / "m.yaml"
     save_machine(m, path)
     assert load_machine(path) == m

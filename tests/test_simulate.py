@@ -633,6 +633,27 @@ def test_the_programs_model_takes_dask_work_from_the_machine():
     assert model_s(dask_work, None) == pytest.approx(model_s(base, None))
 
 
+def test_the_network_stacks_work_on_the_computing_is_a_bytes_cpu_at_each_end():
+    """The machine's ``stack_cpu_s_per_B`` (the network stack's work that lands on the
+    kernels) is charged as the transports' CPU is, per byte at each end: the same step as
+    a machine whose ``transfer_cpu_s_per_B`` holds both; on shared cores it lengthens a
+    step that moves blocks, without ``cores`` it changes nothing."""
+    from dask_ipar.runtime.stepmodel import simulate_engine
+
+    engine, names, base = _dense_1x2(512)
+    base = base.replace(transfer_cpu_s_per_B=4e-10)
+
+    def model_s(m, cores):
+        return simulate_engine(engine, names, 256, (512,), "float32", m, cores, SGD(0.1, 0.9),
+                               "programs").seconds
+
+    stack = base.replace(stack_cpu_s_per_B=3e-9)
+    assert model_s(stack, 1) == pytest.approx(
+        model_s(base.replace(transfer_cpu_s_per_B=3.4e-9), 1))
+    assert model_s(stack, 1) > model_s(base, 1)
+    assert model_s(stack, None) == pytest.approx(model_s(base, None))
+
+
 @pytest.mark.fast
 def test_the_simulated_step_graph_runs_and_is_what_the_model_costs():
     """``sim_step_graph`` is the graph ``step_tasks`` costs (the same tasks, dependencies

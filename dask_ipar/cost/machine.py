@@ -237,6 +237,16 @@ class Machine:
         loopback worker of a 2-core AMD EPYC: 0.98 of the whole mix's rate); the step model
         prices these kernels' bytes at it, at every block size. ``elementwise_Bps`` (by
         size) where None.
+    stack_cpu_s_per_B : float, optional
+        CPU seconds per byte crossing the workers' transports (each end counted, as
+        ``transfer_cpu_s_per_B``) of the network stack's work that lands on the computing:
+        the operating system handles a packet on whatever runs where it comes, so a kernel
+        that runs while blocks arrive spends part of its time in the OS kernel, outside
+        ``transfer_cpu_s_per_B``. Read by ``dask-ipar calibrate`` in the exchanges beside
+        computing, as the computing threads' time in the OS kernel over the bytes
+        (:func:`dask_ipar.runtime.linkprobe.busy_exchange`; 8 emulated hosts sharing 2
+        cores: 0.10-0.16 ns at 1 Gbit/s, 0.01-0.02 at 10); the step model adds it to the
+        transports' CPU per byte where worker processes share cores. 0 where None.
     """
 
     alpha_s: float = 2e-6
@@ -263,6 +273,7 @@ class Machine:
     gemm_edge_flops: float | None = None
     program_task_cpu_s: float | None = None
     conv_Bps: float | None = None
+    stack_cpu_s_per_B: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.alpha_s, (int, float)) and math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -280,7 +291,7 @@ class Machine:
                       "direct_message_cpu_s", "message_cpu_s", "busy_exchange_Bps",
                       "loaded_message_s", "step_cpu_s", "background_cores",
                       "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s",
-                      "conv_Bps"):
+                      "conv_Bps", "stack_cpu_s_per_B"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{field}: got {v!r}; expected a non-negative number or None")
@@ -354,7 +365,8 @@ _MACHINE_KEYS = ("alpha_s", "bandwidth_Bps", "word_bytes", "flops_per_s", "compu
                  "message_s", "round_s", "transfer_cpu_s_per_B", "elementwise_Bps",
                  "exchange_Bps", "direct_message_cpu_s", "message_cpu_s",
                  "busy_exchange_Bps", "loaded_message_s", "step_cpu_s", "background_cores",
-                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s", "conv_Bps")
+                 "elementwise_large_Bps", "gemm_edge_flops", "program_task_cpu_s", "conv_Bps",
+                 "stack_cpu_s_per_B")
 
 
 def load_machine(path: str | Path) -> Machine:
@@ -366,8 +378,8 @@ def load_machine(path: str | Path) -> Machine:
     ``message_s``, ``round_s``, ``transfer_cpu_s_per_B``, ``elementwise_Bps``,
     ``exchange_Bps``, ``direct_message_cpu_s``, ``message_cpu_s``, ``busy_exchange_Bps``,
     ``loaded_message_s``, ``step_cpu_s``, ``background_cores``, ``elementwise_large_Bps``,
-    ``gemm_edge_flops``, ``program_task_cpu_s``, ``conv_Bps``. Missing keys take the paper
-    machine's values.
+    ``gemm_edge_flops``, ``program_task_cpu_s``, ``conv_Bps``, ``stack_cpu_s_per_B``.
+    Missing keys take the paper machine's values.
     """
     import yaml  # lazy: only needed for machine files
 

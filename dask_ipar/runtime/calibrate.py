@@ -38,10 +38,9 @@ What the engine pays, measured the way the engine pays it:
   also computing, the computing threads' CPU taken off (since session 53: where the cores
   compute, a transport wakes less often and reads larger pieces, 0.43-0.54 ns a byte on 8
   emulated hosts at 1 Gbit/s against 0.80-0.86 on idle cores).
-* Logged, not written: in the same exchanges, the computing threads' time in the operating
-  system's kernel (the network stack's work for the packets that come while they run: they
-  make no system calls), a share of their time (docs/communication.md: tried as a step
-  model term in session 56, not kept).
+* ``stack_cpu_s_per_B``: in the same exchanges, the computing threads' time in the
+  operating system's kernel (the network stack's work for the packets that come while they
+  run: they make no system calls) over the bytes that crossed the transports; the median.
 * ``bandwidth_Bps`` is raised to ``exchange_Bps`` where the fit reads lower (a link's
   share of an all-to-all bounds its rate from below; on one host's loopback the fit over
   dask's transfer logs read 132-264 MiB/s in some runs against 0.9-3 GB/s all-to-all).
@@ -460,13 +459,13 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
         bandwidth = exchange
     busy_exchange(client, everyone, xfer, rest)  # warm the computing threads
     beside = [busy_exchange(client, everyone, xfer, rest) for _ in range(e.busy_repeats)]
-    busy, busy_B, lost = (None if any(v is None for v in col) else float(np.median(col))
-                          for col in zip(*beside))
+    busy, busy_B, stack_B, lost = (None if any(v is None for v in col)
+                                   else float(np.median(col)) for col in zip(*beside))
     log(f"exchange beside computing (the same, every worker also running the kernel mix): "
         f"each worker sent {busy / 2**20:.0f} MiB/s; transfer CPU {busy_B * 1e9:.2f} ns per "
-        f"byte (the computing threads' CPU taken off): the step model's; the network stack's "
-        f"work: " + ("not readable here" if lost is None else f"{lost:.1%} of the computing "
-                     f"threads' time"))
+        f"byte (the computing threads' CPU taken off); the network stack's work on the "
+        f"computing threads: " + ("not readable here" if lost is None else
+                                  f"{stack_B * 1e9:.3f} ns per byte ({lost:.1%} of their time)"))
     loaded = [loaded_hop(client, everyone) for _ in range(e.loaded_repeats)]
     loaded = [h for h in loaded if h is not None]
     loaded_s = float(np.median(loaded)) if loaded else None
@@ -496,4 +495,5 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
                    exchange_Bps=exchange, busy_exchange_Bps=busy, loaded_message_s=loaded_s,
                    direct_message_cpu_s=direct_msg, message_cpu_s=comms_msg,
                    step_cpu_s=step_s, background_cores=background,
-                   gemm_edge_flops=edge, program_task_cpu_s=task_cpu, conv_Bps=conv)
+                   gemm_edge_flops=edge, program_task_cpu_s=task_cpu, conv_Bps=conv,
+                   stack_cpu_s_per_B=stack_B)

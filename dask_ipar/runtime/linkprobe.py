@@ -214,8 +214,9 @@ def _exchange(client, workers, nbytes: int, busy: bool = False, rest: dict | Non
     in one process: its CPU time once; with ``rest`` (:func:`rest_cores`), the hosts' CPU
     beyond their rest where that reads more, :func:`hosts_cpu`), the bytes that crossed
     their transports (both ends counted), the median worker's time from its first block
-    out to its last block in, and with ``busy`` the computing threads' time in the OS kernel
-    over their CPU (None without ``busy`` or where unreadable)."""
+    out to its last block in, and with ``busy`` the computing threads' seconds in the OS
+    kernel and their CPU seconds (``(stack, kernels)``; None without ``busy`` or where
+    unreadable)."""
     from dask_ipar.errors import IparError
     from dask_ipar.runtime.exchange import install_exchange
 
@@ -244,8 +245,8 @@ def _exchange(client, workers, nbytes: int, busy: bool = False, rest: dict | Non
         if machine is not None:  # less the computing threads' CPU, where they ran
             total = max(total, machine - sum(kernels.values()))
     nbytes_all = float(sum(b for _, _, b, *_ in out))
-    # the computing threads' time in the OS kernel over their CPU: what the stack took
-    stack = sum(stack) / max(sum(kernels.values()), 1e-9) if busy and None not in stack else None
+    # the computing threads' time in the OS kernel, and their CPU: what the stack took
+    stack = (sum(stack), sum(kernels.values())) if busy and None not in stack else None
     return total, nbytes_all, took, stack
 
 
@@ -273,22 +274,27 @@ def transfer_cpu(client, workers, nbytes: int, rest: dict | None = None) -> tupl
     return cpu / nbytes_all, _sent_bytes(nbytes, workers) / max(took, 1e-9)
 
 
-def busy_exchange(client, workers, nbytes: int,
-                  rest: dict | None = None) -> tuple[float, float, float | None]:
-    """``(bytes per second each worker sends, CPU seconds per byte, stack share)`` while
+def busy_exchange(client, workers, nbytes: int, rest: dict | None = None
+                  ) -> tuple[float, float, float | None, float | None]:
+    """``(bytes per second each worker sends, CPU seconds per byte, the stack's CPU seconds
+    per byte, the stack's share)`` while
     every worker of ``workers`` pushes an ``nbytes`` block to every other one at once and
     also computes (a thread running the engine's kernels for the whole exchange,
     :func:`_exchange_cpu`): a link's rate while a step's kernels fill the cores (its
     transport then waits for them); what the transports cost the cores then, the computing
     threads' CPU taken off (as :func:`transfer_cpu`, with ``rest``); and the computing
-    threads' time in the operating system's kernel over their CPU (they make no system
-    calls: the network stack's work for the packets that come while they run; None where
-    a thread's system time is not readable, no ``RUSAGE_THREAD``). Beside computing a
+    threads' time in the operating system's kernel (they make no system calls: the network
+    stack's work for the packets that come while they run) over the bytes that crossed the
+    transports (both ends counted: ``Machine.stack_cpu_s_per_B``) and over their CPU (None
+    where a thread's system time is not readable, no ``RUSAGE_THREAD``). Beside computing a
     transport is woken less often and reads larger pieces: 8 emulated hosts at 1 Gbit/s
     sharing 2 cores, 0.43-0.54 ns a byte against 0.80-0.86 on idle cores (0.33-0.38 and
     0.32-0.47 at 10 Gbit/s)."""
     cpu, nbytes_all, took, lost = _exchange(client, workers, nbytes, busy=True, rest=rest)
-    return _sent_bytes(nbytes, workers) / max(took, 1e-9), cpu / nbytes_all, lost
+    stack_B = share = None
+    if lost is not None:
+        stack_B, share = lost[0] / nbytes_all, lost[0] / max(lost[1], 1e-9)
+    return _sent_bytes(nbytes, workers) / max(took, 1e-9), cpu / nbytes_all, stack_B, share
 
 
 def message_cpu(client, workers, per_byte: float, repeats: int = 3) -> tuple[float, float]:

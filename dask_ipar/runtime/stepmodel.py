@@ -103,7 +103,8 @@ def predict_step_s(model, batch: int, machine, *, cores: int | None = None, opti
     ``machine`` is a :class:`dask_ipar.cost.Machine` from ``dask-ipar calibrate``
     (``alpha_s`` = seconds per dependent hop, ``message_s`` = one way between worker
     programs, ``bandwidth_Bps``, ``flops_per_s``, ``cluster_flops_per_s``,
-    ``transfer_cpu_s_per_B``: the transports' CPU per byte, charged where ``cores`` is
+    ``transfer_cpu_s_per_B``: the transports' CPU per byte, and ``stack_cpu_s_per_B``, the
+    network stack's work that lands on the computing, charged where ``cores`` is
     given); ``cores`` shared by the workers (default: one per worker); ``executor``:
     ``"programs"`` or ``"graph"`` (default: the model's). Returns a
     :class:`dask_ipar.cost.SimResult`.
@@ -206,6 +207,10 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
 
         mem_s_per_B = by_kind if machine.elementwise_large_Bps or machine.conv_Bps else None
 
+        # a byte's CPU at each end: its transport's, and the network stack's work for its
+        # packets that lands on whatever runs there (the kernels, outside the transports)
+        per_byte = (machine.transfer_cpu_s_per_B or 0.0) + (machine.stack_cpu_s_per_B or 0.0)
+
         def run(tasks, available):
             return simulate_programs(
                 priced(tasks, machine), flops_per_s=machine.flops_per_s, mem_s_per_B=mem_s_per_B,
@@ -213,7 +218,7 @@ def simulate_engine(engine, w_names, batch, input_shape, dtype, machine, cores, 
                 latency_s=(machine.message_s if machine.message_s is not None
                            else machine.alpha_s),
                 cores=cores, available=available, shared=shared,
-                transfer_cpu_s_per_B=machine.transfer_cpu_s_per_B or 0.0,
+                transfer_cpu_s_per_B=per_byte,
                 message_cpu_s=message_cpu if (direct_msg or comms_msg) else 0.0,
                 busy_bandwidth_Bps=busy_link, loaded_latency_s=machine.loaded_message_s,
                 start_cpu_s=machine.step_cpu_s or 0.0,
