@@ -277,10 +277,9 @@ def transfer_cpu(client, workers, nbytes: int, rest: dict | None = None) -> tupl
 def busy_exchange(client, workers, nbytes: int, rest: dict | None = None
                   ) -> tuple[float, float, float | None, float | None]:
     """``(bytes per second each worker sends, CPU seconds per byte, the stack's CPU seconds
-    per byte, the stack's share)`` while
-    every worker of ``workers`` pushes an ``nbytes`` block to every other one at once and
-    also computes (a thread running the engine's kernels for the whole exchange,
-    :func:`_exchange_cpu`): a link's rate while a step's kernels fill the cores (its
+    per byte, the stack's share)`` while every worker of ``workers`` pushes an ``nbytes``
+    block to every other one at once and also computes (a thread running the engine's
+    kernels for the whole exchange, :func:`_exchange_cpu`): a link's rate while a step's kernels fill the cores (its
     transport then waits for them); what the transports cost the cores then, the computing
     threads' CPU taken off (as :func:`transfer_cpu`, with ``rest``); and the computing
     threads' time in the operating system's kernel (they make no system calls: the network
