@@ -11,7 +11,8 @@ from dask_ipar.cost import load_machine, save_machine
 
 def test_calibrate_measures_every_figure(client, tmp_path):
     lines = []
-    m = calibrate(client, effort=QUICK, block_mib=2, log=lines.append)
+    # three exchanges beside computing, spread over the calibration in groups of one
+    m = calibrate(client, effort=QUICK, block_mib=2, busy_repeats=3, log=lines.append)
     for name in ("alpha_s", "bandwidth_Bps", "flops_per_s", "cluster_flops_per_s", "task_s",
                  "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
                  "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
@@ -25,9 +26,14 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     (beside,) = [line for line in lines if line.startswith("exchange beside computing")]
     assert f"transfer CPU {m.transfer_cpu_s_per_B * 1e9:.2f} ns per byte" in beside, beside
     assert any("on idle cores" in line and "ns per byte" in line for line in lines)
+    # the median of the three readings, which the line lists by their range (session 58)
+    import re
+
+    lo, hi = map(float, re.search(r"the median of 3 spread over the calibration, "
+                                  r"([0-9.]+)-([0-9.]+)", beside).groups())
+    assert lo - 0.005 <= m.transfer_cpu_s_per_B * 1e9 <= hi + 0.005, beside
     # the network stack's work on the computing threads (their system time; Linux reads a
     # thread's): per byte crossing the transports, written, and a share of their time, logged
-    import re
     import resource
 
     if hasattr(resource, "RUSAGE_THREAD"):
@@ -113,6 +119,22 @@ def test_exchange_block_sends_each_worker_its_least():
     b = exchange_block(4, 16 * mib, 112 * mib)
     assert 3 * b >= 112 * mib > 3 * (b - 1)
     assert exchange_block(1, 16 * mib, 112 * mib) == 112 * mib  # no peer: no division by 0
+
+
+def test_spread_cuts_readings_into_even_groups_first_ones_larger():
+    """The busy exchanges' groups over a calibration: as even as can be, every reading
+    taken once, groups of none where there are fewer readings than groups."""
+    from dask_ipar.runtime.linkprobe import BUSY_GROUPS, BUSY_REPEATS, spread
+
+    assert spread(9, 3) == [3, 3, 3]
+    assert spread(5, 3) == [2, 2, 1]
+    assert spread(1, 3) == [1, 0, 0]
+    assert spread(0, 3) == [0, 0, 0]
+    assert spread(4, 0) == [4]  # at least one group
+    for n in range(12):
+        got = spread(n)
+        assert sum(got) == n and len(got) == BUSY_GROUPS and max(got) - min(got) <= 1
+    assert spread(BUSY_REPEATS) == [3, 3, 3]  # FULL: nine, three a group
 
 
 def test_hosts_cpu_is_each_hosts_busy_span_less_its_rest():

@@ -32,12 +32,13 @@ What the engine pays, measured the way the engine pays it:
 * ``transfer_cpu_s_per_B``: CPU seconds a worker process spends per byte it sends or
   receives while every worker program pushes a large block to every other one at once
   over the programs' transport (the process's CPU, all of its threads; or, where more and
-  readable (``/proc/stat``), each host's busy CPU less its CPU at rest: 3-11% more on 4
-  and 8 emulated hosts): what moving blocks takes from the computing where workers share
-  a machine's cores; the median of :data:`BUSY_REPEATS` exchanges after one, each worker
-  also computing, the computing threads' CPU taken off (since session 53: where the cores
-  compute, a transport wakes less often and reads larger pieces, 0.43-0.54 ns a byte on 8
-  emulated hosts at 1 Gbit/s against 0.80-0.86 on idle cores).
+  readable (``/proc/stat``), each host's busy CPU less its CPU at rest): what moving blocks
+  takes from the computing where workers share a machine's cores; each worker also
+  computing, the computing threads' CPU taken off (a transport beside computing wakes less
+  often and reads larger pieces: 0.43-0.54 ns a byte on 8 emulated hosts at 1 Gbit/s
+  against 0.80-0.86 on idle cores); the median of :data:`BUSY_REPEATS` exchanges in groups
+  spread over the calibration (since session 58: back to back they read one moment of the
+  machine, and six calibrations in a row on 4 emulated hosts at 10 Gbit/s read 0.39-0.54).
 * ``stack_cpu_s_per_B``: in the same exchanges, the computing threads' time in the
   operating system's kernel (the network stack's work for the packets that come while they
   run: they make no system calls) over the bytes that crossed the transports; the median.
@@ -98,7 +99,7 @@ from dask_ipar.runtime.linkprobe import (
     LOADED_REPEATS,
     TRANSFER_REPEATS,
     TRANSFER_WARMUPS,
-    busy_exchange,
+    BusyReadings,
     exchange_block,
     loaded_hop,
     message_cpu,
@@ -387,9 +388,9 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     def one_worker_rate():
         return client.submit(_matmul_rate, matmul_n, dtype, 3, workers=[a], pure=False).result()
 
+    everyone = sorted(scheduler_workers(client))
     flops = one_worker_rate()
     m_th, k_th, n_th = THIN
-    everyone = sorted(scheduler_workers(client))
     _cluster_rate(client, everyone, tag + "w", _matmul_work, 256, dtype, 2)
     # rounds of 0.5 s of a core per worker here: with 4 matmuls (60 ms) a round on 2 workers
     # read 230-270 GFLOP/s, with 48 257-275 (the best of two once 220: 2-host steps 1.33x)
@@ -424,6 +425,15 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
         log(f"element-wise rate of {what} on 16 MiB blocks, one worker): " + (
             "not measured (the matmul part took the whole time)" if rate is None
             else f"{rate / 1e9:.1f} GB/s"))
+    # the steady state a run's exchanges see: the first exchanges of a size cost up to 5x
+    # the CPU a byte of later ones (fresh memory; 8 emulated hosts: 3.1, 2.3 ns/B, 0.5-1.2)
+    rest = rest_cores(client, everyone)
+    log("hosts' CPU at rest (nothing submitted): " + (", ".join(
+        f"{h} {c:.3f} cores" for h, c in sorted(rest.items())) or "not readable here"))
+    xfer = exchange_block(len(everyone), block_mib * 2**20, e.exchange_mib * 2**20)
+    for _ in range(e.transfer_warmups):
+        transfer_cpu(client, everyone, xfer, rest)
+    beside = BusyReadings(client, everyone, xfer, rest, e.busy_repeats)  # after the rates
     cluster_bw = bandwidth
     if len(everyone) > 2:
         _cluster_bandwidth(client, everyone, 2**20, f"{tag}bw")
@@ -440,14 +450,6 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     round_s = float(np.median([_round_time(client, everyone, f"{tag}r{r}") for r in range(9)]))
     log(f"round trip (a graph of one small task per worker, submitted and gathered): "
         f"{round_s * 1e3:.2f} ms")
-    # the steady state a run's exchanges see: the first exchanges of a size cost up to 5x
-    # the CPU a byte of later ones (fresh memory; 8 emulated hosts: 3.1, 2.3 ns/B, 0.5-1.2)
-    rest = rest_cores(client, everyone)
-    log("hosts' CPU at rest (nothing submitted): " + (", ".join(
-        f"{h} {c:.3f} cores" for h, c in sorted(rest.items())) or "not readable here"))
-    xfer = exchange_block(len(everyone), block_mib * 2**20, e.exchange_mib * 2**20)
-    for _ in range(e.transfer_warmups):
-        transfer_cpu(client, everyone, xfer, rest)
     cpu_B, exchange = (float(np.median(col)) for col in zip(*(
         transfer_cpu(client, everyone, xfer, rest) for _ in range(e.transfer_repeats))))
     log(f"transfer CPU (every worker pushing {xfer / 2**20:.0f} MiB to every other at once): "
@@ -457,15 +459,7 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
         log(f"bandwidth: the fit over dask's transfer logs ({bandwidth / 2**20:.0f} MiB/s) is "
             f"below what each link carried in the all-to-all; taking that")
         bandwidth = exchange
-    busy_exchange(client, everyone, xfer, rest)  # warm the computing threads
-    beside = [busy_exchange(client, everyone, xfer, rest) for _ in range(e.busy_repeats)]
-    busy, busy_B, stack_B, lost = (None if any(v is None for v in col)
-                                   else float(np.median(col)) for col in zip(*beside))
-    log(f"exchange beside computing (the same, every worker also running the kernel mix): "
-        f"each worker sent {busy / 2**20:.0f} MiB/s; transfer CPU {busy_B * 1e9:.2f} ns per "
-        f"byte (the computing threads' CPU taken off); the network stack's work on the "
-        f"computing threads: " + ("not readable here" if lost is None else
-                                  f"{stack_B * 1e9:.3f} ns per byte ({lost:.1%} of their time)"))
+    beside.take()
     loaded = [loaded_hop(client, everyone) for _ in range(e.loaded_repeats)]
     loaded = [h for h in loaded if h is not None]
     loaded_s = float(np.median(loaded)) if loaded else None
@@ -488,6 +482,13 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
         log(f"CPU of a submitted step outside its programs (real steps of a small network, "
             f"its batch scattered): {step_s * 1e3:.1f} ms per worker; the programs' own "
             f"loops: {task_cpu * 1e6:.0f} us per task")
+    beside.take()
+    busy, busy_B, stack_B, lost = beside.medians()
+    log(f"exchange beside computing (every worker also running the kernel mix): each worker "
+        f"sent {busy / 2**20:.0f} MiB/s; transfer CPU {busy_B * 1e9:.2f} ns per byte "
+        f"({beside.spread_note()}; the computing threads' CPU taken off); the network stack's "
+        "work on the computing threads: " + ("not readable here" if lost is None else (
+            f"{stack_B * 1e9:.3f} ns per byte ({lost:.1%} of their time)")))
     return Machine(alpha_s=alpha, bandwidth_Bps=bandwidth, word_bytes=np.dtype(dtype).itemsize,
                    flops_per_s=flops, cluster_flops_per_s=cluster, task_s=task_s,
                    mem_Bps=mem, cluster_bandwidth_Bps=cluster_bw, message_s=message,

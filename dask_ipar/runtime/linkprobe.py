@@ -23,14 +23,17 @@ import time
 import numpy as np
 
 __all__ = ["program_hop", "loaded_hop", "transfer_cpu", "busy_exchange", "message_cpu",
-           "exchange_block", "rest_cores", "hosts_cpu", "TRANSFER_WARMUPS", "TRANSFER_REPEATS",
-           "BUSY_REPEATS", "LOADED_REPEATS"]
+           "exchange_block", "rest_cores", "hosts_cpu", "spread", "BusyReadings",
+           "TRANSFER_WARMUPS", "TRANSFER_REPEATS", "BUSY_REPEATS", "BUSY_GROUPS",
+           "LOADED_REPEATS"]
 
 #: Exchanges of the measured size before the transfer CPU is timed, and how many are timed.
 TRANSFER_WARMUPS = 2
 TRANSFER_REPEATS = 5
-#: Exchanges beside computing (``busy_exchange_Bps``) timed after one warm-up.
-BUSY_REPEATS = 5
+#: Exchanges beside computing (``busy_exchange_Bps``) timed after one warm-up, in
+#: :data:`BUSY_GROUPS` groups spread over a calibration (:func:`spread`).
+BUSY_REPEATS = 9
+BUSY_GROUPS = 3
 #: Loaded ping-pongs (``loaded_message_s``): their median.
 LOADED_REPEATS = 3
 
@@ -279,21 +282,60 @@ def busy_exchange(client, workers, nbytes: int, rest: dict | None = None
     """``(bytes per second each worker sends, CPU seconds per byte, the stack's CPU seconds
     per byte, the stack's share)`` while every worker of ``workers`` pushes an ``nbytes``
     block to every other one at once and also computes (a thread running the engine's
-    kernels for the whole exchange, :func:`_exchange_cpu`): a link's rate while a step's kernels fill the cores (its
-    transport then waits for them); what the transports cost the cores then, the computing
-    threads' CPU taken off (as :func:`transfer_cpu`, with ``rest``); and the computing
-    threads' time in the operating system's kernel (they make no system calls: the network
-    stack's work for the packets that come while they run) over the bytes that crossed the
-    transports (both ends counted: ``Machine.stack_cpu_s_per_B``) and over their CPU (None
-    where a thread's system time is not readable, no ``RUSAGE_THREAD``). Beside computing a
-    transport is woken less often and reads larger pieces: 8 emulated hosts at 1 Gbit/s
-    sharing 2 cores, 0.43-0.54 ns a byte against 0.80-0.86 on idle cores (0.33-0.38 and
-    0.32-0.47 at 10 Gbit/s)."""
+    kernels for the whole exchange, :func:`_exchange_cpu`): a link's rate while a step's
+    kernels fill the cores (its transport then waits for them); what the transports cost the
+    cores then, the computing threads' CPU taken off (as :func:`transfer_cpu`, with
+    ``rest``); and the computing threads' time in the operating system's kernel (they make
+    no system calls: the network stack's work for the packets that come while they run) over
+    the bytes that crossed the transports (both ends counted: ``Machine.stack_cpu_s_per_B``)
+    and over their CPU (None where a thread's system time is not readable, no
+    ``RUSAGE_THREAD``). Beside computing a transport is woken less often and reads larger
+    pieces: 8 emulated hosts at 1 Gbit/s sharing 2 cores, 0.43-0.54 ns a byte against
+    0.80-0.86 on idle cores (0.33-0.38 and 0.32-0.47 at 10 Gbit/s)."""
     cpu, nbytes_all, took, lost = _exchange(client, workers, nbytes, busy=True, rest=rest)
     stack_B = share = None
     if lost is not None:
         stack_B, share = lost[0] / nbytes_all, lost[0] / max(lost[1], 1e-9)
     return _sent_bytes(nbytes, workers) / max(took, 1e-9), cpu / nbytes_all, stack_B, share
+
+
+def spread(repeats: int, groups: int = BUSY_GROUPS) -> list[int]:
+    """``repeats`` readings cut into ``groups`` groups as even as can be (the first ones
+    one larger; groups of none where fewer), to be taken at points spread over a
+    calibration: readings of one figure drift together for seconds (a busy exchange's
+    transfer CPU on 4 emulated hosts at 10 Gbit/s, twelve in a row: 0.42-0.61 ns a byte,
+    neighbours alike), so back to back they sample one moment of the machine."""
+    groups = max(1, int(groups))
+    return [repeats // groups + (i < repeats % groups) for i in range(groups)]
+
+
+class BusyReadings:
+    """Exchanges beside computing (:func:`busy_exchange`) of ``nbytes`` blocks among
+    ``workers``, ``repeats`` of them in :func:`spread` groups: one warm-up and the first
+    group when made, a group each :meth:`take`, their medians from :meth:`medians`."""
+
+    def __init__(self, client, workers, nbytes: int, rest: dict | None, repeats: int,
+                 groups: int = BUSY_GROUPS):
+        self.args = (client, list(workers), nbytes, rest)
+        self.groups, self.readings = iter(spread(repeats, groups)), []
+        busy_exchange(*self.args)  # warm the computing threads
+        self.take()
+
+    def take(self) -> None:
+        """The next group's readings (none once every group is taken)."""
+        self.readings += [busy_exchange(*self.args) for _ in range(next(self.groups, 0))]
+
+    def medians(self) -> tuple:
+        """:func:`busy_exchange`'s four values, each the median of the readings (None
+        where any reading has none)."""
+        return tuple(None if any(v is None for v in col) else float(np.median(col))
+                     for col in zip(*self.readings))
+
+    def spread_note(self) -> str:
+        """The transfer CPU's readings, for a log line: how many and their range."""
+        per_B = [r[1] * 1e9 for r in self.readings]
+        return (f"the median of {len(per_B)} spread over the calibration, "
+                f"{min(per_B):.2f}-{max(per_B):.2f}")
 
 
 def message_cpu(client, workers, per_byte: float, repeats: int = 3) -> tuple[float, float]:
