@@ -38,7 +38,7 @@ What the engine pays, measured the way the engine pays it:
   often and reads larger pieces: 0.43-0.54 ns a byte on 8 emulated hosts at 1 Gbit/s
   against 0.80-0.86 on idle cores); the median of :data:`BUSY_REPEATS` exchanges in groups
   spread over the calibration (since session 58: back to back they read one moment of the
-  machine, and six calibrations in a row on 4 emulated hosts at 10 Gbit/s read 0.39-0.54).
+  machine; six calibrations in a row, 4 emulated hosts at 10 Gbit/s: 0.39-0.54, now 0.44-0.49).
 * ``stack_cpu_s_per_B``: in the same exchanges, the computing threads' time in the
   operating system's kernel (the network stack's work for the packets that come while they
   run: they make no system calls) over the bytes that crossed the transports; the median.
@@ -388,9 +388,9 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     def one_worker_rate():
         return client.submit(_matmul_rate, matmul_n, dtype, 3, workers=[a], pure=False).result()
 
-    everyone = sorted(scheduler_workers(client))
     flops = one_worker_rate()
     m_th, k_th, n_th = THIN
+    everyone = sorted(scheduler_workers(client))
     _cluster_rate(client, everyone, tag + "w", _matmul_work, 256, dtype, 2)
     # rounds of 0.5 s of a core per worker here: with 4 matmuls (60 ms) a round on 2 workers
     # read 230-270 GFLOP/s, with 48 257-275 (the best of two once 220: 2-host steps 1.33x)
