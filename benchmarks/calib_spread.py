@@ -1,7 +1,7 @@
 """How far ``dask-ipar calibrate`` moves between runs on one emulated cluster (issue 23).
 
     sudo python benchmarks/calib_spread.py [--run 8x1gbit] [--rounds 3] [--json out.json]
-        [--resim benchmarks/results/peers-A.json,...]
+        [--resim benchmarks/results/peers-A.json,...] [--rate-groups 1,3]
 
 The step-time model's predictions are only as steady as the machine they are made on. This
 builds one emulated cluster (:mod:`netcluster`, P hosts behind ``tc tbf`` links of RATE),
@@ -14,6 +14,11 @@ largest over the smallest reading).
 rate; each of their grids' measured steps is predicted again on every round's machine
 (``rank_grids``, as the sweep did), so the spread of the predicted / measured ratios that
 the calibration alone causes shows beside the sweep's own ratio.
+
+``--rate-groups 1,3``: the rounds alternate between these values of the calibration's
+``Effort.rate_groups`` (1: the compute rates' readings back to back, as before session 59;
+3: spread over the calibration), and the spread table is printed for each value's rounds
+too, so the two ways are compared on one cluster at one time.
 """
 
 from __future__ import annotations
@@ -114,9 +119,22 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="calibrations, back to back (>= 2)")
     ap.add_argument("--resim", default="", help="peer sweep JSON files, comma separated")
     ap.add_argument("--json", default=None, help="write the machines and ratios here")
+    ap.add_argument("--rate-groups", default="",
+                    help="comma-separated group counts for the compute rates' readings, "
+                         "alternated round by round (e.g. 1,3); default: the calibration's")
     a = ap.parse_args(argv)
     if a.rounds < 2:
         ap.error(f"--rounds {a.rounds}: a spread needs at least 2 rounds")
+    try:
+        groups = [int(g) for g in a.rate_groups.split(",") if g.strip()]
+    except ValueError:
+        groups = [0]
+    if any(g < 1 for g in groups):
+        ap.error(f"--rate-groups {a.rate_groups!r}: expected whole numbers of 1 or more, "
+                 "comma separated, e.g. 1,3")
+    if groups and a.rounds < 2 * len(groups):
+        ap.error(f"--rounds {a.rounds} with --rate-groups {a.rate_groups}: at least two "
+                 f"rounds per value ({2 * len(groups)}) for a spread of each")
     try:
         p, rate = a.run.lower().split("x", 1)
         workers = int(p)
@@ -134,18 +152,25 @@ def main(argv=None):
         for k in range(a.rounds):
             t = time.perf_counter()
             link = N.link_check(client, rate)
-            m = N.step_machine(client, link, log=False)
+            effort = {"rate_groups": groups[k % len(groups)]} if groups else {}
+            m = N.step_machine(client, link, log=False, **effort)
             machines.append(dataclasses.asdict(m))
             links.append(link)
-            print(f"round {k + 1}: calibrated in {time.perf_counter() - t:.0f} s", flush=True)
+            print(f"round {k + 1}: calibrated in {time.perf_counter() - t:.0f} s"
+                  + (f" (rate groups {effort['rate_groups']})" if effort else ""), flush=True)
     print("\n".join(spread_table(machines)))
+    for j, g in enumerate(groups):
+        print(f"\nThe rounds with the compute rates' readings in {g} group(s):")
+        print("\n".join(spread_table(machines[j::len(groups)])))
     rows = resim(sweeps, workers, rate, machines, os.cpu_count()) if sweeps else []
     if rows:
         print()
         print("\n".join(resim_table(rows, a.rounds)))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"run": a.run, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            json.dump({"run": a.run, "rate_groups": [groups[k % len(groups)] if groups
+                                                    else None for k in range(a.rounds)],
+                       "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        "machines": machines, "links": links, "resim": rows,
                        "median": {f: statistics.median(m[f] for m in machines)
                                   for f in FIGURES if all(m.get(f) is not None

@@ -377,13 +377,14 @@ def _dask_config() -> dict:
             "ipar.matmul": dask.config.get("ipar.matmul", "auto")}
 
 
-def step_machine(client, link, log=True):
-    """The step-time model's machine: ``dask-ipar calibrate`` on this cluster, its link
+def step_machine(client, link, log=True, **effort):
+    """The step-time model's machine: ``dask-ipar calibrate`` on this cluster (``effort``:
+    fields of its :class:`~dask_ipar.runtime.calibrate.Effort` to replace), its link
     figures from :func:`link_check` (64 MiB and the programs' 4-byte hop)."""
     from dask_ipar.runtime.calibrate import calibrate
 
     cal = calibrate(client, log=(lambda m: print(f"calibrate: {m}", flush=True))
-                    if log else None)
+                    if log else None, **effort)
     return cal.replace(bandwidth_Bps=link["bandwidth_Bps"], message_s=link["program_hop_4B_s"])
 
 

@@ -48,11 +48,11 @@ def _rates():
     """``(matmul flops/s, element-wise bytes/s)`` of this process, as calibrate measures
     them on a worker (the fastest of three 1024-cubed matmuls; the kernel mix on 16 MiB
     blocks, fastest of three runs: the whole mix's rate, the conv front's not apart)."""
-    from dask_ipar.runtime.calibrate import _matmul_rate
+    from dask_ipar.runtime.rateprobe import matmul_rate
     from dask_ipar.runtime.kernelmix import LARGE_IMAGES, kernel_mix, mix_rates
     from dask_ipar.runtime.stepmodel import ELEMENTWISE_BPS
 
-    rate = _matmul_rate(1024, "float32", 3)
+    rate = matmul_rate(1024, "float32", 3)
     mixes = [kernel_mix(1, images=LARGE_IMAGES) for _ in range(3)]
     return rate, mix_rates(min(mixes, key=lambda r: r.seconds), rate)[0] or ELEMENTWISE_BPS
 

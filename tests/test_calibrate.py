@@ -12,7 +12,9 @@ from dask_ipar.cost import load_machine, save_machine
 def test_calibrate_measures_every_figure(client, tmp_path):
     lines = []
     # three exchanges beside computing, spread over the calibration in groups of one
-    m = calibrate(client, effort=QUICK, block_mib=2, busy_repeats=3, log=lines.append)
+    # and two kernel-mix runs, the compute rates' readings spread alike (session 59)
+    m = calibrate(client, effort=QUICK, block_mib=2, busy_repeats=3, mix_runs=2,
+                  log=lines.append)
     for name in ("alpha_s", "bandwidth_Bps", "flops_per_s", "cluster_flops_per_s", "task_s",
                  "mem_Bps", "cluster_bandwidth_Bps", "message_s", "round_s",
                  "transfer_cpu_s_per_B", "elementwise_Bps", "exchange_Bps",
@@ -78,7 +80,19 @@ def test_calibrate_measures_every_figure(client, tmp_path):
     assert any("per task" in line for line in lines)
     assert any("at rest" in line for line in lines)
     (rounds,) = [line for line in lines if "workers at once)" in line and "GFLOP/s" in line]
-    assert f"fastest of {QUICK.cluster_rounds} rounds" in rounds, rounds
+    assert f"fastest of {QUICK.cluster_rounds} rounds spread over the calibration" in rounds
+    # the written rate is the fastest round's (QUICK's 512-cubed scaled to 1024-cubed by the
+    # edge model: at least the fastest reading, as the edge only adds)
+    got = [float(v) for v in re.search(r"calibration \(([0-9., ]+)\)", rounds).group(1).split(",")]
+    assert len(got) == QUICK.cluster_rounds and m.cluster_flops_per_s >= max(got) * 1e9 - 1e8
+    # one worker's matmul: one reading a group, three groups
+    (one,) = [line for line in lines if "on one worker): " in line and "GFLOP/s" in line]
+    assert re.search(r"readings [0-9.]+, [0-9.]+, [0-9.]+;", one), one
+    # the kernel mix: two runs, one a group, the fastest's rates written
+    mix = [line for line in lines if line.startswith("element-wise rate of")]
+    assert len(mix) == 2 and all(re.search(
+        r"the fastest of 2 runs spread over the calibration \([0-9.]+ s, [0-9.]+ s\)",
+        line) for line in mix), mix
     # a thin product's rate beside the square one's: what its edge costs (flop-equivalents
     # per element; 0 where the thin one ran as fast)
     assert 0 <= m.gemm_edge_flops < 600, m.gemm_edge_flops
@@ -197,3 +211,39 @@ def test_the_programs_loop_cpu_is_their_run_less_setup_and_everything_counted():
     assert loop == approx(0.9) and tasks == 60
     assert beyond == approx(0.9 - 0.5 - 0.2 - 0.05 - 0.02 - 0.01 - calls * 1e-4)
     assert program_cpu({}, 1e-4) == (0.0, 0.0, 0)  # nothing ran counted
+
+
+def test_rate_readings_spread_their_rounds_and_runs_over_the_groups(client):
+    """The compute rates' readings (session 59): a one-worker matmul reading, the square
+    and thin rounds and the kernel-mix runs in :func:`spread` groups, one group when made
+    and one each ``take`` (none after the last); one group takes them all back to back.
+    The figures are the fastest readings' (the all-workers rate the fastest square round's,
+    one worker's no slower than its fastest reading)."""
+    from dask_ipar.runtime.rateprobe import RateReadings
+    from dask_ipar.runtime.workers import scheduler_workers
+
+    workers = sorted(scheduler_workers(client))
+    kw = dict(dtype="float32", matmul_n=256, repeats=2, mix_repeats=1)
+
+    def counts(r):
+        return len(r.one), len(r.square), len(r.thin), len(r.mix)
+
+    spread_out = RateReadings(client, workers, workers[0], rounds=3, mix_runs=2, tag="rg3",
+                              groups=3, **kw)
+    assert counts(spread_out) == (1, 1, 1, 1)
+    spread_out.take()
+    assert counts(spread_out) == (2, 2, 2, 2)
+    spread_out.take()
+    assert counts(spread_out) == (3, 3, 3, 2)  # the mix's third group has none
+    spread_out.take()
+    assert counts(spread_out) == (3, 3, 3, 2)  # every group taken
+    lines = []
+    flops, cluster, edge, ew, conv = spread_out.rates(lines.append)
+    assert cluster == max(spread_out.square) and flops >= max(spread_out.one)
+    assert edge >= 0 and ew is not None and ew > 0
+    assert any("fastest of 3 rounds spread over the calibration" in line for line in lines)
+    at_once = RateReadings(client, workers, workers[0], rounds=2, mix_runs=1, tag="rg1",
+                           groups=1, **kw)
+    assert counts(at_once) == (1, 2, 2, 1)
+    at_once.take()
+    assert counts(at_once) == (1, 2, 2, 1)

@@ -9,12 +9,16 @@ What the engine pays, measured the way the engine pays it:
   fitted over several sizes from the workers' own transfer logs
   (duration = latency + bytes / bandwidth, least squares).
 * ``flops_per_s``: the local matmul rate of one worker (the engine's kernels
-  are matmuls, by the BLAS ``ipar.matmul`` picks), timed inside the task: the faster of
-  two readings some seconds apart, and no less than each worker's share of
-  ``cluster_flops_per_s``.
+  are matmuls, by the BLAS ``ipar.matmul`` picks), timed inside the task: the fastest of
+  three readings, and no less than each worker's share of ``cluster_flops_per_s``.
 * ``cluster_flops_per_s``: the matmul rate of all workers computing at once
   (worker processes that share cores get this together, not P times the above): the
   fastest of :data:`CLUSTER_ROUNDS` rounds of :data:`CLUSTER_REPEATS` matmuls each.
+  These compute rates, the thin product's and the kernel mix's below are read in three
+  groups spread over the calibration, as the transfer CPU beside computing is, each the
+  fastest reading (:class:`~dask_ipar.runtime.rateprobe.RateReadings`; since session 59:
+  back to back they once read the machine slow, the element-wise rate 7.4 GB/s against
+  9.1 in the calibration before).
 * ``gemm_edge_flops``: what a thin product costs beyond its flops, from the all-workers
   rate of a thin product (:data:`THIN`: 16 MiB of weights by 128 columns, a pure-batch
   grid's kind) beside the square one's (:func:`~dask_ipar.kernels.cost_shapes.gemm`; 8
@@ -73,9 +77,9 @@ What the engine pays, measured the way the engine pays it:
 * ``elementwise_Bps``: the step-time model's rate of the kernels' element-wise work (their
   counted memory passes, :mod:`dask_ipar.kernels.costs`): the engine's conv, pooling and
   dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker on 16 MiB blocks (that
-  stream from memory), their time less their flops at ``flops_per_s`` (the fastest of three
-  runs, as the matmul rate; the sweeps' 2-8 workers of a 2-core AMD EPYC, sessions 49-51:
-  8.4-9.6 GB/s). ``conv_Bps``: the same from the mix's conv and pooling calls alone, each
+  stream from memory), their time less their flops at ``flops_per_s`` (the fastest of
+  :class:`Effort`'s ``mix_runs`` runs, as the matmul rate; the sweeps' 2-8 workers of a
+  2-core AMD EPYC, sessions 49-51: 8.4-9.6 GB/s). ``conv_Bps``: the same from the mix's conv and pooling calls alone, each
   call timed (:func:`~dask_ipar.runtime.kernelmix.mix_rates`).
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
@@ -91,10 +95,10 @@ import numpy as np
 from dask._task_spec import TaskRef
 
 from dask_ipar.cost import Machine
-from dask_ipar.kernels.blas import matmul
-from dask_ipar.kernels.cost_shapes import GEMM_REF_N, edge_flops, gemm
+from dask_ipar.kernels.cost_shapes import edge_flops
 from dask_ipar.nn.graph import StepGraph
 from dask_ipar.runtime.linkprobe import (
+    BUSY_GROUPS,
     BUSY_REPEATS,
     LOADED_REPEATS,
     TRANSFER_REPEATS,
@@ -107,6 +111,13 @@ from dask_ipar.runtime.linkprobe import (
     rest_cores,
     transfer_cpu,
 )
+from dask_ipar.runtime.rateprobe import (
+    THIN,
+    RateReadings,
+    cluster_rate,
+    mem_work,
+    one_worker_flops,
+)
 from dask_ipar.runtime.stepprobe import PROBE_STEPS, background_cores, measurable, step_cpu
 
 __all__ = ["calibrate", "program_hop", "edge_flops", "one_worker_flops", "Effort", "FULL",
@@ -116,9 +127,6 @@ __all__ = ["calibrate", "program_hop", "edge_flops", "one_worker_flops", "Effort
 #: rate (``cluster_flops_per_s``), and its rounds (the fastest taken).
 CLUSTER_REPEATS = 32
 CLUSTER_ROUNDS = 3
-#: The thin product ``(m, k, n)`` whose all-workers rate beside the square one's gives
-#: ``gemm_edge_flops``.
-THIN = (2048, 2048, 128)
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,7 @@ class Effort:
     transfer_warmups: int = TRANSFER_WARMUPS
     transfer_repeats: int = TRANSFER_REPEATS
     busy_repeats: int = BUSY_REPEATS
+    rate_groups: int = BUSY_GROUPS  # the compute rates' readings: 1 takes them back to back
     loaded_repeats: int = LOADED_REPEATS
     background_s: float = 1.0
     probe_steps: int = PROBE_STEPS
@@ -165,77 +174,6 @@ def _payload(nbytes, seed):
 
 def _consume(x):
     return float(x[0])
-
-
-def _matmul_rate(n, dtype, repeats):
-    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
-    b = a.copy()
-    matmul(a, b)  # warm up (and the first import of the BLAS ipar.matmul picks)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        matmul(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n ** 3 / best
-
-
-def _wait_until(start_at):
-    if start_at is not None:
-        time.sleep(max(0.0, start_at - time.time()))
-
-
-def _matmul_work(shape, dtype, repeats, start_at=None):
-    """``(flops, start, stop)`` of ``repeats`` matmuls of ``shape`` (``(m, k, n)``, or
-    ``n`` for a square one; wall-clock stamps for a cluster rate), started at ``start_at``
-    (a ``time.time()``) where given."""
-    m, k, n = (shape,) * 3 if isinstance(shape, int) else shape
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((m, k)).astype(dtype)
-    b = rng.standard_normal((k, n)).astype(dtype)
-    out = np.empty((m, n), dtype)
-    matmul(a, b, out)  # the BLAS ipar.matmul picks imported before the clock starts
-    _wait_until(start_at)
-    t0 = time.time()
-    for _ in range(repeats):
-        matmul(a, b, out)
-    return 2.0 * m * k * n * repeats, t0, time.time()
-
-
-def one_worker_flops(readings, cluster, workers: int) -> float:
-    """``flops_per_s`` from one worker's matmul ``readings`` and the all-workers rate
-    ``cluster`` of ``workers``: the fastest reading, and no less than each worker's share
-    of ``cluster`` (one worker alone computes no slower than each of them at once; one
-    reading once read 81 GFLOP/s against 93 a worker at once: docs/communication.md)."""
-    return float(max(*readings, cluster / workers))
-
-
-def _mem_work(nbytes, repeats, start_at=None):
-    """``(bytes, start, stop)`` of elementwise work into fresh arrays, as the kernels do,
-    started at ``start_at`` where given."""
-    a = np.ones(nbytes // 4, np.float32)
-    b = a.copy()
-    _wait_until(start_at)
-    t0 = time.time()
-    for _ in range(repeats):
-        c = a * np.float32(0.5)  # read a, write a fresh c
-        c += b  # read c and b, write c
-        del c
-    return 5 * a.nbytes * repeats, t0, time.time()
-
-
-def _cluster_rate(client, workers, tag, func, *args):
-    """Total matmul flops per second of every worker computing at the same time: all of
-    them start at one moment (else the scheduler's dispatch leaves the first ones alone
-    for a while, and the rate over the whole span reads low: 8 workers on 2 cores)."""
-    g = StepGraph()
-    keys = []
-    start = time.time() + 0.3 + 0.05 * len(workers)  # after the dispatch and the inputs
-    for k, w in enumerate(workers):
-        key = (f"calibrate.mm-{tag}", k)
-        g.add(key, w, func, *args, start)
-        keys.append(key)
-    out = client.gather(client.get(g.to_hlg(f"calibrate-mm-{tag}"), keys, sync=False))
-    return sum(f for f, _, _ in out) / (max(e for _, _, e in out) - min(s for _, s, _ in out))
 
 
 def _task_time(client, workers, n_tasks, tag):
@@ -310,19 +248,6 @@ def _hop_time(client, a, b, hops, tag):
     return (time.perf_counter() - t) / hops
 
 
-def _mix_rate(client, worker, flops_per_s, repeats, edge_flops, tries=3):
-    """The step-time model's element-wise rates (:mod:`dask_ipar.runtime.kernelmix`): the
-    kernel mix run on one worker while the others idle, ``repeats`` rounds with its conv
-    block on 16 MiB, the fastest of ``tries`` runs (as ``flops_per_s``; the simulator shares
-    the cores between running tasks with the matmul contention factor, flops and bytes
-    alike): ``(elementwise, conv)`` of :func:`~dask_ipar.runtime.kernelmix.mix_rates`."""
-    from dask_ipar.runtime.kernelmix import LARGE_IMAGES, kernel_mix, mix_rates
-
-    runs = [client.submit(kernel_mix, repeats, images=LARGE_IMAGES, workers=[worker],
-                          pure=False, allow_other_workers=False).result() for _ in range(tries)]
-    return mix_rates(min(runs, key=lambda r: r.seconds), flops_per_s, edge_flops=edge_flops)
-
-
 def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, log=None,
               **sizes) -> Machine:
     """Measure the alpha-beta machine of ``client``'s cluster (two workers, under a minute).
@@ -385,46 +310,16 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
     bandwidth = float(1.0 / slope) if slope > 0 else float(x.sum() / t.sum())
     log(f"bandwidth (worker to worker payload): {bandwidth / 2**20:.0f} MiB/s")
 
-    def one_worker_rate():
-        return client.submit(_matmul_rate, matmul_n, dtype, 3, workers=[a], pure=False).result()
-
-    flops = one_worker_rate()
-    m_th, k_th, n_th = THIN
     everyone = sorted(scheduler_workers(client))
-    _cluster_rate(client, everyone, tag + "w", _matmul_work, 256, dtype, 2)
-    # rounds of 0.5 s of a core per worker here: with 4 matmuls (60 ms) a round on 2 workers
-    # read 230-270 GFLOP/s, with 48 257-275 (the best of two once 220: 2-host steps 1.33x)
-    rounds = [_cluster_rate(client, everyone, f"{tag}{r}", _matmul_work, matmul_n, dtype,
-                            e.cluster_repeats) for r in range(e.cluster_rounds)]
-    cluster = max(rounds)
-    log(f"compute (all {len(everyone)} workers at once): {cluster / 1e9:.1f} GFLOP/s, the "
-        f"fastest of {len(rounds)} rounds (" + ", ".join(f"{r / 1e9:.1f}" for r in rounds) + ")")
-    # the thin product: as many flops a round as the square one's
-    thin_repeats = max(1, round(e.cluster_repeats * matmul_n ** 3 / (m_th * k_th * n_th)))
-    thin = max(_cluster_rate(client, everyone, f"{tag}t{r}", _matmul_work, THIN, dtype,
-                             thin_repeats) for r in range(e.cluster_rounds))
-    readings = (flops, one_worker_rate())  # seconds apart
-    flops = one_worker_flops(readings, cluster, len(everyone))
-    log(f"compute ({dtype} matmul {matmul_n}^3 on one worker): {flops / 1e9:.1f} GFLOP/s "
-        f"(readings {readings[0] / 1e9:.1f}, {readings[1] / 1e9:.1f}; all workers' rate over "
-        f"{len(everyone)}: {cluster / len(everyone) / 1e9:.1f})")
-    edge = edge_flops(cluster, matmul_n, thin, THIN)
-    log(f"compute of a thin product ({m_th} x {k_th} x {n_th}, every worker at once): "
-        f"{thin / 1e9:.1f} GFLOP/s, {thin / cluster:.2f} of the square one's: "
-        f"{edge:.0f} flop-equivalents per element of a product's edge")
-    if matmul_n != GEMM_REF_N:  # the rates at the model's square product
-        f_sq, e_sq = gemm(matmul_n, matmul_n, matmul_n)
-        flops, cluster = (r * (1.0 + edge * e_sq / f_sq) for r in (flops, cluster))
-    mem = max(_cluster_rate(client, everyone, f"{tag}m{r}", _mem_work, block_mib * 2**20, 10)
+    # the compute rates' first readings (the rest after the idle exchanges, and at the end)
+    rates = RateReadings(client, everyone, a, dtype=dtype, matmul_n=matmul_n,
+                         repeats=e.cluster_repeats, rounds=e.cluster_rounds,
+                         mix_repeats=e.mix_repeats, mix_runs=e.mix_runs, tag=tag,
+                         groups=e.rate_groups)
+    mem = max(cluster_rate(client, everyone, f"{tag}m{r}", mem_work, block_mib * 2**20, 10)
               for r in range(2))
     log(f"memory (elementwise into fresh {block_mib} MiB arrays, all workers at once): "
         f"{mem / 1e9:.1f} GB/s")
-    ew, conv = _mix_rate(client, a, flops, e.mix_repeats, edge, e.mix_runs)
-    for what, rate in (("the kernels (conv, pooling and dense kernels", ew),
-                       ("the conv front's (its conv and pooling calls", conv)):
-        log(f"element-wise rate of {what} on 16 MiB blocks, one worker): " + (
-            "not measured (the matmul part took the whole time)" if rate is None
-            else f"{rate / 1e9:.1f} GB/s"))
     # the steady state a run's exchanges see: the first exchanges of a size cost up to 5x
     # the CPU a byte of later ones (fresh memory; 8 emulated hosts: 3.1, 2.3 ns/B, 0.5-1.2)
     rest = rest_cores(client, everyone)
@@ -460,6 +355,7 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
             f"below what each link carried in the all-to-all; taking that")
         bandwidth = exchange
     beside.take()
+    rates.take()
     loaded = [loaded_hop(client, everyone) for _ in range(e.loaded_repeats)]
     loaded = [h for h in loaded if h is not None]
     loaded_s = float(np.median(loaded)) if loaded else None
@@ -483,6 +379,8 @@ def calibrate(client, workers=None, *, dtype="float32", effort: Effort = FULL, l
             f"its batch scattered): {step_s * 1e3:.1f} ms per worker; the programs' own "
             f"loops: {task_cpu * 1e6:.0f} us per task")
     beside.take()
+    rates.take()
+    flops, cluster, edge, ew, conv = rates.rates(log)
     busy, busy_B, stack_B, lost = beside.medians()
     log(f"exchange beside computing (every worker also running the kernel mix): each worker "
         f"sent {busy / 2**20:.0f} MiB/s; transfer CPU {busy_B * 1e9:.2f} ns per byte "
