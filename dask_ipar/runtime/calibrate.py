@@ -79,8 +79,8 @@ What the engine pays, measured the way the engine pays it:
   dense kernels (:mod:`dask_ipar.runtime.kernelmix`) on one worker on 16 MiB blocks (that
   stream from memory), their time less their flops at ``flops_per_s`` (the fastest of
   :class:`Effort`'s ``mix_runs`` runs, as the matmul rate; the sweeps' 2-8 workers of a
-  2-core AMD EPYC, sessions 49-51: 8.4-9.6 GB/s). ``conv_Bps``: the same from the mix's conv and pooling calls alone, each
-  call timed (:func:`~dask_ipar.runtime.kernelmix.mix_rates`).
+  2-core AMD EPYC, sessions 49-51: 8.4-9.6 GB/s). ``conv_Bps``: the same from the mix's
+  conv and pooling calls alone, each call timed (:func:`~dask_ipar.runtime.kernelmix.mix_rates`).
 
 The result is a :class:`dask_ipar.cost.Machine`, written as a YAML machine
 file that ``dask-ipar plan --machine`` and ``dask-ipar train --machine`` read.
