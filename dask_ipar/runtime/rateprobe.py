@@ -178,7 +178,7 @@ class RateReadings:
             flops, cluster = (r * (1.0 + edge * e_sq / f_sq) for r in (flops, cluster))
         ew, conv = mix_rates(min(self.mix, key=lambda r: r.seconds), flops, edge_flops=edge)
         runs = f"the fastest of {len(self.mix)} runs " + spread_note.format(
-            ", ".join(f"{r.seconds:.2f} s" for r in self.mix))
+            ", ".join(f"{r.seconds * 1e3:.0f} ms" for r in self.mix))
         for what, rate in (("the kernels (conv, pooling and dense kernels", ew),
                            ("the conv front's (its conv and pooling calls", conv)):
             log(f"element-wise rate of {what} on 16 MiB blocks, one worker, {runs}): " + (
