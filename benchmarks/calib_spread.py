@@ -16,9 +16,10 @@ rate; each of their grids' measured steps is predicted again on every round's ma
 the calibration alone causes shows beside the sweep's own ratio.
 
 ``--rate-groups 1,3``: the rounds alternate between these values of the calibration's
-``Effort.rate_groups`` (1: the compute rates' readings back to back, as before session 59;
-3: spread over the calibration), and the spread table is printed for each value's rounds
-too, so the two ways are compared on one cluster at one time.
+``Effort.rate_groups`` (1: the compute rates' readings back to back, near what calibrate
+did before session 59, which took one worker's second reading later and the mix after the
+memory rate; 3: spread over the calibration), and the spread table is printed for each
+value's rounds too, so the two ways are compared on one cluster at one time.
 """
 
 from __future__ import annotations

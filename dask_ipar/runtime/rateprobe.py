@@ -125,17 +125,18 @@ class RateReadings:
         m, k, n = THIN  # the thin product: as many flops a round as the square one's
         self.thin_repeats = max(1, round(repeats * matmul_n ** 3 / (m * k * n)))
         self.plan = iter(zip(spread(rounds, groups), spread(mix_runs, groups)))
+        self.spread_out = max(1, int(groups)) > 1
         self.one, self.square, self.thin, self.mix = [], [], [], []
         cluster_rate(client, self.workers, tag + "w", matmul_work, 256, dtype, 2)
         self.take()
 
-    def take(self) -> None:
-        """The next group's readings (none once every group is taken)."""
+    def take(self) -> bool:
+        """The next group's readings; False once every group is taken."""
         from dask_ipar.runtime.kernelmix import LARGE_IMAGES, kernel_mix
 
         group = next(self.plan, None)
         if group is None:
-            return
+            return False
         rounds, mixes = group
         c, w, tag = self.client, self.workers, f"{self.tag}g{len(self.one)}"
         self.one.append(c.submit(matmul_rate, self.n, self.dtype, 3, workers=[self.a],
@@ -148,20 +149,25 @@ class RateReadings:
         self.mix += [c.submit(kernel_mix, self.mix_repeats, images=LARGE_IMAGES,
                               workers=[self.a], pure=False, allow_other_workers=False).result()
                      for _ in range(mixes)]
+        return True
 
     def rates(self, log) -> tuple:
         """``(flops_per_s, cluster_flops_per_s, gemm_edge_flops, elementwise_Bps,
         conv_Bps)``, each from the fastest reading, the matmul rates at the model's square
         product (:data:`~dask_ipar.kernels.cost_shapes.GEMM_REF_N`); each logged with its
-        readings."""
+        readings. Groups not yet taken are taken first (none is left out)."""
         from dask_ipar.runtime.kernelmix import mix_rates
+
+        while self.take():
+            pass
 
         def listed(rates):
             return ", ".join(f"{r / 1e9:.1f}" for r in rates)
 
         n, p, (m_th, k_th, n_th) = self.n, len(self.workers), THIN
         cluster, thin = max(self.square), max(self.thin)
-        spread_note = "spread over the calibration ({})"
+        spread_note = ("spread over the calibration ({})" if self.spread_out
+                       else "back to back ({})")
         log(f"compute (all {p} workers at once): {cluster / 1e9:.1f} GFLOP/s, the fastest of "
             f"{len(self.square)} rounds " + spread_note.format(listed(self.square)))
         flops = one_worker_flops(self.one, cluster, p)
